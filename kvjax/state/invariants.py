@@ -1,0 +1,151 @@
+"""Invariant checks of the runner state, as pure functions.
+
+:func:`step_batch_violations` returns a dict of named bool scalars (True =
+violated); it runs eagerly, under ``jit``, and under
+``jax.experimental.checkify`` through :func:`checkify_step_batch`.
+:func:`assert_step_batch` raises ``AssertionError`` naming every violated rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from kvjax.spec import KVGroupSpec
+from kvjax.state.block_tables import BlockTables
+from kvjax.state.step_batch import StepBatch
+
+
+def _duplicate_real_slots(slots: jax.Array) -> jax.Array:
+    """True if two non-PAD entries of ``slots`` ``[T]`` are equal."""
+    big = jnp.iinfo(jnp.int32).max
+    s = jnp.sort(jnp.where(slots >= 0, slots, big))
+    return jnp.any((s[1:] == s[:-1]) & (s[1:] != big))
+
+
+def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> dict[str, jax.Array]:
+    """Named bool scalars, True where a padding/sentinel rule of ``batch`` is broken.
+
+    Rules: padded token tails are PAD (slots) and 0 (ids, positions); padded
+    request rows are NULL (tables), 0 (seq_lens) and empty (query_start_loc
+    repeats); query_start_loc is non-decreasing from 0; no two real tokens
+    share a slot; no real slot lands in block 0; no slot is beyond the table's
+    reach; table entries are never negative; logits rows point at real tokens.
+    """
+    T, R = batch.num_tokens_padded, batch.num_reqs_padded
+    pad_tok = ~batch.token_valid
+    pad_req = batch.idx_mapping < 0
+    out = {
+        "pad_token_slot_not_PAD": jnp.any(pad_tok[None, :] & (batch.slot_mappings != PAD_SLOT_ID)),
+        "pad_token_id_or_position_nonzero": jnp.any(
+            pad_tok & ((batch.input_ids != 0) | (batch.positions != 0))
+        ),
+        "query_start_loc_decreasing": jnp.any(jnp.diff(batch.query_start_loc) < 0)
+        | (batch.query_start_loc[0] != 0),
+        "pad_row_has_tokens": jnp.any(pad_req & (jnp.diff(batch.query_start_loc) != 0)),
+        "pad_row_seq_len_nonzero": jnp.any(pad_req & (batch.seq_lens != 0)),
+        "logits_index_not_real_token": jnp.any(
+            batch.logits_valid & (batch.logits_indices >= batch.num_tokens)
+        ),
+    }
+    pad_row_table, neg_table, dup, null_slot = [], [], [], []
+    for g, spec in enumerate(specs):
+        tbl = batch.block_tables[g]
+        pad_row_table.append(jnp.any(pad_req[:, None] & (tbl != NULL_BLOCK_ID)))
+        neg_table.append(jnp.any(tbl < 0))
+        slots = batch.slot_mappings[g]
+        dup.append(_duplicate_real_slots(slots))
+        null_slot.append(jnp.any((slots >= 0) & (slots // spec.kernel_block_size == NULL_BLOCK_ID)))
+    out["pad_row_table_not_NULL"] = jnp.any(jnp.stack(pad_row_table))
+    out["negative_block_table_entry"] = jnp.any(jnp.stack(neg_table))
+    out["two_tokens_share_a_slot"] = jnp.any(jnp.stack(dup))
+    out["real_slot_in_null_block"] = jnp.any(jnp.stack(null_slot))
+    del T, R
+    return out
+
+
+def block_table_violations(tables: BlockTables) -> dict[str, jax.Array]:
+    """Rows hold ``NULL_BLOCK_ID`` past their live length; no negative ids; counts fit."""
+    past, neg, over = [], [], []
+    for g, spec in enumerate(tables.specs):
+        col = jnp.arange(spec.table_width)[None, :]
+        cnt = tables.num_blocks[g][:, None]
+        past.append(jnp.any((col >= cnt) & (tables.tables[g] != NULL_BLOCK_ID)))
+        neg.append(jnp.any(tables.tables[g] < 0))
+        over.append(jnp.any(tables.num_blocks[g] > spec.table_width))
+    return {
+        "entry_past_live_length_not_NULL": jnp.any(jnp.stack(past)),
+        "negative_block_table_entry": jnp.any(jnp.stack(neg)),
+        "live_length_exceeds_width": jnp.any(jnp.stack(over)),
+    }
+
+
+def free_rows_are_empty(tables: BlockTables, free_rows) -> jax.Array:
+    """True (OK) when every free request row has a fully NULL table and count 0."""
+    rows = jnp.asarray(list(free_rows), jnp.int32)
+    if rows.size == 0:
+        return jnp.asarray(True)
+    ok = [jnp.all(tables.tables[g][rows] == NULL_BLOCK_ID) for g in range(tables.num_groups)]
+    ok.append(jnp.all(tables.num_blocks[:, rows] == 0))
+    return jnp.all(jnp.stack(ok))
+
+
+def checkify_step_batch(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> None:
+    """``checkify.check`` every rule; use inside a function wrapped by ``checkify.checkify``."""
+    for name, bad in step_batch_violations(batch, specs).items():
+        checkify.check(~bad, f"step batch invariant violated: {name}")
+
+
+def _raise_named(kind: str, violations: dict[str, jax.Array]) -> None:
+    bad = [name for name, v in violations.items() if bool(np.asarray(v))]
+    if bad:
+        raise AssertionError(f"{kind} invariants violated: {', '.join(bad)}")
+
+
+def assert_step_batch(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> None:
+    """Raise ``AssertionError`` naming every violated step-batch rule."""
+    _raise_named("step batch", step_batch_violations(batch, specs))
+
+
+def assert_block_tables(tables: BlockTables) -> None:
+    """Raise ``AssertionError`` naming every violated block-table rule."""
+    _raise_named("block table", block_table_violations(tables))
+
+
+def checkify_slot_mapping_inputs(
+    block_table: jax.Array,
+    idx_mapping: jax.Array,
+    query_start_loc: jax.Array,
+    positions: jax.Array,
+    *,
+    block_size: int,
+    num_tokens_padded: int,
+) -> None:
+    """Under ``checkify``: every real token maps to an allocated block inside the table,
+    and ``query_start_loc`` starts at 0, is non-decreasing and fits the bucket.
+
+    These are the value checks :func:`kvjax.compute_slot_mapping` makes eagerly
+    when its inputs are concrete.
+    """
+    from kvjax.state.block_tables import _slot_mapping_and_faults
+
+    qsl = jnp.asarray(query_start_loc)
+    checkify.check(qsl[0] == 0, "query_start_loc[0] must be 0, got {}", qsl[0])
+    checkify.check(jnp.all(jnp.diff(qsl) >= 0), "query_start_loc must be non-decreasing")
+    checkify.check(
+        qsl[-1] <= num_tokens_padded,
+        "query_start_loc[-1]={} exceeds num_tokens_padded",
+        qsl[-1],
+    )
+    _, faults = _slot_mapping_and_faults(
+        jnp.asarray(block_table), jnp.asarray(idx_mapping), qsl, jnp.asarray(positions),
+        block_size, num_tokens_padded,
+    )
+    checkify.check(
+        ~jnp.any(faults),
+        "token {} maps outside the block table or to NULL_BLOCK_ID (an unallocated block)",
+        jnp.argmax(faults),
+    )

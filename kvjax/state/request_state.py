@@ -1,0 +1,410 @@
+"""Per-request rows: token history, progress counters, last sampled and draft tokens.
+
+Device side, :class:`RequestState` is a pytree of ``[max_num_reqs, ...]`` arrays
+updated by pure functions. Host side, :class:`RequestRows` maps request ids to
+rows with vLLM's LIFO free list, so a just-freed row is the next one reused and
+stale-state bugs show up at once.
+
+The rule from vLLM PR 39833 lives in :meth:`RequestState.add_requests`: every
+per-row field that is read before the row's own first write is rewritten when
+a request is added, so nothing of the previous tenant survives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax import validation
+
+
+@struct.dataclass
+class RequestState:
+    """Device-side per-row request state (all arrays indexed by request row).
+
+    Attributes:
+      prompt_len: int32 ``[R]`` user prompt length.
+      prefill_len: int32 ``[R]`` tokens given at add time (prompt, plus earlier
+        outputs for a resumed request); ``prefill_len >= prompt_len``.
+      total_len: int32 ``[R]`` tokens known so far (prefill + sampled).
+      num_computed_tokens: int32 ``[R]`` tokens whose K/V is in the cache.
+      all_token_ids: int32 ``[R, max_model_len]``; 0 past ``total_len``.
+      last_sampled_tokens: int32 ``[R]`` the token the next decode step feeds.
+      draft_tokens: int32 ``[R, num_speculative_tokens]``.
+      num_accepted_tokens: int32 ``[R]`` tokens accepted in the last step (>= 1),
+        used by recurrent layers to pick the initial state column.
+      temperature, top_p: float32 ``[R]``; top_k: int32 ``[R]`` (0 = off).
+    """
+
+    prompt_len: jax.Array
+    prefill_len: jax.Array
+    total_len: jax.Array
+    num_computed_tokens: jax.Array
+    all_token_ids: jax.Array
+    last_sampled_tokens: jax.Array
+    draft_tokens: jax.Array
+    num_accepted_tokens: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+
+    @classmethod
+    def create(cls, max_num_reqs: int, max_model_len: int, num_speculative_tokens: int = 0):
+        """All rows empty (zeros; ``num_accepted_tokens`` 1, ``top_p`` 1)."""
+        if max_num_reqs <= 0 or max_model_len <= 0 or num_speculative_tokens < 0:
+            raise ValueError(
+                "max_num_reqs and max_model_len must be positive and num_speculative_tokens "
+                f"non-negative, got {max_num_reqs}, {max_model_len}, {num_speculative_tokens}"
+            )
+        z = jnp.zeros((max_num_reqs,), jnp.int32)
+        return cls(
+            prompt_len=z,
+            prefill_len=z,
+            total_len=z,
+            num_computed_tokens=z,
+            all_token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
+            last_sampled_tokens=z,
+            draft_tokens=jnp.zeros((max_num_reqs, num_speculative_tokens), jnp.int32),
+            num_accepted_tokens=jnp.ones((max_num_reqs,), jnp.int32),
+            temperature=jnp.zeros((max_num_reqs,), jnp.float32),
+            top_p=jnp.ones((max_num_reqs,), jnp.float32),
+            top_k=z,
+        )
+
+    @property
+    def max_num_reqs(self) -> int:
+        return self.prompt_len.shape[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.all_token_ids.shape[1]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.draft_tokens.shape[1]
+
+    def add_requests(self, new: "NewRequests") -> "RequestState":
+        """Install requests into rows, rewriting every field read before the row's first write.
+
+        * ``all_token_ids[row]`` = the given tokens, zeros after them (no stale tail);
+        * ``prefill_len = total_len = num_tokens``; ``prompt_len``, ``num_computed_tokens``;
+        * ``last_sampled_tokens = all_token_ids[num_computed - 1]`` when
+          ``0 < num_computed <= prefill_len``, else 0 (PR 39833);
+        * ``draft_tokens = 0``; ``num_accepted_tokens = 1``; sampling parameters.
+
+        Entries with ``row == -1`` are ignored. Jit-able.
+        """
+        new.validate(self)
+        R = self.max_num_reqs
+        valid = (new.rows >= 0) & (new.rows < R)
+        dest = jnp.where(valid, new.rows, R)  # out of range -> dropped
+
+        def put(field, values):
+            return field.at[dest].set(values.astype(field.dtype), mode="drop")
+
+        L = self.max_model_len
+        col = jnp.arange(L, dtype=jnp.int32)[None, :]
+        tokens = jnp.where(col < new.num_tokens[:, None], new.token_ids, 0)
+        nc = new.num_computed_tokens
+        has_last = (nc > 0) & (nc <= new.num_tokens)
+        last = jnp.take_along_axis(tokens, jnp.clip(nc - 1, 0, L - 1)[:, None], axis=1)[:, 0]
+        last = jnp.where(has_last, last, 0)
+        U = new.rows.shape[0]
+        return self.replace(
+            prompt_len=put(self.prompt_len, new.prompt_len),
+            prefill_len=put(self.prefill_len, new.num_tokens),
+            total_len=put(self.total_len, new.num_tokens),
+            num_computed_tokens=put(self.num_computed_tokens, nc),
+            all_token_ids=put(self.all_token_ids, tokens),
+            last_sampled_tokens=put(self.last_sampled_tokens, last),
+            draft_tokens=put(
+                self.draft_tokens, jnp.zeros((U, self.num_speculative_tokens), jnp.int32)
+            ),
+            num_accepted_tokens=put(self.num_accepted_tokens, jnp.ones((U,), jnp.int32)),
+            temperature=put(self.temperature, new.temperature),
+            top_p=put(self.top_p, new.top_p),
+            top_k=put(self.top_k, new.top_k),
+        )
+
+    def add_request(
+        self,
+        row: int,
+        token_ids: Sequence[int],
+        *,
+        prompt_len: int | None = None,
+        num_computed_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+    ) -> "RequestState":
+        """Install one request into ``row`` (host convenience over :meth:`add_requests`)."""
+        new = NewRequests.from_lists(
+            [row],
+            [list(token_ids)],
+            max_model_len=self.max_model_len,
+            prompt_lens=[len(token_ids) if prompt_len is None else prompt_len],
+            num_computed_tokens=[num_computed_tokens],
+            temperature=[temperature],
+            top_p=[top_p],
+            top_k=[top_k],
+        )
+        return self.add_requests(new)
+
+    def clear_rows(self, rows: jax.Array) -> "RequestState":
+        """Reset rows to the empty state (the requests left); ``-1`` entries ignored."""
+        rows = jnp.asarray(rows, jnp.int32)
+        validation.check_rank("rows", rows, 1)
+        validation.check_values_in_range("rows", rows, 0, self.max_num_reqs, allow=(-1,))
+        dest = jnp.where(rows >= 0, rows, self.max_num_reqs)
+        empty = RequestState.create(1, self.max_model_len, self.num_speculative_tokens)
+        return jax.tree.map(
+            lambda f, e: f.at[dest].set(jnp.broadcast_to(e[0], (rows.shape[0],) + e.shape[1:]), mode="drop"),
+            self,
+            empty,
+        )
+
+    def set_draft_tokens(self, idx_mapping: jax.Array, drafts: jax.Array) -> "RequestState":
+        """Write proposed drafts ``[R_padded, num_speculative_tokens]`` for the batch rows."""
+        idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
+        validation.check_shape("drafts", drafts, (idx_mapping.shape[0], self.num_speculative_tokens))
+        dest = jnp.where(idx_mapping >= 0, idx_mapping, self.max_num_reqs)
+        return self.replace(
+            draft_tokens=self.draft_tokens.at[dest].set(jnp.asarray(drafts, jnp.int32), mode="drop")
+        )
+
+    def post_update(
+        self,
+        idx_mapping: jax.Array,
+        query_lens: jax.Array,
+        sampled: jax.Array,
+        num_sampled: jax.Array,
+    ) -> "RequestState":
+        """Apply a step's sampled and accepted tokens (rule 25).
+
+        Args:
+          idx_mapping: int32 ``[R_padded]``; ``-1`` rows are skipped.
+          query_lens: int32 ``[R_padded]`` tokens scheduled for each batch row.
+          sampled: int32 ``[R_padded, S]`` sampled tokens, accepted ones first.
+          num_sampled: int32 ``[R_padded]`` accepted count (``<= S``); forced to 0
+            for a mid-prefill chunk (``seq_len < prefill_len``).
+
+        Per real row ``s = idx_mapping[b]`` with ``seq_len = num_computed + qlen``:
+
+        * mid-prefill chunk (``seq_len < prefill_len``): ``num_computed += qlen``, nothing sampled;
+        * otherwise ``num_rejected = num_logits - num_sampled`` with
+          ``num_logits = 1 + num_drafts`` where ``num_drafts = qlen - 1`` for a
+          decode window (``num_computed >= prefill_len``) and 0 for the chunk that
+          finishes prefill; ``num_computed += qlen - num_rejected``; the sampled
+          tokens are appended at ``total_len``; ``last_sampled`` = the last one;
+          ``num_accepted_tokens = max(num_sampled, 1)``.
+        """
+        idx = jnp.asarray(idx_mapping, jnp.int32)
+        qlen = jnp.asarray(query_lens, jnp.int32)
+        sampled = jnp.asarray(sampled, jnp.int32)
+        n_s = jnp.asarray(num_sampled, jnp.int32)
+        Rp = idx.shape[0]
+        validation.check_shape("query_lens", qlen, (Rp,))
+        validation.check_rank("sampled", sampled, 2)
+        validation.check_shape("sampled", sampled, (Rp, None))
+        validation.check_shape("num_sampled", n_s, (Rp,))
+        validation.check_values_in_range("idx_mapping", idx, 0, self.max_num_reqs, allow=(-1,))
+        validation.check_values_in_range("num_sampled", n_s, 0, sampled.shape[1] + 1)
+        R, L, S = self.max_num_reqs, self.max_model_len, sampled.shape[1]
+        valid = (idx >= 0) & (idx < R)
+        s = jnp.where(valid, idx, 0)  # gather index only
+        nc, pl, tl = self.num_computed_tokens[s], self.prefill_len[s], self.total_len[s]
+        seq_len = nc + qlen
+        mid_prefill = seq_len < pl
+        n_s = jnp.where(mid_prefill, 0, n_s)
+        num_drafts = jnp.where(nc >= pl, jnp.maximum(qlen - 1, 0), 0)
+        num_rejected = jnp.where(mid_prefill, 0, 1 + num_drafts - n_s)
+        new_nc = nc + qlen - num_rejected
+        dest = jnp.where(valid, idx, R)
+        # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_s.
+        j = jnp.arange(S, dtype=jnp.int32)[None, :]
+        tok_col = tl[:, None] + j
+        tok_ok = valid[:, None] & (j < n_s[:, None]) & (tok_col < L)
+        all_ids = self.all_token_ids.at[
+            jnp.where(tok_ok, s[:, None], R), jnp.where(tok_ok, tok_col, L)
+        ].set(sampled, mode="drop")
+        last = jnp.take_along_axis(sampled, jnp.clip(n_s - 1, 0, S - 1)[:, None], axis=1)[:, 0]
+        has_sample = valid & (n_s > 0)
+        last_dest = jnp.where(has_sample, idx, R)
+        return self.replace(
+            all_token_ids=all_ids,
+            total_len=self.total_len.at[dest].set(tl + n_s, mode="drop"),
+            num_computed_tokens=self.num_computed_tokens.at[dest].set(new_nc, mode="drop"),
+            last_sampled_tokens=self.last_sampled_tokens.at[last_dest].set(last, mode="drop"),
+            num_accepted_tokens=self.num_accepted_tokens.at[dest].set(
+                jnp.maximum(n_s, 1), mode="drop"
+            ),
+        )
+
+
+@struct.dataclass
+class NewRequests:
+    """A fixed-shape batch of requests to install (``U`` entries; ``row=-1`` unused).
+
+    Attributes:
+      rows: int32 ``[U]``.
+      token_ids: int32 ``[U, max_model_len]``, the first ``num_tokens`` used.
+      num_tokens: int32 ``[U]`` (becomes ``prefill_len`` and ``total_len``).
+      prompt_len, num_computed_tokens, top_k: int32 ``[U]``.
+      temperature, top_p: float32 ``[U]``.
+    """
+
+    rows: jax.Array
+    token_ids: jax.Array
+    num_tokens: jax.Array
+    prompt_len: jax.Array
+    num_computed_tokens: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+
+    @classmethod
+    def from_lists(
+        cls,
+        rows: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        *,
+        max_model_len: int,
+        prompt_lens: Sequence[int] | None = None,
+        num_computed_tokens: Sequence[int] | None = None,
+        temperature: Sequence[float] | None = None,
+        top_p: Sequence[float] | None = None,
+        top_k: Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> "NewRequests":
+        """Build from Python lists on the host (numpy), padded to ``pad_to`` entries."""
+        n = len(rows)
+        U = n if pad_to is None else pad_to
+        if len(token_ids) != n:
+            raise ValueError(f"token_ids must have one list per row ({n}), got {len(token_ids)}")
+        if U < n:
+            raise ValueError(f"pad_to={pad_to} is smaller than the {n} requests given")
+        ids = np.zeros((U, max_model_len), np.int32)
+        for u, t in enumerate(token_ids):
+            if len(t) == 0:
+                raise ValueError(f"token_ids[{u}] is empty: a request needs at least one token")
+            if len(t) > max_model_len:
+                raise ValueError(
+                    f"token_ids[{u}] has {len(t)} tokens, more than max_model_len={max_model_len}"
+                )
+            ids[u, : len(t)] = t
+
+        def col(values, default, dtype):
+            out = np.full((U,), default, dtype)
+            if values is not None:
+                if len(values) != n:
+                    raise ValueError(f"expected {n} values per field, got {len(values)}")
+                out[:n] = values
+            return out
+
+        r = np.full((U,), -1, np.int32)
+        r[:n] = rows
+        lens = col([len(t) for t in token_ids], 0, np.int32)
+        return cls(
+            rows=r,
+            token_ids=ids,
+            num_tokens=lens,
+            prompt_len=col(prompt_lens, 0, np.int32) if prompt_lens is not None else lens.copy(),
+            num_computed_tokens=col(num_computed_tokens, 0, np.int32),
+            temperature=col(temperature, 0.0, np.float32),
+            top_p=col(top_p, 1.0, np.float32),
+            top_k=col(top_k, 0, np.int32),
+        )
+
+    def validate(self, state: RequestState) -> None:
+        """Shape checks always; value checks when concrete."""
+        validation.check_rank("rows", self.rows, 1)
+        U = self.rows.shape[0]
+        validation.check_shape("token_ids", self.token_ids, (U, state.max_model_len))
+        for name in ("num_tokens", "prompt_len", "num_computed_tokens", "temperature", "top_p", "top_k"):
+            validation.check_shape(name, getattr(self, name), (U,))
+        validation.check_values_in_range("rows", self.rows, 0, state.max_num_reqs, allow=(-1,))
+        r = validation.concrete_values(self.rows)
+        n = validation.concrete_values(self.num_tokens)
+        p = validation.concrete_values(self.prompt_len)
+        c = validation.concrete_values(self.num_computed_tokens)
+        if r is None or n is None or p is None or c is None:
+            return
+        live = r >= 0
+        if len(np.unique(r[live])) != live.sum():
+            raise ValueError(f"rows must be distinct in one add, got {r.tolist()}")
+        for u in np.flatnonzero(live):
+            if not 0 < n[u] <= state.max_model_len:
+                raise ValueError(
+                    f"num_tokens[{u}] must be in [1, max_model_len={state.max_model_len}], got {n[u]}"
+                )
+            if not 0 < p[u] <= n[u]:
+                raise ValueError(f"prompt_len[{u}] must be in [1, num_tokens={n[u]}], got {p[u]}")
+            if not 0 <= c[u] <= n[u]:
+                raise ValueError(
+                    f"num_computed_tokens[{u}] must be in [0, num_tokens={n[u]}], got {c[u]}"
+                )
+
+
+class RequestRows:
+    """Host bookkeeping: request id <-> row, with vLLM's LIFO free list.
+
+    ``free_rows`` starts as ``[0, 1, ..., max_num_reqs-1]`` and is used as a
+    stack: :meth:`add` pops the last, :meth:`remove` pushes the row back, so a
+    just-freed row is the next one handed out.
+    """
+
+    def __init__(self, max_num_reqs: int):
+        if max_num_reqs <= 0:
+            raise ValueError(f"max_num_reqs must be positive, got {max_num_reqs}")
+        self.max_num_reqs = max_num_reqs
+        self.free_rows: list[int] = list(range(max_num_reqs))
+        self.req_id_to_row: dict[str, int] = {}
+        self.row_to_req_id: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.req_id_to_row
+
+    def row(self, req_id: str) -> int:
+        try:
+            return self.req_id_to_row[req_id]
+        except KeyError:
+            raise KeyError(f"unknown request id {req_id!r}") from None
+
+    def add(self, req_id: str) -> int:
+        """Give ``req_id`` a row (the most recently freed one)."""
+        if req_id in self.req_id_to_row:
+            raise ValueError(f"request id {req_id!r} already has row {self.req_id_to_row[req_id]}")
+        if not self.free_rows:
+            raise ValueError(f"no free request row: all {self.max_num_reqs} rows are in use")
+        row = self.free_rows.pop()
+        self.req_id_to_row[req_id] = row
+        self.row_to_req_id[row] = req_id
+        return row
+
+    def remove(self, req_id: str) -> int:
+        """Free ``req_id``'s row and return it."""
+        row = self.row(req_id)
+        del self.req_id_to_row[req_id]
+        del self.row_to_req_id[row]
+        self.free_rows.append(row)
+        return row
+
+    def check(self) -> None:
+        """Free and active rows are disjoint and together cover every row exactly once."""
+        active = set(self.row_to_req_id)
+        free = self.free_rows
+        if len(set(free)) != len(free):
+            raise AssertionError(f"free rows repeat: {free}")
+        if active & set(free):
+            raise AssertionError(f"rows both free and active: {sorted(active & set(free))}")
+        if active | set(free) != set(range(self.max_num_reqs)):
+            raise AssertionError("free and active rows do not cover every row")
+        if {r: q for q, r in self.req_id_to_row.items()} != self.row_to_req_id:
+            raise AssertionError("req_id_to_row and row_to_req_id disagree")

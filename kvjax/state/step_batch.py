@@ -1,0 +1,313 @@
+"""The per-step batch: every array a model step reads, padded to a bucket.
+
+:func:`build_step_batch` is the one function that applies the padding rules
+(vLLM semantics, sections 5-6 and rules 5, 6, 9, 10, 12); the runner's real
+steps, its dummy steps and its precompile all go through it.
+
+Padding, for a bucket of ``T`` tokens, ``R`` request rows and ``L`` logits:
+
+* pad tokens (``t >= num_tokens``): ``input_ids = 0``, ``positions = 0``,
+  ``slot_mappings = PAD_SLOT_ID`` in every group;
+* pad request rows (``idx_mapping = -1``): query length 0 (``query_start_loc``
+  repeats the token count), ``seq_lens = 0``, block-table row all
+  ``NULL_BLOCK_ID``, no logits;
+* logits rows past the real count: ``logits_indices = 0`` and
+  ``logits_valid = False`` (their samples are never used).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax import validation
+from kvjax.state.block_tables import BlockTables
+from kvjax.state.request_state import RequestState
+
+
+@struct.dataclass
+class ScheduledBatch:
+    """What the host scheduler decided for one step, padded to ``R`` rows.
+
+    Attributes:
+      idx_mapping: int32 ``[R]`` request row of each batch row, ``-1`` = padding.
+      num_scheduled_tokens: int32 ``[R]`` query length of each row (0 for padding).
+      num_draft_tokens: int32 ``[R]`` draft tokens in a decode row's window
+        (its query is ``[last_sampled, draft_0, ...]``, length ``1 + drafts``).
+    """
+
+    idx_mapping: jax.Array
+    num_scheduled_tokens: jax.Array
+    num_draft_tokens: jax.Array
+
+    @classmethod
+    def from_lists(cls, rows, num_scheduled_tokens, num_draft_tokens=None, *, pad_to: int):
+        """Host-side (numpy) construction, padded to ``pad_to`` rows."""
+        n = len(rows)
+        if n > pad_to:
+            raise ValueError(f"{n} scheduled requests do not fit num_reqs_padded={pad_to}")
+        if len(num_scheduled_tokens) != n:
+            raise ValueError(
+                f"num_scheduled_tokens must have one entry per row ({n}), got {len(num_scheduled_tokens)}"
+            )
+        idx = np.full((pad_to,), -1, np.int32)
+        q = np.zeros((pad_to,), np.int32)
+        d = np.zeros((pad_to,), np.int32)
+        idx[:n], q[:n] = rows, num_scheduled_tokens
+        if num_draft_tokens is not None:
+            d[:n] = num_draft_tokens
+        return cls(idx_mapping=idx, num_scheduled_tokens=q, num_draft_tokens=d)
+
+    @classmethod
+    def empty(cls, num_reqs_padded: int) -> "ScheduledBatch":
+        """All padding: the schedule of a dummy step."""
+        return cls.from_lists([], [], pad_to=num_reqs_padded)
+
+
+@struct.dataclass
+class StepBatch:
+    """Fixed-shape inputs of one model step (``T`` tokens, ``R`` rows, ``L`` logits).
+
+    Attributes:
+      input_ids: int32 ``[T]``.
+      positions: int32 ``[T]`` absolute positions.
+      query_start_loc: int32 ``[R + 1]``, non-decreasing, ``[r+1:] = num_tokens``.
+      seq_lens: int32 ``[R]`` ``num_computed + query_len``; 0 for padding.
+      num_computed_tokens: int32 ``[R]`` K/V already cached before this step.
+      is_prefilling: bool ``[R]`` the row still feeds prompt tokens
+        (``num_computed < prefill_len``).
+      idx_mapping: int32 ``[R]`` request row of each batch row, ``-1`` = padding.
+      block_tables: per group, int32 ``[R, width_g]``.
+      slot_mappings: int32 ``[num_groups, T]``.
+      logits_indices: int32 ``[L]`` token index of each logits row.
+      logits_valid: bool ``[L]``.
+      cu_num_logits: int32 ``[R + 1]``.
+      num_tokens, num_reqs, num_logits: int32 scalars, the real counts.
+      num_tokens_padded, num_reqs_padded, num_logits_padded: the bucket (meta).
+    """
+
+    input_ids: jax.Array
+    positions: jax.Array
+    query_start_loc: jax.Array
+    seq_lens: jax.Array
+    num_computed_tokens: jax.Array
+    is_prefilling: jax.Array
+    idx_mapping: jax.Array
+    block_tables: tuple[jax.Array, ...]
+    slot_mappings: jax.Array
+    logits_indices: jax.Array
+    logits_valid: jax.Array
+    cu_num_logits: jax.Array
+    num_tokens: jax.Array
+    num_reqs: jax.Array
+    num_logits: jax.Array
+    num_tokens_padded: int = struct.field(pytree_node=False)
+    num_reqs_padded: int = struct.field(pytree_node=False)
+    num_logits_padded: int = struct.field(pytree_node=False)
+
+    @property
+    def token_valid(self) -> jax.Array:
+        """bool ``[T]``: real (non-pad) tokens."""
+        return jnp.arange(self.num_tokens_padded) < self.num_tokens
+
+    @property
+    def request_of_token(self) -> jax.Array:
+        """int32 ``[T]`` batch row of each token (``R`` for pad tokens)."""
+        t = jnp.arange(self.num_tokens_padded, dtype=jnp.int32)
+        b = jnp.searchsorted(self.query_start_loc[1:], t, side="right").astype(jnp.int32)
+        return jnp.where(self.token_valid, b, self.num_reqs_padded)
+
+
+def build_step_batch(
+    requests: RequestState,
+    tables: BlockTables,
+    sched: ScheduledBatch,
+    *,
+    num_tokens_padded: int,
+    num_logits_padded: int | None = None,
+    backend: str = "reference",
+) -> StepBatch:
+    """Build a step's padded batch from the state and the schedule. Jit-able.
+
+    Prefill tokens read ``all_token_ids``; a decode row's window is
+    ``[last_sampled, draft_0, ..]`` (via ``combine_sampled_and_draft_tokens``);
+    logits are the last ``1 + num_draft`` tokens of each real row.
+
+    Args:
+      requests, tables: current state.
+      sched: the step's schedule, ``R`` rows (static shape).
+      num_tokens_padded: ``T``, the bucket's token count (static).
+      num_logits_padded: ``L`` (static); defaults to ``R * (1 + num_speculative_tokens)``
+        capped at ``T``.
+      backend: kernel backend for the token combine (see ``pallas_kernels``).
+
+    Raises:
+      ValueError: shape errors; with concrete values, a schedule that does not
+        fit the bucket or the rows (see :func:`validate_schedule`).
+    """
+    from pallas_kernels.token_combine import combine_sampled_and_draft_tokens
+
+    idx = jnp.asarray(sched.idx_mapping, jnp.int32)
+    R = idx.shape[0]
+    T = num_tokens_padded
+    if num_logits_padded is None:
+        num_logits_padded = min(T, R * (1 + requests.num_speculative_tokens))
+    L = num_logits_padded
+    validate_schedule(requests, sched, num_tokens_padded=T, num_logits_padded=L)
+
+    valid = idx >= 0
+    s = jnp.where(valid, idx, 0)  # gather index only, masked by `valid`
+    qlen = jnp.where(valid, jnp.asarray(sched.num_scheduled_tokens, jnp.int32), 0)
+    ndraft = jnp.where(valid, jnp.asarray(sched.num_draft_tokens, jnp.int32), 0)
+    zero = jnp.zeros((1,), jnp.int32)
+    qsl = jnp.concatenate([zero, jnp.cumsum(qlen, dtype=jnp.int32)])
+    num_tokens = qsl[R]
+    nc = jnp.where(valid, requests.num_computed_tokens[s], 0)
+    prefill_len = jnp.where(valid, requests.prefill_len[s], 0)
+    seq_lens = jnp.where(valid, nc + qlen, 0)
+
+    t = jnp.arange(T, dtype=jnp.int32)
+    real = t < num_tokens
+    b = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32), R - 1)
+    positions = jnp.where(real, nc[b] + t - qsl[b], 0)
+    from_prompt = real & (positions < prefill_len[b])
+    Lmax = requests.max_model_len
+    input_ids = jnp.where(
+        from_prompt, requests.all_token_ids[s[b], jnp.clip(positions, 0, Lmax - 1)], 0
+    )
+
+    nlog = jnp.where(valid, 1 + ndraft, 0)
+    cu_num_logits = jnp.concatenate([zero, jnp.cumsum(nlog, dtype=jnp.int32)])
+    input_ids, logits_indices = combine_sampled_and_draft_tokens(
+        input_ids,
+        idx,
+        requests.last_sampled_tokens,
+        qsl,
+        seq_lens,
+        requests.prefill_len,
+        requests.draft_tokens,
+        cu_num_logits,
+        L,
+        backend=backend,
+    )
+    num_logits = cu_num_logits[R]
+    logits_valid = jnp.arange(L) < num_logits
+    logits_indices = jnp.where(logits_valid, logits_indices, 0).astype(jnp.int32)
+
+    return StepBatch(
+        input_ids=input_ids.astype(jnp.int32),
+        positions=positions,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        num_computed_tokens=nc,
+        is_prefilling=valid & (nc < prefill_len),
+        idx_mapping=idx,
+        block_tables=tables.gather(idx, first_positions=nc),
+        slot_mappings=tables.slot_mappings(idx, qsl, positions, T),
+        logits_indices=logits_indices,
+        logits_valid=logits_valid,
+        cu_num_logits=cu_num_logits,
+        num_tokens=num_tokens,
+        num_reqs=jnp.sum(valid).astype(jnp.int32),
+        num_logits=num_logits,
+        num_tokens_padded=T,
+        num_reqs_padded=R,
+        num_logits_padded=L,
+    )
+
+
+def dummy_step_batch(
+    requests: RequestState,
+    tables: BlockTables,
+    *,
+    num_reqs_padded: int,
+    num_tokens_padded: int,
+    num_logits_padded: int | None = None,
+    backend: str = "reference",
+) -> StepBatch:
+    """An all-padding batch (idle data-parallel ranks, warm-up) through the same rules.
+
+    Every slot is ``PAD_SLOT_ID``, every block-table row ``NULL_BLOCK_ID``,
+    every id and position 0 — never the previous step's rows (PRs 39444, 49757).
+    """
+    return build_step_batch(
+        requests,
+        tables,
+        ScheduledBatch.empty(num_reqs_padded),
+        num_tokens_padded=num_tokens_padded,
+        num_logits_padded=num_logits_padded,
+        backend=backend,
+    )
+
+
+def validate_schedule(
+    requests: RequestState, sched: ScheduledBatch, *, num_tokens_padded: int, num_logits_padded: int
+) -> None:
+    """Shape checks always; with concrete values, check the schedule against state and bucket.
+
+    Rows must be distinct and in range (or -1); query lengths non-negative and
+    summing to at most ``T``; logits at most ``L``; positions within
+    ``max_model_len``; a row with drafts must be a decode row whose query is
+    exactly ``1 + num_draft`` tokens, with ``num_draft <= num_speculative_tokens``.
+    """
+    idx = sched.idx_mapping
+    validation.check_rank("idx_mapping", idx, 1)
+    R = idx.shape[0]
+    if R == 0:
+        raise ValueError("the schedule must have at least one (possibly padded) request row")
+    validation.check_shape("num_scheduled_tokens", sched.num_scheduled_tokens, (R,))
+    validation.check_shape("num_draft_tokens", sched.num_draft_tokens, (R,))
+    for n, v in (("num_tokens_padded", num_tokens_padded), ("num_logits_padded", num_logits_padded)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{n} must be a positive int, got {v!r}")
+    validation.check_values_in_range("idx_mapping", idx, 0, requests.max_num_reqs, allow=(-1,))
+    i = validation.concrete_values(idx)
+    q = validation.concrete_values(sched.num_scheduled_tokens)
+    d = validation.concrete_values(sched.num_draft_tokens)
+    if i is None or q is None or d is None:
+        return
+    live = i >= 0
+    if len(np.unique(i[live])) != live.sum():
+        raise ValueError(f"idx_mapping must not repeat a request row, got {i.tolist()}")
+    if (q[live] < 0).any() or (d[live] < 0).any():
+        raise ValueError("num_scheduled_tokens and num_draft_tokens must be non-negative")
+    total = int(q[live].sum())
+    if total > num_tokens_padded:
+        raise ValueError(
+            f"the schedule has {total} tokens, more than the bucket's num_tokens_padded="
+            f"{num_tokens_padded}"
+        )
+    nlog = int((1 + d[live]).sum())
+    if nlog > num_logits_padded:
+        raise ValueError(
+            f"the schedule needs {nlog} logits rows, more than num_logits_padded={num_logits_padded}"
+        )
+    nc_all = validation.concrete_values(requests.num_computed_tokens)
+    pl_all = validation.concrete_values(requests.prefill_len)
+    if nc_all is None or pl_all is None:
+        return
+    for b in np.flatnonzero(live):
+        row, qb, db = int(i[b]), int(q[b]), int(d[b])
+        nc, pl = int(nc_all[row]), int(pl_all[row])
+        if nc + qb > requests.max_model_len:
+            raise ValueError(
+                f"batch row {b} (request row {row}) would reach position {nc + qb - 1}, past "
+                f"max_model_len={requests.max_model_len}"
+            )
+        if db > requests.num_speculative_tokens:
+            raise ValueError(
+                f"num_draft_tokens[{b}]={db} exceeds num_speculative_tokens="
+                f"{requests.num_speculative_tokens}"
+            )
+        if db and (nc < pl or qb != 1 + db):
+            raise ValueError(
+                f"batch row {b} has {db} drafts, so it must be a decode row "
+                f"(num_computed {nc} >= prefill_len {pl}) with query length {1 + db}, got {qb}"
+            )
+        if nc >= pl and qb not in (0, 1 + db):
+            raise ValueError(
+                f"batch row {b} is a decode row: its query must be 1 + num_draft_tokens = "
+                f"{1 + db} tokens, got {qb}"
+            )

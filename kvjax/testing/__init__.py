@@ -1,0 +1,1 @@
+"""Test and differential-testing tools: scenarios, torch references, vLLM adapters."""

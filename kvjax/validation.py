@@ -1,0 +1,94 @@
+"""Argument checks with messages that name the argument, the expectation and what came.
+
+Two kinds of check:
+
+* static (shapes, dtypes, ranks): always run, at trace time; raise ``ValueError``.
+* value checks (ids in range, non-decreasing offsets): run only when the array
+  is concrete (not a tracer), raise ``ValueError``; under ``jit`` use the
+  ``checkify`` forms in :mod:`kvjax.state.invariants` instead. A value check is
+  never replaced by a clamp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+    """True when ``x`` holds values we can read now (not a tracer)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return True
+
+
+def concrete_values(x):
+    """``x`` as a numpy array if concrete, else ``None``."""
+    if not is_concrete(x):
+        return None
+    return np.asarray(x)
+
+
+def check_rank(name: str, x, rank: int | Sequence[int]) -> None:
+    ranks = (rank,) if isinstance(rank, int) else tuple(rank)
+    if np.ndim(x) not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ValueError(f"{name} must have rank {want}, got shape {tuple(np.shape(x))}")
+
+
+def check_shape(name: str, x, shape: Sequence[int | None]) -> None:
+    """``x.shape`` must equal ``shape``; ``None`` entries match any size."""
+    got = tuple(np.shape(x))
+    if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(got)}")
+
+
+def check_dtype(name: str, x, dtypes) -> None:
+    """``x.dtype`` must be one of ``dtypes`` (numpy/jnp dtypes or kinds like 'integer')."""
+    dt = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+    allowed = []
+    for d in (dtypes if isinstance(dtypes, (tuple, list)) else (dtypes,)):
+        if d == "integer":
+            if np.issubdtype(dt, np.integer):
+                return
+            allowed.append("an integer dtype")
+        elif d == "floating":
+            if jax.numpy.issubdtype(dt, jax.numpy.floating):
+                return
+            allowed.append("a floating dtype")
+        else:
+            if dt == np.dtype(d):
+                return
+            allowed.append(str(np.dtype(d)))
+    raise ValueError(f"{name} must have dtype {' or '.join(allowed)}, got {dt}")
+
+
+def check_values_in_range(name: str, x, lo: int, hi: int, *, allow=()) -> None:
+    """When concrete, every value of ``x`` must lie in ``[lo, hi)`` or be in ``allow``."""
+    v = concrete_values(x)
+    if v is None or v.size == 0:
+        return
+    ok = (v >= lo) & (v < hi)
+    for a in allow:
+        ok |= v == a
+    if not ok.all():
+        bad_idx = tuple(int(i) for i in np.argwhere(~ok)[0])
+        extra = f" (or {', '.join(map(str, allow))})" if allow else ""
+        raise ValueError(
+            f"{name} must have values in [{lo}, {hi}){extra}; "
+            f"got {v[bad_idx]} at index {bad_idx if len(bad_idx) > 1 else bad_idx[0]}"
+        )
+
+
+def check_non_decreasing(name: str, x) -> None:
+    """When concrete, ``x`` (1-D) must be non-decreasing."""
+    v = concrete_values(x)
+    if v is None or v.size < 2:
+        return
+    d = np.diff(v.astype(np.int64))
+    if (d < 0).any():
+        i = int(np.argmax(d < 0))
+        raise ValueError(f"{name} must be non-decreasing; got {v[i]} then {v[i + 1]} at index {i}")

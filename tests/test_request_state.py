@@ -1,0 +1,111 @@
+"""RequestState, NewRequests, RequestRows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import NewRequests, RequestRows, RequestState
+
+
+def test_rows_lifo_reuse_and_errors():
+    rows = RequestRows(3)
+    assert [rows.add("a"), rows.add("b")] == [2, 1]
+    assert rows.remove("a") == 2
+    assert rows.add("c") == 2  # the just-freed row is reused first
+    rows.check()
+    with pytest.raises(ValueError, match="request id 'b' already has row 1"):
+        rows.add("b")
+    rows.add("d")
+    with pytest.raises(ValueError, match="no free request row: all 3 rows are in use"):
+        rows.add("e")
+    with pytest.raises(KeyError, match="unknown request id 'zz'"):
+        rows.remove("zz")
+    rows.free_rows.append(1)  # corrupt: row 1 both free and active
+    with pytest.raises(AssertionError, match="free rows repeat|both free and active"):
+        rows.check()
+
+
+def test_add_request_rewrites_every_field_of_a_reused_row():
+    s = RequestState.create(2, 8, num_speculative_tokens=2)
+    s = s.add_request(1, [5, 6, 7, 8, 9], num_computed_tokens=0, temperature=0.7, top_k=4)
+    s = s.set_draft_tokens(np.array([1]), np.array([[11, 12]]))
+    s = s.post_update(np.array([1]), np.array([5]), np.array([[42, 0, 0]]), np.array([1]))
+    s = s.replace(num_accepted_tokens=s.num_accepted_tokens.at[1].set(3))
+    # Reuse row 1 for a shorter request that arrives with 2 tokens already computed.
+    s = s.add_request(1, [1, 2, 3], num_computed_tokens=2)
+    assert s.all_token_ids[1].tolist() == [1, 2, 3, 0, 0, 0, 0, 0]  # no stale tail
+    assert int(s.last_sampled_tokens[1]) == 2  # all_token_ids[num_computed - 1]
+    assert s.draft_tokens[1].tolist() == [0, 0]
+    assert int(s.num_accepted_tokens[1]) == 1
+    assert (int(s.prompt_len[1]), int(s.prefill_len[1]), int(s.total_len[1]), int(s.num_computed_tokens[1])) == (3, 3, 3, 2)
+    assert float(s.temperature[1]) == 0.0 and int(s.top_k[1]) == 0 and float(s.top_p[1]) == 1.0
+    # Row 0 untouched.
+    empty = RequestState.create(2, 8, 2)
+    for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(empty)):
+        np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
+
+
+def test_fresh_prefill_last_sampled_is_zero_not_stale():
+    s = RequestState.create(1, 4).replace(last_sampled_tokens=jnp.array([77], jnp.int32))
+    s = s.add_request(0, [3, 4])
+    assert int(s.last_sampled_tokens[0]) == 0
+
+
+def test_post_update_prefill_chunks_decode_and_drafts():
+    s = RequestState.create(2, 16, num_speculative_tokens=2).add_request(0, [1, 2, 3, 4, 5])
+    idx = np.array([0, -1])
+    # Mid-prefill chunk: nothing sampled even if the sampler reports one.
+    s = s.post_update(idx, np.array([3, 0]), np.array([[9, 9, 9], [0, 0, 0]]), np.array([1, 0]))
+    assert (int(s.num_computed_tokens[0]), int(s.total_len[0])) == (3, 5)
+    # Finishing chunk samples one token.
+    s = s.post_update(idx, np.array([2, 0]), np.array([[6, 0, 0], [0, 0, 0]]), np.array([1, 0]))
+    assert (int(s.num_computed_tokens[0]), int(s.total_len[0]), int(s.last_sampled_tokens[0])) == (5, 6, 6)
+    # Decode with 2 drafts, 1 accepted + bonus: 2 sampled, 1 rejected.
+    s = s.post_update(idx, np.array([3, 0]), np.array([[7, 8, 0], [0, 0, 0]]), np.array([2, 0]))
+    assert (int(s.num_computed_tokens[0]), int(s.total_len[0]), int(s.last_sampled_tokens[0])) == (7, 8, 8)
+    assert int(s.num_accepted_tokens[0]) == 2
+    assert s.all_token_ids[0].tolist()[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 0]
+    assert int(s.total_len[1]) == 0  # padded batch row touched nothing
+
+
+def test_post_update_drops_tokens_past_max_model_len():
+    s = RequestState.create(1, 3, 1).add_request(0, [1, 2, 3], num_computed_tokens=2)
+    s = s.post_update(np.array([0]), np.array([1]), np.array([[5, 6]]), np.array([2]))
+    assert s.all_token_ids[0].tolist() == [1, 2, 3]  # nothing written out of bounds, no wrap
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(token_ids=[[]]), r"token_ids\[0\] is empty"),
+        (dict(token_ids=[[1] * 9]), r"token_ids\[0\] has 9 tokens, more than max_model_len=8"),
+        (dict(num_computed_tokens=[5]), r"num_computed_tokens\[0\] must be in \[0, num_tokens=2\], got 5"),
+        (dict(rows=[4]), r"rows must have values in \[0, 2\) \(or -1\); got 4"),
+        (dict(rows=[1, 1], token_ids=[[1], [2]]), r"rows must be distinct in one add"),
+    ],
+)
+def test_add_rejects_bad_input(kw, match):
+    s = RequestState.create(2, 8)
+    args = dict(rows=[0], token_ids=[[1, 2]])
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        rows, toks = args.pop("rows"), args.pop("token_ids")
+        s.add_requests(NewRequests.from_lists(rows, toks, max_model_len=8, **args))
+
+
+def test_add_requests_under_jit_matches_eager():
+    s = RequestState.create(3, 6, 1)
+    new = NewRequests.from_lists([2, 0], [[4, 5, 6], [7]], max_model_len=6, num_computed_tokens=[3, 0], pad_to=3)
+    eager = s.add_requests(new)
+    jitted = jax.jit(RequestState.add_requests)(s, new)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(a, b)
+    assert int(eager.last_sampled_tokens[2]) == 6
+
+
+def test_clear_rows():
+    s = RequestState.create(2, 4, 1).add_request(0, [1, 2]).add_request(1, [3])
+    s = s.clear_rows(np.array([0, -1]))
+    assert s.all_token_ids[0].tolist() == [0, 0, 0, 0] and int(s.total_len[0]) == 0
+    assert s.all_token_ids[1].tolist() == [3, 0, 0, 0]
