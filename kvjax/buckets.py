@@ -1,0 +1,105 @@
+"""Shape buckets: the one place that decides how a step is padded.
+
+A step runs in the executable of the smallest bucket that fits it; the
+runner's precompile and its serving path both call :meth:`BucketSpec.choose`.
+Like vLLM's full CUDA graphs, a bucket ties its request capacity to its token
+count (``num_reqs = min(num_tokens, max_num_seqs)``), so there is one
+executable per token size; the logits capacity is
+``min(num_tokens, num_reqs * (1 + num_speculative_tokens))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.spec import cdiv
+
+
+class BatchTooLargeError(ValueError):
+    """The step does not fit the largest bucket: the scheduler must split it."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    """Padded sizes of one step executable: ``T`` tokens, ``R`` rows, ``L`` logits."""
+
+    num_tokens: int
+    num_reqs: int
+    num_logits: int
+
+
+def default_token_sizes(max_num_batched_tokens: int, num_speculative_tokens: int = 0) -> tuple[int, ...]:
+    """vLLM-style capture sizes up to ``max_num_batched_tokens``.
+
+    ``1, 2, 4``, then steps of 8 to 256, then steps of 16, and the maximum
+    itself; every size rounded up to a multiple of ``1 + num_speculative_tokens``
+    (a decode window) and capped at the maximum.
+    """
+    if max_num_batched_tokens <= 0:
+        raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+    dql = 1 + num_speculative_tokens
+    m = max_num_batched_tokens
+    sizes = [1, 2, 4] + list(range(8, min(m + 1, 256), 8)) + list(range(256, m + 1, 16)) + [m]
+    rounded = {min(cdiv(s, dql) * dql, m) for s in sizes if s <= m}
+    return tuple(sorted(rounded))
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """The set of step shapes a runner compiles.
+
+    Attributes:
+      token_sizes: ascending token counts (each one executable).
+      max_num_seqs: request rows a step may hold.
+      num_speculative_tokens: drafts per decode window.
+    """
+
+    token_sizes: tuple[int, ...]
+    max_num_seqs: int
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self):
+        ts = tuple(self.token_sizes)
+        if not ts or any(not isinstance(t, int) or t <= 0 for t in ts) or list(ts) != sorted(set(ts)):
+            raise ValueError(f"token_sizes must be distinct ascending positive ints, got {self.token_sizes!r}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        object.__setattr__(self, "token_sizes", ts)
+
+    @classmethod
+    def default(cls, max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int = 0):
+        return cls(default_token_sizes(max_num_batched_tokens, num_speculative_tokens), max_num_seqs,
+                   num_speculative_tokens)
+
+    def bucket_for(self, num_tokens_padded: int) -> Bucket:
+        """The bucket of one token size."""
+        R = min(num_tokens_padded, self.max_num_seqs)
+        L = min(num_tokens_padded, R * (1 + self.num_speculative_tokens))
+        return Bucket(num_tokens_padded, R, L)
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """Every bucket, ascending: what precompile builds."""
+        return tuple(self.bucket_for(t) for t in self.token_sizes)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.token_sizes[-1]
+
+    def choose(self, num_tokens: int, num_reqs: int, num_logits: int | None = None) -> Bucket:
+        """The smallest bucket holding ``num_tokens`` tokens, ``num_reqs`` rows and the logits.
+
+        Raises:
+          BatchTooLargeError: nothing fits; the scheduler must split the batch.
+        """
+        if num_logits is None:
+            num_logits = num_reqs
+        for b in self.buckets:
+            if b.num_tokens >= num_tokens and b.num_reqs >= num_reqs and b.num_logits >= num_logits:
+                return b
+        raise BatchTooLargeError(
+            f"a step of {num_tokens} tokens, {num_reqs} requests and {num_logits} logits fits no "
+            f"bucket (largest: {self.buckets[-1]}); the scheduler must split it"
+        )

@@ -1,0 +1,290 @@
+"""Host scheduler: continuous batching over a token budget (plain Python).
+
+Per step it admits arrived requests into free rows (LIFO reuse), gives running
+requests their decode windows (``1 + drafts`` tokens, drafts from the n-gram
+drafter), fills the rest of the token budget with prefill chunks, allocates
+KV blocks and recurrent-state slots (every fresh id is reported to be zeroed
+inside the step), and preempts the newest running request by recompute when
+blocks run out. It never builds device arrays: :class:`StepPlan` is plain data
+that the runner packs into one fixed-shape host-to-device transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import numpy as np
+
+from kvjax.block_pool import BlockPool, OutOfBlocksError
+from kvjax.buckets import Bucket, BucketSpec
+from kvjax.drafter import propose_ngram
+from kvjax.spec import KVGroupSpec, cdiv
+from kvjax.state import RequestRows
+
+
+@dataclasses.dataclass
+class Request:
+    """One request as the scheduler sees it.
+
+    ``tokens`` is prompt + output; ``prefill_len`` is how many of them were
+    given at the latest (re)admission; ``num_computed`` mirrors the device's
+    ``num_computed_tokens``.
+    """
+
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    arrival_step: int = 0
+    output: list[int] = dataclasses.field(default_factory=list)
+    row: int | None = None
+    num_computed: int = 0
+    prefill_len: int = 0
+    blocks: list[list[int]] = dataclasses.field(default_factory=list)
+    state_slots: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    finished: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed >= self.prefill_len
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    req: Request
+    num_tokens: int
+    drafts: list[int]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """Everything the runner needs for one step (host data; the runner packs it).
+
+    Attributes:
+      bucket: the padded shape the step runs in.
+      scheduled: the step's rows in batch order (decodes first).
+      added: requests installed into rows this step (row, tokens, prompt_len).
+      cleared_rows: rows freed since the last step (finished or preempted).
+      block_writes: (row, new logical ids per group, overwrite).
+      blocks_to_zero / slots_to_zero: fresh KV blocks / recurrent slots.
+      freed_blocks / freed_slots: ids returned to the pools since the last step.
+    """
+
+    step: int
+    bucket: Bucket
+    scheduled: list[ScheduledRequest]
+    added: list[tuple[int, list[int], int]]
+    cleared_rows: list[int]
+    block_writes: list[tuple[int, list[list[int]], bool]]
+    blocks_to_zero: list[int]
+    slots_to_zero: list[int]
+    freed_blocks: list[int]
+    freed_slots: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, preemption and n-gram speculation.
+
+    Args:
+      specs: KV-cache groups (one shared block pool of ``num_blocks``).
+      buckets: step shapes; the token budget is ``buckets.max_num_tokens``.
+      num_blocks: KV blocks incl. the reserved block 0.
+      max_model_len: longest sequence.
+      num_state_slots: recurrent-state slots incl. the reserved slot 0 (0: no
+        recurrent layers). Each running request owns ``1 + num_speculative_tokens``.
+    """
+
+    def __init__(
+        self,
+        specs: tuple[KVGroupSpec, ...],
+        buckets: BucketSpec,
+        *,
+        num_blocks: int,
+        max_model_len: int,
+        num_state_slots: int = 0,
+    ):
+        self.specs = tuple(specs)
+        self.buckets = buckets
+        self.k = buckets.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.pool = BlockPool(num_blocks)
+        self.slots = BlockPool(num_state_slots, kind="recurrent slot") if num_state_slots else None
+        self.rows = RequestRows(buckets.max_num_seqs)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+        self._cleared: list[int] = []
+        self._freed_blocks: list[int] = []
+        self._freed_slots: list[int] = []
+
+    # -------------------------------------------------------------- requests
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, req: Request) -> None:
+        for ids in req.blocks:
+            self.pool.free(ids)
+            self._freed_blocks.extend(ids)
+        if self.slots is not None and req.state_slots:
+            self.slots.free(req.state_slots)
+            self._freed_slots.extend(req.state_slots)
+        self._cleared.append(self.rows.remove(req.req_id))
+        req.blocks, req.state_slots, req.row = [], [], None
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: drop its blocks, slots and row, keep its output."""
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, req: Request, added, block_writes) -> bool:
+        slots_needed = 1 + self.k if self.slots is not None else 0
+        if self.slots is not None and self.slots.num_free < slots_needed:
+            return False
+        req.row = self.rows.add(req.req_id)
+        req.state_slots = self.slots.allocate(slots_needed) if self.slots is not None else []
+        req.num_computed = 0
+        req.prefill_len = len(req.tokens)
+        req.blocks = [[] for _ in self.specs]
+        added.append((req.row, req.tokens, len(req.prompt)))
+        block_writes[req.row] = ([[] for _ in self.specs], True)
+        self.running.append(req)
+        return True
+
+    def _grow(self, req: Request, upto_tokens: int, block_writes) -> bool:
+        """Give ``req`` blocks for ``upto_tokens`` tokens; preempt others if needed."""
+        need = [max(cdiv(upto_tokens, s.block_size) - len(req.blocks[g]), 0) for g, s in enumerate(self.specs)]
+        while sum(need) > self.pool.num_free:
+            victims = [r for r in self.running if r is not req]
+            if not victims:
+                return False
+            victim = victims[-1]  # newest first
+            victim_row = victim.row
+            self._preempt(victim)
+            block_writes.pop(victim_row, None)
+        ids_per_group = []
+        for g, n in enumerate(need):
+            try:
+                ids = self.pool.allocate(n)
+            except OutOfBlocksError:  # pragma: no cover - guarded by the loop above
+                return False
+            req.blocks[g].extend(ids)
+            ids_per_group.append(ids)
+        if any(ids_per_group):
+            prev, overwrite = block_writes.get(req.row, ([[] for _ in self.specs], False))
+            block_writes[req.row] = ([p + i for p, i in zip(prev, ids_per_group)], overwrite)
+        return True
+
+    # ------------------------------------------------------------------ step
+
+    def schedule(self) -> StepPlan | None:
+        """Decide the next step; ``None`` when nothing can run yet (nothing arrived)."""
+        step = self.step_count
+        budget = self.buckets.max_num_tokens
+        added: list = []
+        block_writes: dict[int, tuple[list[list[int]], bool]] = {}
+        # Admit arrived requests into free rows.
+        while self.waiting and self.waiting[0].arrival_step <= step and self.rows.free_rows:
+            if not self._admit(self.waiting.popleft(), added, block_writes):
+                break
+        scheduled: list[ScheduledRequest] = []
+        # Decode windows first, then prefill chunks (oldest first).
+        for req in sorted(list(self.running), key=lambda r: not r.is_decoding):
+            if req not in self.running or budget <= 0:
+                continue
+            if req.is_decoding:
+                room = min(req.max_tokens - len(req.output), self.max_model_len - len(req.tokens)) - 1
+                drafts = propose_ngram(req.tokens, min(self.k, max(room, 0), budget - 1))
+                n = 1 + len(drafts)
+            else:
+                drafts = []
+                n = min(req.prefill_len - req.num_computed, budget)
+            if not self._grow(req, req.num_computed + n, block_writes):
+                continue
+            scheduled.append(ScheduledRequest(req, n, drafts))
+            budget -= n
+        # Preemption may have removed requests scheduled earlier in this loop.
+        scheduled = [s for s in scheduled if s.req in self.running]
+        added = [a for a in added if any(r.row == a[0] and r.tokens == a[1] for r in self.running)]
+        if not scheduled and not added and not self._cleared:
+            if self.waiting and self.waiting[0].arrival_step > step:
+                self.step_count += 1  # idle: nothing has arrived yet
+            return None
+        scheduled.sort(key=lambda s: (not s.req.is_decoding, s.num_tokens))
+        num_logits = sum(1 + len(s.drafts) for s in scheduled)
+        bucket = self.buckets.choose(max(sum(s.num_tokens for s in scheduled), 1), max(len(scheduled), 1), max(num_logits, 1))
+        live_rows = {r.row for r in self.running}
+        plan = StepPlan(
+            step=step,
+            bucket=bucket,
+            scheduled=scheduled,
+            added=added,
+            cleared_rows=list(self._cleared),
+            block_writes=[(row, ids, ow) for row, (ids, ow) in block_writes.items() if row in live_rows],
+            blocks_to_zero=self.pool.take_ids_to_zero(),
+            slots_to_zero=self.slots.take_ids_to_zero() if self.slots is not None else [],
+            freed_blocks=list(self._freed_blocks),
+            freed_slots=list(self._freed_slots),
+        )
+        self._cleared, self._freed_blocks, self._freed_slots = [], [], []
+        return plan
+
+    def update(self, plan: StepPlan, sampled: np.ndarray, num_sampled: np.ndarray, logits: np.ndarray | None = None) -> list[Request]:
+        """Apply the step's results (mirror of ``RequestState.post_update``); returns finished requests.
+
+        Args:
+          sampled: int ``[R, 1 + k]`` accepted tokens per batch row.
+          num_sampled: int ``[R]``.
+          logits: optional float ``[L, vocab]``; rows of sampled tokens are kept
+            on the request for parity checks.
+        """
+        done = []
+        cu = 0
+        for b, s in enumerate(plan.scheduled):
+            req, q = s.req, s.num_tokens
+            nl = 1 + len(s.drafts)
+            seq_len = req.num_computed + q
+            if seq_len < req.prefill_len:
+                req.num_computed += q
+                cu += nl
+                continue
+            n = int(num_sampled[b])
+            toks = [int(t) for t in sampled[b, :n]]
+            if req.is_decoding:
+                req.num_computed += n
+            else:
+                req.num_computed += q
+            room = req.max_tokens - len(req.output)
+            toks = toks[:room]
+            req.output.extend(toks)
+            if logits is not None:
+                req.logits.extend(np.asarray(logits[cu:cu + len(toks)]))
+            cu += nl
+            if len(req.output) >= req.max_tokens or len(req.tokens) >= self.max_model_len:
+                req.finished = True
+                self.running.remove(req)
+                self._release(req)
+                self.finished.append(req)
+                done.append(req)
+        self.step_count += 1
+        return done
