@@ -1,0 +1,804 @@
+"""Mamba decode step: ``selective_state_update`` (vLLM ``mamba_ssm.py`` semantics).
+
+One public function, :func:`selective_state_update`, with three implementations
+that share one argument normalisation (:func:`_normalize`):
+
+* ``_ssu_reference``: pure jnp, the CPU default and the test oracle;
+* ``_ssu_tpu``: Mosaic TPU kernel (scalar prefetch, state in HBM with manual DMA,
+  aliased in place);
+* ``_ssu_gpu``: Pallas GPU kernel (see :func:`_gpu_impl` for which lowering and why).
+
+Small helpers shared with :mod:`pallas_kernels.mamba_conv` and
+:mod:`pallas_kernels.mamba_scan` live here too (``_index_array``, ``_pow2``,
+``_triton``, ``_softplus``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from kvjax import validation
+from kvjax.constants import NULL_BLOCK_ID
+from pallas_kernels._backend import Choice, resolve
+
+__all__ = ["selective_state_update"]
+
+
+# --------------------------------------------------------------------------- #
+# shared helpers
+# --------------------------------------------------------------------------- #
+
+
+def _pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _triton():
+    """``jax.experimental.pallas.triton`` (its import warns from JAX 0.11 on)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas import triton as pltr
+    return pltr
+
+
+def _softplus(v):
+    """vLLM's softplus: ``v`` above 20, else ``log(1 + exp(v))``."""
+    return jnp.where(v <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))), v)
+
+
+def _check_int_arg(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a Python int, got {value!r}")
+    return int(value)
+
+
+def _index_array(name: str, arr, ranks) -> jax.Array:
+    """Checks an index table (integer dtype, rank) and returns it as int32."""
+    validation.check_rank(name, arr, ranks)
+    validation.check_dtype(name, arr, "integer")
+    return jnp.asarray(arr).astype(jnp.int32)
+
+
+def _check_float(name: str, arr) -> None:
+    validation.check_dtype(name, arr, "floating")
+
+
+def _check_index_values(name: str, arr, num_lines: int, null_block_id: int) -> None:
+    """Concrete indices must lie in ``[0, num_lines)`` or equal ``null_block_id``."""
+    validation.check_values_in_range(name, arr, 0, num_lines, allow=(null_block_id,))
+
+
+def _valid_index(idx, num_lines: int, null_block_id: int):
+    """True where ``idx`` names a real row: not null and inside ``[0, num_lines)``."""
+    return (idx != null_block_id) & (idx >= 0) & (idx < num_lines)
+
+
+def _segments(cu_seqlens, n: int, num_tokens: int, name: str = "cu_seqlens"):
+    """(bos, lens) int32 ``[n]`` from a cumulative-length array, or one token per row."""
+    if cu_seqlens is None:
+        bos = jnp.arange(n, dtype=jnp.int32)
+        return bos, jnp.ones((n,), jnp.int32)
+    cu = _index_array(name, cu_seqlens, 1)
+    validation.check_non_decreasing(name, cu)
+    validation.check_values_in_range(name, cu, 0, num_tokens + 1)
+    return cu[:-1], cu[1:] - cu[:-1]
+
+
+def _token_segment_ids(bos, lens, num_tokens: int):
+    """For each token t: (segment id, position in segment, valid).
+
+    Segments are contiguous and in order (cu_seqlens non-decreasing); a token that
+    lies in no segment (padding) is invalid.
+    """
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    eos = bos + lens
+    # segment = first b with eos[b] > t
+    seg = jnp.searchsorted(eos, t, side="right").astype(jnp.int32)
+    n = bos.shape[0]
+    seg_c = jnp.where(seg < n, seg, 0)
+    valid = (seg < n) & (t >= jnp.take(bos, seg_c, mode="clip")) & (n > 0)
+    pos = t - jnp.take(bos, seg_c, mode="clip")
+    return jnp.where(valid, seg_c, 0), jnp.where(valid, pos, 0), valid
+
+
+# --------------------------------------------------------------------------- #
+# argument normalisation
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["state", "x", "dt", "A", "B", "C", "D", "dt_bias", "z", "bos", "lens",
+                 "src", "src_ok", "dst", "dst_ok"],
+    meta_fields=["dt_softplus", "per_token", "has_heads", "varlen"],
+)
+@dataclasses.dataclass(frozen=True)
+class _SSUArgs:
+    """Canonical "with heads" arguments of one call."""
+
+    state: jax.Array  # [L, H, P, Ns]
+    x: jax.Array  # [T, H, P]
+    dt: jax.Array  # [T, H, Pdt], Pdt in {1, P}
+    A: jax.Array  # [H, Pa, Na], Pa in {1, P}, Na in {1, Ns}
+    B: jax.Array  # [T, G, Ns]
+    C: jax.Array  # [T, G, Ns]
+    D: jax.Array | None  # [H, Pd]
+    dt_bias: jax.Array | None  # [H, Pb]
+    z: jax.Array | None  # [T, H, P]
+    dt_softplus: bool
+    bos: jax.Array  # [N] int32, first token of each sequence
+    lens: jax.Array  # [N] int32
+    src: jax.Array  # [N] int32, state row read (only where src_ok)
+    src_ok: jax.Array  # [N] bool
+    dst: jax.Array  # [N, Wd] int32
+    dst_ok: jax.Array  # [N, Wd] bool (already includes src_ok)
+    per_token: bool  # spec path: token i stores to dst[:, i]; else final store to dst[:, 0]
+    has_heads: bool
+    varlen: bool
+
+
+def _normalize(
+    state, x, dt, A, B, C, D, dt_bias, z, dt_softplus, state_batch_indices,
+    dst_state_batch_indices, null_block_id, num_accepted_tokens, cu_seqlens,
+) -> _SSUArgs:
+    null_block_id = _check_int_arg("null_block_id", null_block_id)
+    validation.check_rank("state", state, (3, 4))
+    has_heads = np.ndim(state) == 4
+    for name, arr in (("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
+        _check_float(name, arr)
+    if has_heads:
+        L, H, P, Ns = state.shape
+        validation.check_rank("x", x, 3)
+        T = x.shape[0]
+        validation.check_shape("x", x, (T, H, P))
+        validation.check_rank("B", B, 3)
+        G = B.shape[1]
+    else:
+        L, P, Ns = state.shape
+        H = 1
+        validation.check_rank("x", x, 2)
+        T = x.shape[0]
+        validation.check_shape("x", x, (T, P))
+        validation.check_rank("B", B, 2)
+        G = 1
+    # Expand the no-heads form to heads = 1 (vLLM unsqueezes the same way).
+    if has_heads:
+        validation.check_rank("dt", dt, 3)
+        if dt.shape[:2] != (T, H) or dt.shape[2] not in (1, P):
+            raise ValueError(f"dt must have shape [{T}, {H}, {P}] (or [{T}, {H}, 1] for a per-head dt), got {list(dt.shape)}")
+        validation.check_rank("A", A, 3)
+        if A.shape[0] != H or A.shape[1] not in (1, P) or A.shape[2] not in (1, Ns):
+            raise ValueError(f"A must have shape [{H}, {P}, {Ns}] (size-1 axes broadcast), got {list(A.shape)}")
+        validation.check_shape("B", B, (T, G, Ns))
+        validation.check_shape("C", C, (T, G, Ns))
+    else:
+        validation.check_rank("dt", dt, 2)
+        if dt.shape[0] != T or dt.shape[1] not in (1, P):
+            raise ValueError(f"dt must have shape [{T}, {P}] (or [{T}, 1]), got {list(dt.shape)}")
+        validation.check_rank("A", A, 2)
+        if A.shape[0] not in (1, P) or A.shape[1] not in (1, Ns):
+            raise ValueError(f"A must have shape [{P}, {Ns}] (size-1 axes broadcast), got {list(A.shape)}")
+        validation.check_shape("B", B, (T, Ns))
+        validation.check_shape("C", C, (T, Ns))
+        state, x, dt, A = state[:, None], x[:, None], dt[:, None], A[None]
+        B, C = B[:, None], C[:, None]
+    if G == 0 or H % G:
+        raise ValueError(f"B must have a group count dividing nheads={H}, got {G} groups (B shape {list(B.shape)})")
+
+    def per_head(name, arr):
+        if arr is None:
+            return None
+        _check_float(name, arr)
+        if has_heads:
+            validation.check_rank(name, arr, 2)
+            if arr.shape[0] != H or arr.shape[1] not in (1, P):
+                raise ValueError(f"{name} must have shape [{H}, {P}] (or [{H}, 1]), got {list(arr.shape)}")
+            return arr
+        validation.check_rank(name, arr, 1)
+        if arr.shape[0] not in (1, P):
+            raise ValueError(f"{name} must have shape [{P}] (or [1]), got {list(arr.shape)}")
+        return arr[None]
+
+    D = per_head("D", D)
+    dt_bias = per_head("dt_bias", dt_bias)
+    if z is not None:
+        _check_float("z", z)
+        validation.check_shape("z", z, (T, H, P) if has_heads else (T, P))
+        if not has_heads:
+            z = z[:, None]
+
+    varlen = cu_seqlens is not None
+    if varlen:
+        validation.check_rank("cu_seqlens", cu_seqlens, 1)
+        if cu_seqlens.shape[0] < 1:
+            raise ValueError("cu_seqlens must have shape [N+1] with N >= 0, got [0]")
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = T
+    bos, lens = _segments(cu_seqlens, N, T)
+
+    spec = num_accepted_tokens is not None
+    if state_batch_indices is None:
+        if dst_state_batch_indices is not None:
+            raise ValueError("dst_state_batch_indices requires state_batch_indices")
+        if spec:
+            raise ValueError("num_accepted_tokens requires a 2-D state_batch_indices [N, max_seqlen]")
+        if L < N:
+            raise ValueError(f"state must have at least N={N} rows when state_batch_indices is None, got {L}")
+        src = jnp.arange(N, dtype=jnp.int32)
+        src_ok = jnp.ones((N,), bool)
+        dst = src[:, None]
+        dst_ok = src_ok[:, None]
+        return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, bool(dt_softplus), bos, lens,
+                        src, src_ok, dst, dst_ok, False, has_heads, varlen)
+
+    sbi = _index_array("state_batch_indices", state_batch_indices, (1, 2))
+    if sbi.ndim == 1:
+        sbi = sbi[:, None]
+    if sbi.shape[0] < N:
+        raise ValueError(f"state_batch_indices must have at least N={N} rows, got shape {list(sbi.shape)}")
+    sbi = sbi[:N]
+    if dst_state_batch_indices is None:
+        dsbi = sbi
+    else:
+        dsbi = _index_array("dst_state_batch_indices", dst_state_batch_indices, (1, 2))
+        if dsbi.ndim == 1:
+            dsbi = dsbi[:, None]
+        if dsbi.shape[0] < N:
+            raise ValueError(f"dst_state_batch_indices must have at least N={N} rows, got shape {list(dsbi.shape)}")
+        dsbi = dsbi[:N]
+    _check_index_values("state_batch_indices", sbi, L, null_block_id)
+    _check_index_values("dst_state_batch_indices", dsbi, L, null_block_id)
+    W = sbi.shape[1]
+
+    if spec:
+        na = _index_array("num_accepted_tokens", num_accepted_tokens, 1)
+        validation.check_shape("num_accepted_tokens", na, (N,))
+        init_col = jnp.maximum(na - 1, 0)
+        validation.check_values_in_range("num_accepted_tokens", na, 0, W + 1)
+        vals = validation.concrete_values(lens)
+        if vals is not None and vals.size and int(vals.max()) > dsbi.shape[1]:
+            raise ValueError(
+                f"cu_seqlens: a sequence has {int(vals.max())} tokens but dst_state_batch_indices "
+                f"has only {dsbi.shape[1]} columns (one per token in the speculative path)")
+    else:
+        init_col = jnp.zeros((N,), jnp.int32)
+    col_ok = init_col < W
+    src = jnp.take_along_axis(sbi, jnp.where(col_ok, init_col, 0)[:, None], axis=1)[:, 0]
+    src_ok = col_ok & _valid_index(src, L, null_block_id)
+    if spec:
+        dst = dsbi
+        dst_ok = src_ok[:, None] & _valid_index(dsbi, L, null_block_id)
+    else:
+        dcol_ok = init_col < dsbi.shape[1]
+        dst = jnp.take_along_axis(dsbi, jnp.where(dcol_ok, init_col, 0)[:, None], axis=1)
+        dst_ok = (src_ok & dcol_ok)[:, None] & _valid_index(dst, L, null_block_id)
+    return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, bool(dt_softplus), bos, lens,
+                    src, src_ok, dst, dst_ok, spec, has_heads, varlen)
+
+
+# --------------------------------------------------------------------------- #
+# reference
+# --------------------------------------------------------------------------- #
+
+
+def _step_math(h, x, dt, A, B, C, D, dt_bias, z, dt_softplus, group_of_head):
+    """One recurrence step for every head, float32.
+
+    h [..., H, P, Ns]; x, z [..., H, P]; dt [..., H, Pdt]; A [H, Pa, Na]; B, C [..., G, Ns];
+    D, dt_bias [H, P|1]. Returns (h_new, y).
+    """
+    f32 = jnp.float32
+    x = x.astype(f32)
+    dt = dt.astype(f32)
+    if dt_bias is not None:
+        dt = dt + dt_bias.astype(f32)
+    if dt_softplus:
+        dt = _softplus(dt)
+    Bh = jnp.take(B.astype(f32), group_of_head, axis=-2)  # [..., H, Ns]
+    Ch = jnp.take(C.astype(f32), group_of_head, axis=-2)
+    dA = jnp.exp(A.astype(f32) * dt[..., :, None])  # [..., H, P|1, Ns|1]
+    dB = Bh[..., None, :] * dt[..., :, None]  # [..., H, P|1, Ns]
+    h = h * dA + dB * x[..., :, None]
+    y = jnp.sum(h * Ch[..., None, :], axis=-1)
+    if D is not None:
+        y = y + x * D.astype(f32)
+    if z is not None:
+        zf = z.astype(f32)
+        y = y * (zf * jax.nn.sigmoid(zf))
+    return h, y
+
+
+def _gather_initial(state, src, src_ok):
+    """Initial states [N, H, P, Ns] float32: state[src] where src_ok, else zeros (never read)."""
+    L = state.shape[0]
+    idx = jnp.where(src_ok, src, L)
+    h0 = jnp.take(state, idx, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    return jnp.where(src_ok[:, None, None, None], h0, 0.0)
+
+
+def _ssu_reference(a: _SSUArgs):
+    state = a.state
+    L, H, P, Ns = state.shape
+    T = a.x.shape[0]
+    G = a.B.shape[1]
+    goh = jnp.arange(H) // (H // G)
+    if a.bos.shape[0] == 0 or T == 0:
+        return jnp.zeros(a.x.shape, a.x.dtype), state
+    h0 = _gather_initial(state, a.src, a.src_ok)
+
+    if not a.varlen:
+        # One token per sequence: fully vectorised.
+        h1, y = _step_math(h0, a.x, a.dt, a.A, a.B, a.C, a.D, a.dt_bias, a.z, a.dt_softplus, goh)
+        tgt = jnp.where(a.dst_ok[:, 0], a.dst[:, 0], L)
+        state = state.at[tgt].set(h1.astype(state.dtype), mode="drop")
+        return y.astype(a.x.dtype), state
+
+    seg, pos, tvalid = _token_segment_ids(a.bos, a.lens, T)
+    Wd = a.dst.shape[1]
+    zs = a.z if a.z is not None else jnp.zeros((T, 0), a.x.dtype)
+
+    def body(carry, inp):
+        h, st = carry
+        t, xt, dtt, Bt, Ct, zt = inp
+        b, i, ok = seg[t], pos[t], tvalid[t]
+        h = jnp.where(i == 0, h0[b], h)
+        hn, y = _step_math(h, xt, dtt, a.A, Bt, Ct, a.D, a.dt_bias,
+                           zt if a.z is not None else None, a.dt_softplus, goh)
+        if a.per_token:
+            col = jnp.minimum(i, Wd - 1)
+            wr = ok & (i < Wd) & a.dst_ok[b, col]
+            d = a.dst[b, col]
+        else:
+            wr = ok & (i == a.lens[b] - 1) & a.dst_ok[b, 0]
+            d = a.dst[b, 0]
+        st = st.at[jnp.where(wr, d, L)].set(hn.astype(st.dtype), mode="drop")
+        return (hn, st), jnp.where(ok, y, 0.0)
+
+    init = (jnp.zeros((H, P, Ns), jnp.float32), state)
+    (_, state), ys = jax.lax.scan(
+        body, init, (jnp.arange(T), a.x, a.dt, a.B, a.C, zs))
+    return ys.astype(a.x.dtype), state
+
+
+# --------------------------------------------------------------------------- #
+# TPU (Mosaic) kernel
+# --------------------------------------------------------------------------- #
+
+
+def _row_to_col(v):
+    """[1, n] -> [n, 1]."""
+    return jnp.transpose(v)
+
+
+def _ssu_tpu(a: _SSUArgs, interpret):
+    """Mosaic kernel, grid (heads, sequences).
+
+    * Index tables (bos, lens, src, src_ok, dst, dst_ok) are scalar-prefetched to SMEM.
+    * ``state`` stays in HBM (``memory_space=pl.ANY``), aliased to the output: a row is
+      DMA'd in only when ``src_ok`` (else the accumulator is zeroed with ``pl.when``) and
+      DMA'd out only when its ``dst_ok``; a null or out-of-range row issues no DMA at all.
+    * Token inputs are head-major VMEM blocks (one head per block); the output block of a
+      head stays resident across the sequence axis ("arbitrary"), is zeroed at the first
+      sequence and written back once, so tokens outside every sequence read 0.
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    state = a.state
+    L, H, P, Ns = state.shape
+    T = a.x.shape[0]
+    G = a.B.shape[1]
+    ratio = H // G
+    N = a.bos.shape[0]
+    Wd = a.dst.shape[1]
+    if N == 0 or T == 0:
+        return jnp.zeros(a.x.shape, a.x.dtype), state
+
+    x_hm = jnp.swapaxes(a.x, 0, 1)  # [H, T, P]
+    dt_hm = jnp.swapaxes(a.dt, 0, 1)  # [H, T, Pdt]
+    B_gm = jnp.swapaxes(a.B, 0, 1)  # [G, T, Ns]
+    C_gm = jnp.swapaxes(a.C, 0, 1)
+    Pdt = dt_hm.shape[2]
+    _, Pa, Na = a.A.shape
+    has_D, has_bias, has_z = a.D is not None, a.dt_bias is not None, a.z is not None
+
+    prefetch = (a.bos, a.lens, a.src, a.src_ok.astype(jnp.int32),
+                a.dst.reshape(-1), a.dst_ok.astype(jnp.int32).reshape(-1))
+    n_pf = len(prefetch)
+
+    def head_spec(last):
+        return pl.BlockSpec((None, T, last), lambda h, b, *_: (h, 0, 0))
+
+    inputs = [x_hm, dt_hm, B_gm, C_gm, a.A]
+    in_specs = [
+        head_spec(P),
+        head_spec(Pdt),
+        pl.BlockSpec((None, T, Ns), lambda h, b, *_: (jax.lax.div(h, ratio), 0, 0)),
+        pl.BlockSpec((None, T, Ns), lambda h, b, *_: (jax.lax.div(h, ratio), 0, 0)),
+        pl.BlockSpec((None, Pa, Na), lambda h, b, *_: (h, 0, 0)),
+    ]
+    if has_D:
+        inputs.append(a.D[:, None, :])
+        in_specs.append(pl.BlockSpec((None, 1, a.D.shape[1]), lambda h, b, *_: (h, 0, 0)))
+    if has_bias:
+        inputs.append(a.dt_bias[:, None, :])
+        in_specs.append(pl.BlockSpec((None, 1, a.dt_bias.shape[1]), lambda h, b, *_: (h, 0, 0)))
+    if has_z:
+        inputs.append(jnp.swapaxes(a.z, 0, 1))
+        in_specs.append(head_spec(P))
+    inputs.append(state)
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    state_in_index = n_pf + len(inputs) - 1
+
+    per_token = a.per_token
+    softplus = a.dt_softplus
+
+    def kernel(bos_ref, len_ref, src_ref, srcok_ref, dst_ref, dstok_ref, *refs):
+        it = iter(refs)
+        x_ref, dt_ref, B_ref, C_ref, A_ref = (next(it) for _ in range(5))
+        D_ref = next(it) if has_D else None
+        bias_ref = next(it) if has_bias else None
+        z_ref = next(it) if has_z else None
+        _state_in = next(it)  # aliased with state_hbm; never touched through this name
+        out_ref, state_hbm = next(it), next(it)
+        stage, hacc, sem = next(it), next(it), next(it)
+        h = pl.program_id(0)
+        b = pl.program_id(1)
+        f32 = jnp.float32
+
+        @pl.when(b == 0)
+        def _():
+            out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+        @pl.when(srcok_ref[b] != 0)
+        def _():
+            cp = pltpu.make_async_copy(state_hbm.at[src_ref[b], h], stage, sem)
+            cp.start()
+            cp.wait()
+            hacc[...] = stage[...].astype(f32)
+
+        @pl.when(srcok_ref[b] == 0)
+        def _():
+            hacc[...] = jnp.zeros(hacc.shape, f32)
+
+        def store_state(dst_row):
+            stage[...] = hacc[...].astype(stage.dtype)
+            cp = pltpu.make_async_copy(stage, state_hbm.at[dst_row, h], sem)
+            cp.start()
+            cp.wait()
+
+        n_tok = len_ref[b]
+        t0 = bos_ref[b]
+
+        def body(i, carry):
+            t = t0 + i
+            x_row = x_ref[pl.ds(t, 1), :].astype(f32)  # [1, P]
+            dt_row = dt_ref[pl.ds(t, 1), :].astype(f32)  # [1, Pdt]
+            if has_bias:
+                dt_row = dt_row + bias_ref[...].astype(f32)
+            if softplus:
+                dt_row = _softplus(dt_row)
+            dt_col = _row_to_col(dt_row)  # [Pdt|Pb, 1]
+            x_col = _row_to_col(x_row)  # [P, 1]
+            dA = jnp.exp(A_ref[...].astype(f32) * dt_col)
+            B_row = B_ref[pl.ds(t, 1), :].astype(f32)  # [1, Ns]
+            C_row = C_ref[pl.ds(t, 1), :].astype(f32)
+            hn = hacc[...] * dA + (dt_col * B_row) * x_col
+            hacc[...] = hn
+            if per_token:
+                @pl.when(i < Wd)
+                def _():
+                    k = b * Wd + i
+
+                    @pl.when(dstok_ref[k] != 0)
+                    def _():
+                        store_state(dst_ref[k])
+            y_row = _row_to_col(jnp.sum(hn * C_row, axis=1, keepdims=True))  # [1, P]
+            if has_D:
+                y_row = y_row + x_row * D_ref[...].astype(f32)
+            if has_z:
+                z_row = z_ref[pl.ds(t, 1), :].astype(f32)
+                y_row = y_row * (z_row * jax.nn.sigmoid(z_row))
+            out_ref[pl.ds(t, 1), :] = y_row.astype(out_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, n_tok, body, 0)
+
+        if not per_token:
+            @pl.when((dstok_ref[b * Wd] != 0) & (n_tok > 0))
+            def _():
+                store_state(dst_ref[b * Wd])
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=n_pf,
+        grid=(H, N),
+        in_specs=in_specs,
+        out_specs=[head_spec(P), pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[
+            pltpu.VMEM((P, Ns), state.dtype),
+            pltpu.VMEM((P, Ns), jnp.float32),
+            pltpu.SemaphoreType.DMA,
+        ],
+    )
+    out_hm, state = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((H, T, P), a.x.dtype),
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        input_output_aliases={state_in_index: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(*prefetch, *inputs)
+    return jnp.swapaxes(out_hm, 0, 1), state
+
+
+# --------------------------------------------------------------------------- #
+# GPU kernel
+# --------------------------------------------------------------------------- #
+
+
+def _gpu_impl():
+    """The GPU implementation of selective_state_update.
+
+    Pallas-Triton (``jax.experimental.pallas.triton``): one program per (sequence,
+    head, block of ``dim``) with masked loads/stores, exactly the structure of vLLM's
+    Triton kernel. Chosen because it is the simplest correct lowering for a
+    gather/scatter by row index with tiny per-program tiles and no tensor-core work:
+    Mosaic GPU wants warpgroup-sized (128-row) tiles and TMA-aligned copies, which a
+    decode step of a few [dim, dstate] rows does not have. Triton is deprecated in
+    JAX 0.11 (still shipped in 0.11.2); to switch lowering, replace this function.
+    """
+    return _ssu_gpu_triton
+
+
+def _ssu_gpu(a: _SSUArgs, interpret: bool):
+    return _gpu_impl()(a, interpret)
+
+
+def _block_m(P: int, Ns: int) -> int:
+    # vLLM's hand-tuned BLOCK_SIZE_M by dstate (no autotune: it would overwrite state).
+    if Ns <= 16:
+        bm = 32
+    elif Ns <= 32:
+        bm = 16
+    elif Ns <= 64:
+        bm = 8
+    else:
+        bm = 4
+    return min(bm, _pow2(P))
+
+
+def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
+    pltr = _triton()
+    state = a.state
+    L, H, P, Ns = state.shape
+    T = a.x.shape[0]
+    G = a.B.shape[1]
+    ratio = H // G
+    N = a.bos.shape[0]
+    Wd = a.dst.shape[1]
+    if N == 0 or T == 0:
+        return jnp.zeros(a.x.shape, a.x.dtype), state
+    BM = _block_m(P, Ns)
+    BN = _pow2(Ns)
+    Pdt = a.dt.shape[2]
+    _, Pa, Na = a.A.shape
+    has_D, has_bias, has_z = a.D is not None, a.dt_bias is not None, a.z is not None
+    per_token = a.per_token
+    softplus = a.dt_softplus
+
+    inputs = [a.bos, a.lens, a.src, a.src_ok.astype(jnp.int32), a.dst.reshape(-1),
+              a.dst_ok.astype(jnp.int32).reshape(-1), a.x, a.dt, a.B, a.C, a.A]
+    if has_D:
+        inputs.append(a.D)
+    if has_bias:
+        inputs.append(a.dt_bias)
+    if has_z:
+        inputs.append(a.z)
+    inputs.append(jnp.zeros(a.x.shape, a.x.dtype))  # out: tokens outside every sequence read 0
+    inputs.append(state)
+    n_in = len(inputs)
+
+    def kernel(*refs):
+        it = iter(refs)
+        bos_ref, len_ref, src_ref, srcok_ref, dst_ref, dstok_ref = (next(it) for _ in range(6))
+        x_ref, dt_ref, B_ref, C_ref, A_ref = (next(it) for _ in range(5))
+        D_ref = next(it) if has_D else None
+        bias_ref = next(it) if has_bias else None
+        z_ref = next(it) if has_z else None
+        next(it), next(it)  # aliased inputs (out zeros, state)
+        out_ref, state_ref = next(it), next(it)
+        f32 = jnp.float32
+        b = pl.program_id(0)
+        h = pl.program_id(1)
+        m0 = pl.program_id(2) * BM
+        g = h // ratio
+        offs_m = m0 + jnp.arange(BM)
+        offs_n = jnp.arange(BN)
+        mask_m = offs_m < P
+        mask_n = offs_n < Ns
+        mask2 = mask_m[:, None] & mask_n[None, :]
+        ds_m = pl.ds(m0, BM)
+        ds_n = pl.ds(0, BN)
+
+        def load_vec(ref, t, width):
+            # row [t, h, :] of a [T, H, width] array, width in {1, P}
+            if width == 1:
+                return pltr.load(ref.at[t, h, pl.ds(0, 1)]).astype(f32)
+            return pltr.load(ref.at[t, h, ds_m], mask=mask_m, other=0.0).astype(f32)
+
+        def load_head_vec(ref, width):
+            if width == 1:
+                return pltr.load(ref.at[h, pl.ds(0, 1)]).astype(f32)
+            return pltr.load(ref.at[h, ds_m], mask=mask_m, other=0.0).astype(f32)
+
+        if Pa == 1 and Na == 1:
+            A = pltr.load(A_ref.at[h, pl.ds(0, 1), pl.ds(0, 1)]).astype(f32)
+        else:
+            am = (mask_m if Pa > 1 else jnp.ones((1,), bool))[:, None] & (
+                mask_n if Na > 1 else jnp.ones((1,), bool))[None, :]
+            A = pltr.load(A_ref.at[h, ds_m if Pa > 1 else pl.ds(0, 1),
+                                    ds_n if Na > 1 else pl.ds(0, 1)],
+                          mask=am, other=0.0).astype(f32)
+        D = load_head_vec(D_ref, D_ref.shape[1]) if has_D else None
+        bias = load_head_vec(bias_ref, bias_ref.shape[1]) if has_bias else None
+
+        src_ok = srcok_ref[b] != 0
+
+        def read_state():
+            v = pltr.load(state_ref.at[src_ref[b], h, ds_m, ds_n], mask=mask2, other=0.0)
+            return v.astype(f32)
+
+        h0 = jax.lax.cond(src_ok, read_state, lambda: jnp.zeros((BM, BN), f32))
+
+        def write_state(row, val):
+            pltr.store(state_ref.at[row, h, ds_m, ds_n], val.astype(state_ref.dtype), mask=mask2)
+
+        t0 = bos_ref[b]
+        n_tok = len_ref[b]
+
+        def body(i, hc):
+            t = t0 + i
+            x = load_vec(x_ref, t, P)
+            dt = load_vec(dt_ref, t, Pdt)
+            if has_bias:
+                dt = dt + bias
+            if softplus:
+                dt = _softplus(dt)
+            dA = jnp.exp(A * dt[:, None])
+            Bv = pltr.load(B_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
+            Cv = pltr.load(C_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
+            hn = hc * dA + (Bv[None, :] * dt[:, None]) * x[:, None]
+            if per_token:
+                @pl.when(i < Wd)
+                def _():
+                    k = b * Wd + i
+
+                    @pl.when(dstok_ref[k] != 0)
+                    def _():
+                        write_state(dst_ref[k], hn)
+            y = jnp.sum(hn * Cv[None, :], axis=1)
+            if has_D:
+                y = y + x * D
+            if has_z:
+                zz = load_vec(z_ref, t, P)
+                y = y * (zz * jax.nn.sigmoid(zz))
+            pltr.store(out_ref.at[t, h, ds_m], y.astype(out_ref.dtype), mask=mask_m)
+            return hn
+
+        hf = jax.lax.fori_loop(0, n_tok, body, h0)
+        if not per_token:
+            @pl.when((dstok_ref[b * Wd] != 0) & (n_tok > 0))
+            def _():
+                write_state(dst_ref[b * Wd], hf)
+
+    out, state = pl.pallas_call(
+        kernel,
+        grid=(N, H, pl.cdiv(P, BM)),
+        out_shape=[jax.ShapeDtypeStruct(a.x.shape, a.x.dtype),
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        input_output_aliases={n_in - 2: 0, n_in - 1: 1},
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+    )(*inputs)
+    return out, state
+
+
+@functools.partial(jax.jit, static_argnames=("flavor", "interpret"))
+def _dispatch(args: _SSUArgs, *, flavor: str, interpret: bool):
+    if flavor == "reference":
+        return _ssu_reference(args)
+    if flavor == "tpu":
+        return _ssu_tpu(args, Choice("tpu", interpret).tpu_interpret_params())
+    return _ssu_gpu(args, interpret)
+
+
+# --------------------------------------------------------------------------- #
+# public entry point
+# --------------------------------------------------------------------------- #
+
+
+def selective_state_update(
+    state, x, dt, A, B, C, D=None, dt_bias=None, z=None, dt_softplus=False,
+    state_batch_indices=None, dst_state_batch_indices=None, null_block_id=NULL_BLOCK_ID,
+    num_accepted_tokens=None, cu_seqlens=None, *, backend="auto", interpret=None,
+):
+    """One SSM recurrence step per token, reading and writing a pool of states.
+
+    Mirrors vLLM's ``selective_state_update`` (``mamba_ssm.py``) but returns
+    ``(out, state)`` instead of writing ``out``/``state`` in place; donate ``state``
+    at the enclosing ``jit`` so the kernels update it in place.
+
+    Shapes (``T`` tokens, ``L`` state rows, ``H`` heads, ``P`` = dim, ``Ns`` = dstate,
+    ``G`` groups with ``H % G == 0``; head ``h`` uses group ``h // (H // G)``). With heads:
+
+    * ``state``: ``[L, H, P, Ns]`` float (any float dtype; it is stored in that dtype).
+    * ``x``, ``z``: ``[T, H, P]``; ``dt``: ``[T, H, P]`` or ``[T, H, 1]`` (per-head dt,
+      vLLM's TIE_HDIM case, broadcast over ``P``).
+    * ``A``: ``[H, P, Ns]`` or any of ``[H, 1, 1]``, ``[H, P, 1]``, ``[H, 1, Ns]`` (broadcast).
+    * ``B``, ``C``: ``[T, G, Ns]``.
+    * ``D``, ``dt_bias``: ``[H, P]`` or ``[H, 1]``.
+
+    Without heads drop the ``H`` axis everywhere (``state [L, P, Ns]``, ``x [T, P]``,
+    ``A [P, Ns]``, ``B [T, Ns]``, ``D [P]``...): it is treated as ``H = G = 1``.
+
+    Index tables (any integer dtype; computed in int32):
+
+    * ``state_batch_indices``: ``[N]`` or ``[N, W]`` (extra rows beyond N are ignored);
+      ``dst_state_batch_indices`` the same, defaulting to ``state_batch_indices``
+      (in place). Without them sequence ``b`` uses state row ``b`` (needs ``L >= N``).
+    * ``cu_seqlens``: ``[N + 1]`` non-decreasing token offsets (varlen: sequence ``b``
+      is tokens ``cu_seqlens[b] .. cu_seqlens[b+1]-1``); without it ``N = T`` and each
+      token is its own sequence.
+    * ``num_accepted_tokens``: ``[N]``; selects the speculative path.
+
+    Semantics (math in float32, ``softplus(v) = v if v > 20 else log1p(exp(v))``):
+
+    * initial column ``c = max(num_accepted_tokens[b] - 1, 0)`` in the speculative path,
+      else 0; ``src = state_batch_indices[b, c]``. ``src == null_block_id`` reads a
+      ZERO initial state (slot ``null_block_id`` is never read) and the sequence writes
+      no state at all; its output rows are still computed from the zero state (finite).
+    * each token: ``dt' = softplus?(dt + dt_bias)``, ``h = h*exp(A*dt') + (B*dt')*x``,
+      ``y = sum(h*C, -1) + x*D``, ``y *= z*sigmoid(z)``; ``out`` has ``x``'s dtype.
+    * speculative path: token ``i`` of sequence ``b`` stores ``h`` to
+      ``dst_state_batch_indices[b, i]``, skipped iff that entry is null (or the src is
+      null, as in vLLM's kernel, whose store mask includes the src check).
+    * otherwise the final ``h`` goes to ``dst_state_batch_indices[b, 0]``, only when the
+      src is valid and the sequence has >= 1 token. A null dst is skipped too (vLLM
+      would write the null row here; kvjax never writes row ``null_block_id``).
+    * varlen sequences of length 0 compute and write nothing; tokens that belong to no
+      sequence get ``out = 0``.
+    * a row written by one sequence and read or written by another in the same call
+      gives an unspecified result (as in vLLM, whose programs run in parallel).
+
+    Errors: shape/dtype mismatches raise ``ValueError`` at trace time; concrete indices
+    outside ``[0, L)`` (other than ``null_block_id``), a concrete ``num_accepted_tokens``
+    above ``W``, or a varlen speculative sequence longer than the dst table raise
+    ``ValueError``. Under ``jit`` such entries are masked, never clamped: an
+    out-of-range src (or initial column) is treated like the null row (zero state, no
+    writes), an out-of-range dst is never written, tokens past the dst table's width
+    store no state.
+
+    Args:
+      backend, interpret: see :mod:`pallas_kernels._backend`.
+
+    Returns:
+      ``(out, state)``: ``out`` shaped like ``x``; the updated state pool.
+    """
+    args = _normalize(state, x, dt, A, B, C, D, dt_bias, z, dt_softplus,
+                      state_batch_indices, dst_state_batch_indices, null_block_id,
+                      num_accepted_tokens, cu_seqlens)
+    choice = resolve(backend, interpret)
+    out, new_state = _dispatch(args, flavor=choice.flavor, interpret=choice.interpret)
+    if not args.has_heads:
+        out = out[:, 0]
+        new_state = new_state.reshape(state.shape)
+    return out, new_state
