@@ -60,19 +60,21 @@ class RequestState:
                 "max_num_reqs and max_model_len must be positive and num_speculative_tokens "
                 f"non-negative, got {max_num_reqs}, {max_model_len}, {num_speculative_tokens}"
             )
-        z = jnp.zeros((max_num_reqs,), jnp.int32)
+        def z():  # distinct buffers, so the whole state can be donated
+            return jnp.zeros((max_num_reqs,), jnp.int32)
+
         return cls(
-            prompt_len=z,
-            prefill_len=z,
-            total_len=z,
-            num_computed_tokens=z,
+            prompt_len=z(),
+            prefill_len=z(),
+            total_len=z(),
+            num_computed_tokens=z(),
             all_token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
-            last_sampled_tokens=z,
+            last_sampled_tokens=z(),
             draft_tokens=jnp.zeros((max_num_reqs, num_speculative_tokens), jnp.int32),
             num_accepted_tokens=jnp.ones((max_num_reqs,), jnp.int32),
             temperature=jnp.zeros((max_num_reqs,), jnp.float32),
             top_p=jnp.ones((max_num_reqs,), jnp.float32),
-            top_k=z,
+            top_k=z(),
         )
 
     @property

@@ -1,0 +1,378 @@
+"""Bucketed, ahead-of-time compiled step functions: kvjax's CUDA-graph replacement.
+
+One executable per bucket (:mod:`kvjax.buckets`) runs a whole step on the
+device: apply the step's staged writes (cleared rows, new requests, block-table
+appends), zero the fresh KV blocks and recurrent slots (one ``zero_blocks``
+launch each), build the padded :class:`~kvjax.state.StepBatch`, run the model,
+sample greedily, verify drafts, and apply ``post_update``. Runner state and
+caches are donated, so they are updated in place. The host sends one packed,
+fixed-shape :class:`StepInputs` per step (numpy, made by :meth:`Runner.pack`).
+
+All executables are compiled at start-up (:meth:`Runner.precompile`); at
+serving time nothing traces or compiles (:class:`~kvjax.compile_guard.ServingGuard`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.buckets import Bucket, BucketSpec
+from kvjax.compile_guard import ServingGuard
+from kvjax.constants import NULL_BLOCK_ID
+from kvjax.models import HybridCaches, TinyHybridConfig, forward_step, init_caches, init_params
+from kvjax.scheduler import StepPlan
+from kvjax.spec import KVGroupSpec, cdiv
+from kvjax.state import BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes and options of a runner (hashable).
+
+    ``num_blocks`` counts logical KV blocks including the reserved block 0.
+    ``num_state_slots`` (derived) is ``1 + max_num_seqs * (1 + num_speculative_tokens)``.
+    """
+
+    model: TinyHybridConfig = TinyHybridConfig()
+    block_size: int = 8
+    num_blocks: int = 64
+    max_model_len: int = 128
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 32
+    num_speculative_tokens: int = 0
+    kv_cache_dtype: str = "auto"
+    backend: str = "auto"
+    seed: int = 0
+    poison: bool = False
+    token_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one decode window "
+                f"of 1 + {self.num_speculative_tokens} tokens"
+            )
+
+    @property
+    def kv_group(self) -> KVGroupSpec:
+        return KVGroupSpec.for_model_len(self.block_size, self.max_model_len)
+
+    @property
+    def specs(self) -> tuple[KVGroupSpec, ...]:
+        return (self.kv_group,)
+
+    @property
+    def num_state_slots(self) -> int:
+        return 1 + self.max_num_seqs * (1 + self.num_speculative_tokens)
+
+    @property
+    def bucket_spec(self) -> BucketSpec:
+        if self.token_sizes is not None:
+            return BucketSpec(tuple(self.token_sizes), self.max_num_seqs, self.num_speculative_tokens)
+        return BucketSpec.default(self.max_num_batched_tokens, self.max_num_seqs, self.num_speculative_tokens)
+
+
+@struct.dataclass
+class DeviceState:
+    """Everything the step mutates (donated): request rows, block tables, caches."""
+
+    requests: RequestState
+    tables: BlockTables
+    caches: HybridCaches
+
+
+@struct.dataclass
+class StepInputs:
+    """One step's host-to-device payload, fixed shapes per bucket (``-1`` pads ids/rows).
+
+    Attributes:
+      cleared_rows: int32 ``[max_num_seqs]`` rows freed since the last step.
+      new: requests installed this step (``R`` entries).
+      write_rows, write_ids, write_num, write_overwrite: block-table appends
+        (``[R]``, per group ``[R, M]``, ``[G, R]``, ``[R]``).
+      zero_blocks: int32 ``[Z]`` fresh logical KV blocks; zero_slots: int32
+        ``[Zs]`` fresh recurrent slots.
+      poison_blocks / poison_slots: ids freed since the last step, filled with
+        NaN when the runner poisons (all -1 otherwise).
+      sched: the schedule (``R`` rows); drafts: int32 ``[R, k]``.
+      state_indices: int32 ``[R, 1 + k]`` each row's recurrent slots.
+    """
+
+    cleared_rows: jax.Array
+    new: NewRequests
+    write_rows: jax.Array
+    write_ids: tuple[jax.Array, ...]
+    write_num: jax.Array
+    write_overwrite: jax.Array
+    zero_blocks: jax.Array
+    zero_slots: jax.Array
+    poison_blocks: jax.Array
+    poison_slots: jax.Array
+    sched: ScheduledBatch
+    drafts: jax.Array
+    state_indices: jax.Array
+
+
+@dataclasses.dataclass
+class StepOutput:
+    sampled: np.ndarray  # int32 [R, 1 + k]
+    num_sampled: np.ndarray  # int32 [R]
+    logits: np.ndarray  # float32 [L, vocab]
+
+
+def _fill(arrays, ids, value, r=1):
+    """Set kernel blocks ``b*r .. b*r+r-1`` for ids ``b >= 0`` of every array to ``value``."""
+    ids = ids.astype(jnp.int32)
+    k = jnp.arange(r, dtype=jnp.int32)
+    rows = (ids[:, None] * r + k).reshape(-1)
+    ok = jnp.repeat(ids >= 0, r)
+    out = []
+    for a in arrays:
+        dest = jnp.where(ok, rows, a.shape[0])
+        out.append(a.at[dest].set(jnp.asarray(value, a.dtype), mode="drop"))
+    return out
+
+
+def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
+    """Greedy sampling with draft verification.
+
+    Row ``b``'s logits are rows ``cu[b] .. cu[b] + nd_b``; draft ``i`` is accepted
+    while every earlier draft was and ``argmax(logits[cu[b] + i]) == drafts[b, i]``.
+    Returns ``sampled [R, 1 + k]`` (the targets) and ``num_sampled [R]`` =
+    accepted + 1 for rows with logits, 0 for padded rows.
+    """
+    L = logits.shape[0]
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [L]
+    R = num_draft.shape[0]
+    j = jnp.arange(1 + k, dtype=jnp.int32)[None, :]
+    rows = cu_num_logits[:-1, None] + j
+    sampled = target[jnp.clip(rows, 0, L - 1)]
+    has_logits = (cu_num_logits[1:] - cu_num_logits[:-1]) > 0
+    if k:
+        match = (j[:, :k] < num_draft[:, None]) & (sampled[:, :k] == drafts[:, :k])
+        accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    else:
+        accepted = jnp.zeros((R,), jnp.int32)
+    num_sampled = jnp.where(has_logits, accepted + 1, 0).astype(jnp.int32)
+    sampled = jnp.where(j < num_sampled[:, None], sampled, 0)
+    return sampled, num_sampled
+
+
+def step_fn(params, dstate: DeviceState, inp: StepInputs, *, config: RunnerConfig, bucket: Bucket):
+    """One whole step on the device (pure; ``dstate`` is donated by the runner)."""
+    req, tables, caches = dstate.requests, dstate.tables, dstate.caches
+    G = tables.num_groups
+    n_clear = inp.cleared_rows.shape[0]
+    req = req.clear_rows(inp.cleared_rows)
+    tables = tables.write_rows(
+        inp.cleared_rows,
+        [jnp.zeros((n_clear, 0), jnp.int32)] * G,
+        jnp.zeros((G, n_clear), jnp.int32),
+        jnp.ones((n_clear,), jnp.bool_),
+    )
+    req = req.add_requests(inp.new)
+    tables = tables.write_rows(inp.write_rows, inp.write_ids, inp.write_num, inp.write_overwrite)
+
+    from pallas_kernels.block_zero import zero_blocks
+
+    r = config.kv_group.blocks_per_kv_block
+    kv = caches.kv_arrays
+    states = caches.state_arrays
+    if config.poison:
+        kv = _fill(kv, inp.poison_blocks, jnp.nan, r)
+        states = _fill(states, inp.poison_slots, jnp.nan)
+    kv = list(zero_blocks(kv, inp.zero_blocks, kernel_blocks_per_block=r, backend=config.backend))
+    if states:
+        states = list(zero_blocks(states, inp.zero_slots, backend=config.backend))
+    na, nm = len(caches.key), len(caches.conv_state)
+    caches = caches.replace(
+        key=tuple(kv[0::2]), value=tuple(kv[1::2]),
+        conv_state=tuple(states[0::2]), ssm_state=tuple(states[1::2]),
+    )
+    del na, nm
+
+    sched = inp.sched
+    k = config.num_speculative_tokens
+    if k:
+        req = req.set_draft_tokens(sched.idx_mapping, inp.drafts)
+    batch = build_step_batch(
+        req, tables, sched,
+        num_tokens_padded=bucket.num_tokens, num_logits_padded=bucket.num_logits,
+        backend=config.backend,
+    )
+    valid = sched.idx_mapping >= 0
+    safe = jnp.where(valid, sched.idx_mapping, 0)
+    if k:
+        state_indices = inp.state_indices
+        num_accepted = jnp.where(valid, req.num_accepted_tokens[safe], 1)
+    else:
+        state_indices, num_accepted = inp.state_indices[:, 0], None
+    logits, caches = forward_step(
+        params, config.model, batch, caches, state_indices, num_accepted, backend=config.backend
+    )
+    ndraft = jnp.where(valid, sched.num_draft_tokens, 0)
+    sampled, num_sampled = _greedy_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k)
+    req = req.post_update(sched.idx_mapping, sched.num_scheduled_tokens, sampled, num_sampled)
+    out = (sampled, num_sampled, logits)
+    return DeviceState(requests=req, tables=tables, caches=caches), out
+
+
+class Runner:
+    """Owns the params, the donated device state and one compiled step per bucket.
+
+    Args:
+      config: sizes and options.
+      strict: a trace or compile at serving time raises (else a counted warning).
+    """
+
+    def __init__(self, config: RunnerConfig, *, strict: bool = True):
+        self.config = config
+        self.buckets = config.bucket_spec
+        self.params = init_params(config.model, config.seed)
+        self.guard = ServingGuard(strict=strict)
+        self.executables: dict[Bucket, jax.stages.Compiled] = {}
+        self.compile_seconds = 0.0
+        self.state = self._initial_state()
+
+    def _initial_state(self) -> DeviceState:
+        c = self.config
+        g = c.kv_group
+        caches = init_caches(
+            c.model, c.num_blocks * g.blocks_per_kv_block, g.kernel_block_size,
+            c.num_state_slots, c.kv_cache_dtype, num_spec_tokens=c.num_speculative_tokens,
+        )
+        if c.poison:  # every block and slot starts as garbage: only zeroed memory may be read
+            caches = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), caches)
+        return DeviceState(
+            requests=RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens),
+            tables=BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks),
+            caches=caches,
+        )
+
+    # ------------------------------------------------------------ packing
+
+    def _sizes(self, bucket: Bucket):
+        c = self.config
+        M = cdiv(bucket.num_tokens, c.block_size) + 1
+        Z = 2 * bucket.num_reqs * M
+        return M, Z
+
+    def pack(self, plan: StepPlan | None, bucket: Bucket | None = None) -> StepInputs:
+        """The step's fixed-shape numpy payload (``plan=None``: an all-padding dummy step)."""
+        c = self.config
+        bucket = plan.bucket if plan is not None else bucket
+        R, k = bucket.num_reqs, c.num_speculative_tokens
+        M, Z = self._sizes(bucket)
+        S = c.max_num_seqs
+        cleared = np.full((S,), -1, np.int32)
+        w_rows = np.full((R,), -1, np.int32)
+        w_ids = np.zeros((R, M), np.int32)
+        w_num = np.zeros((1, R), np.int32)
+        w_ow = np.zeros((R,), np.bool_)
+        zb = np.full((Z,), -1, np.int32)
+        zs = np.full((R * (1 + k),), -1, np.int32)
+        pb = np.full((c.num_blocks,), -1, np.int32)
+        ps = np.full((c.num_state_slots,), -1, np.int32)
+        drafts = np.zeros((R, k), np.int32)
+        sidx = np.full((R, 1 + k), NULL_BLOCK_ID, np.int32)
+        if plan is None:
+            new = NewRequests.from_lists([], [], max_model_len=c.max_model_len, pad_to=R)
+            sched = ScheduledBatch.empty(R)
+        else:
+            cleared[: len(plan.cleared_rows)] = plan.cleared_rows
+            if len(plan.block_writes) > R or len(plan.blocks_to_zero) > Z:
+                raise RuntimeError(f"step plan exceeds the bucket's staging sizes: {bucket}")
+            for u, (row, ids, ow) in enumerate(plan.block_writes):
+                w_rows[u], w_ow[u] = row, ow
+                w_ids[u, : len(ids[0])] = ids[0]
+                w_num[0, u] = len(ids[0])
+            zb[: len(plan.blocks_to_zero)] = plan.blocks_to_zero
+            zs[: len(plan.slots_to_zero)] = plan.slots_to_zero
+            if c.poison:
+                pb[: len(plan.freed_blocks)] = plan.freed_blocks
+                ps[: len(plan.freed_slots)] = plan.freed_slots
+            new = NewRequests.from_lists(
+                [a[0] for a in plan.added], [a[1] for a in plan.added],
+                prompt_lens=[a[2] for a in plan.added], max_model_len=c.max_model_len, pad_to=R,
+            )
+            rows = [s.req.row for s in plan.scheduled]
+            sched = ScheduledBatch.from_lists(
+                rows, [s.num_tokens for s in plan.scheduled], [len(s.drafts) for s in plan.scheduled], pad_to=R
+            )
+            for b, s in enumerate(plan.scheduled):
+                drafts[b, : len(s.drafts)] = s.drafts
+                if s.req.state_slots:
+                    sidx[b] = s.req.state_slots
+        return StepInputs(
+            cleared_rows=cleared, new=new, write_rows=w_rows, write_ids=(w_ids,), write_num=w_num,
+            write_overwrite=w_ow, zero_blocks=zb, zero_slots=zs, poison_blocks=pb, poison_slots=ps,
+            sched=sched, drafts=drafts, state_indices=sidx,
+        )
+
+    # --------------------------------------------------------- compiling
+
+    def _lower(self, bucket: Bucket):
+        fn = jax.jit(
+            functools.partial(step_fn, config=self.config, bucket=bucket), donate_argnums=(1,)
+        )
+        return fn.lower(self.params, self.state, self.pack(None, bucket))
+
+    def precompile(self, *, workers: int = 1) -> tuple[int, float]:
+        """Compile the step of every bucket; returns ``(executables built, seconds)``."""
+        t0 = time.perf_counter()
+        todo = [b for b in self.buckets.buckets if b not in self.executables]
+
+        def build(b):
+            return b, self._lower(b).compile()
+
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as ex:
+                built = list(ex.map(build, todo))
+        else:
+            built = [build(b) for b in todo]
+        self.executables.update(built)
+        self.compile_seconds += time.perf_counter() - t0
+        return len(built), time.perf_counter() - t0
+
+    # ------------------------------------------------------------ running
+
+    def _run(self, bucket: Bucket, inputs: StepInputs) -> StepOutput:
+        try:
+            exe = self.executables[bucket]
+        except KeyError:
+            raise RuntimeError(f"bucket {bucket} was not precompiled; call precompile() first") from None
+        with self.guard.serving():
+            self.state, (sampled, num_sampled, logits) = exe(self.params, self.state, inputs)
+            return StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits))
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one scheduled step through its bucket's executable."""
+        return self._run(plan.bucket, self.pack(plan))
+
+    def dummy_step(self, bucket: Bucket | None = None) -> StepOutput:
+        """An all-padding step through a real executable (idle DP rank, warm-up)."""
+        bucket = bucket or self.buckets.buckets[0]
+        return self._run(bucket, self.pack(None, bucket))
+
+    def warm_up(self) -> None:
+        """One dummy step through every executable."""
+        for b in self.buckets.buckets:
+            self.dummy_step(b)
