@@ -1,0 +1,303 @@
+"""Zero freshly allocated KV blocks in every cache array, in one launch.
+
+The JAX counterpart of vLLM's ``KVBlockZeroer`` (``vllm/v1/worker/utils.py``,
+PR 43990): a block handed to a new owner may hold bytes that read as NaN/Inf
+(for instance fp32 SSM state reinterpreted as fp8 KV), and attention kernels
+that read whole pages turn them into NaN through ``0 * NaN``. The runner
+therefore zeroes every newly allocated block before its first use.
+
+Block ids are *logical* (allocator) ids. With ``kernel_blocks_per_block = r``,
+each cache array's axis 0 counts kernel blocks and logical block ``b`` covers
+kernel blocks ``b*r .. b*r + r - 1``; all of them are zeroed. An id ``< 0`` is
+padding and zeroes nothing; an id ``>= num_kernel_blocks // r`` is a
+``ValueError`` when concrete and zeroes nothing under ``jit``. Repeated ids are
+allowed (zeroing twice is harmless). Nothing else of any array changes.
+
+All arrays must have the same axis-0 size (every layer's K and V cache has the
+same number of blocks in a vLLM-style pool); their dtypes and trailing shapes
+may differ. Zero means all bits zero (``+0.0`` for floats).
+
+Implementations:
+
+* reference: one ``.at[rows].set(0, mode="drop")`` per array.
+* TPU (Mosaic): ids in SMEM via scalar prefetch, arrays left in HBM and
+  aliased to the outputs; per valid id one DMA per array from an HBM zeros
+  buffer of ``r`` kernel blocks. A padding id issues no DMA.
+* GPU (Pallas Triton): arrays viewed as ``[num_logical_blocks, r * page]`` of
+  same-width unsigned ints, grid (id, column tile), masked zero stores.
+
+Either Pallas flavour is a single ``pallas_call`` for all arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plt
+
+from kvjax import validation
+from pallas_kernels import _backend
+from pallas_kernels.kv_write import gpu_compiler_params
+
+__all__ = ["zero_blocks", "zero_blocks_reference"]
+
+# Elements one GPU program zeroes per array (a power of two, as Triton needs).
+_GPU_MAX_TILE = 2048
+_INT32_MAX = int(np.iinfo(np.int32).max)
+# Same-width unsigned views for the GPU kernel: it stores integer zeros, which
+# every lowering supports for every width (float8 constants it may not).
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _live_ids(block_ids, num_logical_blocks: int):
+    """int32 ``[N]``: the id where it is in ``[0, num_logical_blocks)``, else -1."""
+    live = (block_ids >= 0) & (block_ids < num_logical_blocks)
+    return jnp.where(live, block_ids, -1).astype(jnp.int32)
+
+
+def _uint_view(a):
+    """``a`` as same-width unsigned ints (a bitcast, no copy)."""
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return a
+    return jax.lax.bitcast_convert_type(a, _UINT_OF_WIDTH[np.dtype(a.dtype).itemsize])
+
+
+# --------------------------------------------------------------------------
+# Reference (plain XLA)
+# --------------------------------------------------------------------------
+
+
+def _reference_zero(block_ids, arrays, *, r):
+    num_kernel_blocks = arrays[0].shape[0]
+    ids = _live_ids(block_ids, num_kernel_blocks // r)
+    # [N, r] kernel-block rows; padding goes to row num_kernel_blocks (dropped).
+    rows = ids[:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]
+    rows = jnp.where(ids[:, None] >= 0, rows, num_kernel_blocks).reshape(-1)
+    # In place under donation where XLA scatters the dtype natively (XLA:CPU
+    # upcasts bfloat16/float8 arrays around a scatter: a copy XLA makes).
+    return tuple(a.at[rows].set(jnp.zeros((), a.dtype), mode="drop") for a in arrays)
+
+
+# --------------------------------------------------------------------------
+# TPU (Mosaic): scalar-prefetched ids, DMA from an HBM zeros buffer
+# --------------------------------------------------------------------------
+
+
+def _tpu_zero(block_ids, arrays, *, r, interpret_params):
+    num_kernel_blocks = arrays[0].shape[0]
+    ids = _live_ids(block_ids, num_kernel_blocks // r)
+    # One zeros buffer of r kernel blocks per distinct (dtype, block shape);
+    # K and V of every layer usually share one.
+    kinds = list(dict.fromkeys((np.dtype(a.dtype), a.shape[1:]) for a in arrays))
+    zeros = [jnp.zeros((r,) + shape, dtype) for dtype, shape in kinds]
+    zeros_of = [kinds.index((np.dtype(a.dtype), a.shape[1:])) for a in arrays]
+    n_zeros, n_arr = len(zeros), len(arrays)
+
+    def kernel(ids_ref, *refs):
+        # Prefetch: ids_ref  SMEM i32[N] (-1 = skip)
+        # Inputs:   zeros    HBM [r, *block_shape], one per kind
+        #           arrays   HBM (aliased to the outputs; not read)
+        # Outputs:  arrays   HBM [num_kernel_blocks, *block_shape]
+        # Scratch:  sems     DMA semaphores, one per array
+        zero_refs = refs[:n_zeros]
+        out_refs = refs[n_zeros + n_arr : n_zeros + 2 * n_arr]
+        sems = refs[-1]
+        b = ids_ref[pl.program_id(0)]
+
+        def copies():
+            first = b * r
+            return [
+                pltpu.make_async_copy(zero_refs[zeros_of[a]], out.at[pl.ds(first, r)], sems.at[a])
+                for a, out in enumerate(out_refs)
+            ]
+
+        @pl.when(b >= 0)
+        def _zero_logical_block():
+            cs = copies()
+            for c in cs:
+                c.start()
+            for c in cs:
+                c.wait()
+
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(ids.shape[0],),
+            in_specs=[hbm] * (n_zeros + n_arr),
+            out_specs=tuple([hbm] * n_arr),
+            scratch_shapes=[pltpu.SemaphoreType.DMA((n_arr,))],
+        ),
+        input_output_aliases={1 + n_zeros + a: a for a in range(n_arr)},
+        # Repeated ids may target one block from two steps: keep steps ordered.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret_params,
+        name="zero_blocks_tpu",
+    )
+    return tuple(call(ids, *zeros, *arrays))
+
+
+# --------------------------------------------------------------------------
+# GPU (Pallas Triton): masked zero stores on [num_logical_blocks, r * page] views
+# --------------------------------------------------------------------------
+
+
+def _gpu_zero(block_ids, arrays, *, r, interpret):
+    num_kernel_blocks = arrays[0].shape[0]
+    num_logical_blocks = num_kernel_blocks // r
+    ids = _live_ids(block_ids, num_logical_blocks)
+    views = [_uint_view(a).reshape(num_logical_blocks, -1) for a in arrays]
+    for k, v in enumerate(views):
+        if v.size > _INT32_MAX:
+            raise NotImplementedError(
+                f"the GPU kernel indexes with int32 offsets; caches[{k}] has {v.size} "
+                f"elements, more than {_INT32_MAX}"
+            )
+    widths = [v.shape[1] for v in views]
+    tile = int(min(_GPU_MAX_TILE, pl.next_power_of_2(max(widths))))
+
+    def kernel(ids_ref, *refs):
+        # Inputs:  ids_ref i32[N] (-1 = skip); views [num_logical_blocks, W_a] (aliased)
+        # Outputs: views
+        out_refs = refs[len(views) :]
+        i, j = pl.program_id(0), pl.program_id(1)
+        b = ids_ref[i]
+        live = b >= 0
+        row = jnp.where(live, b, 0)  # keeps masked-off addresses in range
+        start = j * tile
+        cols = start + jnp.arange(tile, dtype=jnp.int32)
+        for out, width in zip(out_refs, widths):
+            zeros = jnp.zeros((tile,), out.dtype)
+            plt.store(out.at[row, pl.ds(start, tile)], zeros, mask=live & (cols < width))
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
+        grid=(ids.shape[0], pl.cdiv(max(widths), tile)),
+        input_output_aliases={1 + a: a for a in range(len(views))},
+        compiler_params=gpu_compiler_params(),
+        interpret=interpret,
+        name="zero_blocks_gpu",
+    )
+    outs = call(ids, *views)
+    return tuple(
+        jax.lax.bitcast_convert_type(o.reshape(a.shape), a.dtype) for o, a in zip(outs, arrays)
+    )
+
+
+# --------------------------------------------------------------------------
+# Dispatch and public API
+# --------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("r", "flavor", "interpret"))
+def _zero(block_ids, arrays, *, r, flavor, interpret):
+    if block_ids.shape[0] == 0 or not arrays:
+        return tuple(arrays)
+    if flavor == "reference":
+        return _reference_zero(block_ids, arrays, r=r)
+    if flavor == "tpu":
+        params = _backend.Choice("tpu", interpret).tpu_interpret_params()
+        return _tpu_zero(block_ids, arrays, r=r, interpret_params=params)
+    return _gpu_zero(block_ids, arrays, r=r, interpret=interpret)
+
+
+def _check(caches, block_ids, r):
+    """Static checks, plus the id range check where concrete; returns the ids to use."""
+    if not isinstance(caches, (list, tuple)):
+        raise ValueError(f"caches must be a list or tuple of arrays, got {type(caches).__name__}")
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1:
+        raise ValueError(f"kernel_blocks_per_block must be an int >= 1, got {r!r}")
+    validation.check_rank("block_ids", block_ids, 1)
+    validation.check_dtype("block_ids", block_ids, (np.int32, np.int64))
+    if not caches:
+        return block_ids
+    for k, a in enumerate(caches):
+        if np.ndim(a) < 1:
+            raise ValueError(f"caches[{k}] must have rank >= 1, got shape {list(np.shape(a))}")
+        dt = np.dtype(a.dtype)
+        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+            raise ValueError(f"caches[{k}] must have a float or integer dtype, got {dt}")
+    num_kernel_blocks = np.shape(caches[0])[0]
+    for k, a in enumerate(caches):
+        if np.shape(a)[0] != num_kernel_blocks:
+            raise ValueError(
+                f"caches must all have the same axis-0 size (kernel blocks); "
+                f"caches[0] has {num_kernel_blocks}, caches[{k}] has {np.shape(a)[0]} "
+                f"(shape {list(np.shape(a))})"
+            )
+    num_logical_blocks, rem = divmod(num_kernel_blocks, r)
+    if rem:
+        raise ValueError(
+            f"the caches' axis-0 size must be a multiple of kernel_blocks_per_block; "
+            f"got {num_kernel_blocks=} and kernel_blocks_per_block={r}"
+        )
+    v = validation.concrete_values(block_ids)
+    if v is None or v.size == 0:
+        return block_ids
+    bad = np.flatnonzero(v >= num_logical_blocks)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"block_ids values must be in [0, {num_logical_blocks}) (num_kernel_blocks="
+            f"{num_kernel_blocks} // kernel_blocks_per_block={r}), or negative for padding; "
+            f"got {int(v[i])} at index {i}"
+        )
+    if v.dtype == np.int64:  # narrow on the host: JAX without x64 would wrap
+        return np.where(v >= 0, v, -1).astype(np.int32)
+    return block_ids
+
+
+def zero_blocks(
+    caches,  # list | tuple of [num_kernel_blocks, ...] arrays
+    block_ids,  # int32 | int64 [N] logical block ids, < 0 = padding
+    *,
+    kernel_blocks_per_block: int = 1,
+    backend: str = "auto",
+    interpret: bool | None = None,
+):
+    """Zero logical blocks ``block_ids`` (all ``r`` kernel sub-blocks) in every array.
+
+    Args:
+      caches: list or tuple of float/integer arrays, all with the same axis-0
+        size ``num_kernel_blocks`` (a multiple of ``r``); trailing shapes and
+        dtypes may differ (K and V of every layer, say).
+      block_ids: int32 (or int64) ``[N]`` logical block ids; ``< 0`` is padding.
+      kernel_blocks_per_block: ``r``, kernel blocks per logical block.
+      backend, interpret: see :mod:`pallas_kernels._backend`.
+
+    Returns:
+      The arrays, updated, in the same container type. Donate them to update in
+      place. Kernel blocks ``b*r .. b*r + r - 1`` of each valid id ``b`` are all
+      bits zero; every other byte is unchanged.
+
+    Raises:
+      ValueError: bad container, shapes, dtypes or ``r`` (at trace time), or a
+        concrete id ``>= num_kernel_blocks // r``.
+    """
+    choice = _backend.resolve(backend, interpret)
+    block_ids = _check(caches, block_ids, kernel_blocks_per_block)
+    out = _zero(
+        block_ids,
+        tuple(caches),
+        r=int(kernel_blocks_per_block),
+        flavor=choice.flavor,
+        interpret=choice.interpret,
+    )
+    if isinstance(caches, list):
+        return list(out)
+    return caches._make(out) if hasattr(caches, "_make") else type(caches)(out)
+
+
+def zero_blocks_reference(caches, block_ids, *, kernel_blocks_per_block: int = 1):
+    """Plain-XLA :func:`zero_blocks` (same contract and checks)."""
+    return zero_blocks(
+        caches, block_ids, kernel_blocks_per_block=kernel_blocks_per_block, backend="reference"
+    )
