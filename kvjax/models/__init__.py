@@ -1,0 +1,20 @@
+"""A tiny hybrid (attention + Mamba2) model over the paged KV cache, and its dense oracle."""
+
+from kvjax.models.caches import HybridCaches as HybridCaches, init_caches as init_caches
+from kvjax.models.config import TinyHybridConfig as TinyHybridConfig
+from kvjax.models.dense import dense_forward as dense_forward
+from kvjax.models.tiny_hybrid import (
+    TinyHybrid as TinyHybrid,
+    forward_step as forward_step,
+    init_params as init_params,
+)
+
+__all__ = [
+    "HybridCaches",
+    "TinyHybrid",
+    "TinyHybridConfig",
+    "dense_forward",
+    "forward_step",
+    "init_caches",
+    "init_params",
+]

@@ -1,0 +1,128 @@
+"""Per-step metadata the layers share, derived once from a :class:`StepBatch`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import validation
+from kvjax.constants import NULL_BLOCK_ID
+from kvjax.state.step_batch import StepBatch
+
+
+class StepContext(NamedTuple):
+    """What the layers read (``T`` tokens, ``R`` rows, ``W`` block-table columns).
+
+    Attributes:
+      positions: int32 ``[T]``.
+      token_row: int32 ``[T]`` batch row of each token, ``R`` for pad tokens.
+      token_real: bool ``[T]`` the token belongs to a real (non-padded) row.
+      query_start_loc: int32 ``[R + 1]``; query_len: int32 ``[R]``.
+      seq_lens: int32 ``[R]``.
+      has_initial_state: bool ``[R]`` ``num_computed_tokens > 0``.
+      prefill_row, decode_row: bool ``[R]`` real rows with at least one token, split
+        by ``is_prefilling``; padded rows are neither.
+      block_table: int32 ``[R, W]`` (the attention group's kernel-block ids).
+      slot_mapping: int32 ``[T]`` (``PAD_SLOT_ID`` for pad tokens).
+      state_slot: int32 ``[R]`` the recurrent-state slot a prefill chunk reads
+        (if ``has_initial_state``) and writes; ``NULL_BLOCK_ID`` for padded rows.
+      state_indices: int32 ``[R]`` or ``[R, 1 + k]`` (speculative), ``NULL_BLOCK_ID``
+        for padded rows.
+      num_accepted_tokens: int32 ``[R]`` (1 for padded rows) or None (no speculation).
+    """
+
+    positions: jax.Array
+    token_row: jax.Array
+    token_real: jax.Array
+    query_start_loc: jax.Array
+    query_len: jax.Array
+    seq_lens: jax.Array
+    has_initial_state: jax.Array
+    prefill_row: jax.Array
+    decode_row: jax.Array
+    block_table: jax.Array
+    slot_mapping: jax.Array
+    state_slot: jax.Array
+    state_indices: jax.Array
+    num_accepted_tokens: jax.Array | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.state_indices.ndim == 2
+
+
+def make_step_context(
+    batch: StepBatch,
+    state_indices: jax.Array,
+    num_accepted_tokens: jax.Array | None,
+    kv_group: int,
+) -> StepContext:
+    """Validate the per-row state arguments against ``batch`` and build the context.
+
+    Padded rows (``idx_mapping == -1``) get ``NULL_BLOCK_ID`` state indices here
+    whatever the caller passed, so they can never read or write a state slot.
+    """
+    R = batch.num_reqs_padded
+    if not 0 <= kv_group < len(batch.block_tables):
+        raise ValueError(
+            f"kv_group={kv_group} is not a KV-cache group of the batch "
+            f"({len(batch.block_tables)} groups)"
+        )
+    si = jnp.asarray(state_indices)
+    validation.check_rank("state_indices", si, (1, 2))
+    validation.check_dtype("state_indices", si, "integer")
+    validation.check_shape("state_indices", si, (R,) if si.ndim == 1 else (R, None))
+    si = si.astype(jnp.int32)
+    if si.ndim == 2 and si.shape[1] == 1:
+        si = si[:, 0]
+    row_valid = batch.idx_mapping >= 0
+    if si.ndim == 2:
+        if num_accepted_tokens is None:
+            raise ValueError(
+                "state_indices [R, 1 + num_spec] (speculative decoding) requires "
+                "num_accepted_tokens [R]"
+            )
+        na = jnp.asarray(num_accepted_tokens)
+        validation.check_shape("num_accepted_tokens", na, (R,))
+        validation.check_dtype("num_accepted_tokens", na, "integer")
+        na = jnp.where(row_valid, na.astype(jnp.int32), 1)  # padded rows: 1, as vLLM pads
+        validation.check_values_in_range("num_accepted_tokens", na, 1, si.shape[1] + 1)
+        si = jnp.where(row_valid[:, None], si, NULL_BLOCK_ID)
+        slot = si[:, 0]
+    else:
+        na = None
+        si = jnp.where(row_valid, si, NULL_BLOCK_ID)
+        slot = si
+
+    qsl = batch.query_start_loc
+    qlen = qsl[1:] - qsl[:-1]
+    live = row_valid & (qlen > 0)
+    token_row = batch.request_of_token
+    real = batch.token_valid & (token_row < R)
+    real = real & row_valid[jnp.minimum(token_row, R - 1)]
+    return StepContext(
+        positions=batch.positions,
+        token_row=token_row,
+        token_real=real,
+        query_start_loc=qsl,
+        query_len=qlen,
+        seq_lens=batch.seq_lens,
+        has_initial_state=batch.num_computed_tokens > 0,
+        prefill_row=live & batch.is_prefilling,
+        decode_row=live & ~batch.is_prefilling,
+        block_table=batch.block_tables[kv_group],
+        slot_mapping=batch.slot_mappings[kv_group],
+        state_slot=slot,
+        state_indices=si,
+        num_accepted_tokens=na,
+    )
