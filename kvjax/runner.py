@@ -27,6 +27,7 @@ from flax import struct
 from kvjax.buckets import Bucket, BucketSpec
 from kvjax.compile_guard import ServingGuard
 from kvjax.constants import NULL_BLOCK_ID
+from kvjax.packing import PackSpec, pack, unpack
 from kvjax.models import HybridCaches, TinyHybridConfig, forward_step, init_caches, init_params
 from kvjax.scheduler import StepPlan
 from kvjax.spec import KVGroupSpec, cdiv
@@ -176,8 +177,13 @@ def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
     return sampled, num_sampled
 
 
-def step_fn(params, dstate: DeviceState, inp: StepInputs, *, config: RunnerConfig, bucket: Bucket):
-    """One whole step on the device (pure; ``dstate`` is donated by the runner)."""
+def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerConfig, bucket: Bucket,
+            spec: PackSpec):
+    """One whole step on the device (pure; ``dstate`` is donated by the runner).
+
+    ``packed`` is the int32 buffer of :class:`StepInputs` made by :func:`kvjax.packing.pack`.
+    """
+    inp: StepInputs = unpack(packed, spec)
     req, tables, caches = dstate.requests, dstate.tables, dstate.caches
     G = tables.num_groups
     n_clear = inp.cleared_rows.shape[0]
@@ -243,12 +249,13 @@ class Runner:
       strict: a trace or compile at serving time raises (else a counted warning).
     """
 
-    def __init__(self, config: RunnerConfig, *, strict: bool = True):
+    def __init__(self, config: RunnerConfig, *, strict: bool = True, compiler_options: dict | None = None):
         self.config = config
+        self.compiler_options = compiler_options
         self.buckets = config.bucket_spec
         self.params = init_params(config.model, config.seed)
         self.guard = ServingGuard(strict=strict)
-        self.executables: dict[Bucket, jax.stages.Compiled] = {}
+        self.executables: dict[Bucket, tuple[jax.stages.Compiled, PackSpec]] = {}
         self.compile_seconds = 0.0
         self.state = self._initial_state()
 
@@ -330,10 +337,13 @@ class Runner:
     # --------------------------------------------------------- compiling
 
     def _lower(self, bucket: Bucket):
+        buf, spec = pack(self.pack(None, bucket))
         fn = jax.jit(
-            functools.partial(step_fn, config=self.config, bucket=bucket), donate_argnums=(1,)
+            functools.partial(step_fn, config=self.config, bucket=bucket, spec=spec),
+            donate_argnums=(1,),
+            compiler_options=self.compiler_options,
         )
-        return fn.lower(self.params, self.state, self.pack(None, bucket))
+        return fn.lower(self.params, self.state, buf), spec
 
     def precompile(self, *, workers: int = 1) -> tuple[int, float]:
         """Compile the step of every bucket; returns ``(executables built, seconds)``."""
@@ -341,7 +351,8 @@ class Runner:
         todo = [b for b in self.buckets.buckets if b not in self.executables]
 
         def build(b):
-            return b, self._lower(b).compile()
+            lowered, spec = self._lower(b)
+            return b, (lowered.compile(), spec)
 
         if workers > 1:
             with ThreadPoolExecutor(workers) as ex:
@@ -356,11 +367,14 @@ class Runner:
 
     def _run(self, bucket: Bucket, inputs: StepInputs) -> StepOutput:
         try:
-            exe = self.executables[bucket]
+            exe, spec = self.executables[bucket]
         except KeyError:
             raise RuntimeError(f"bucket {bucket} was not precompiled; call precompile() first") from None
+        buf, got = pack(inputs)
+        if got != spec:
+            raise RuntimeError(f"step inputs do not match bucket {bucket}'s layout")
         with self.guard.serving():
-            self.state, (sampled, num_sampled, logits) = exe(self.params, self.state, inputs)
+            self.state, (sampled, num_sampled, logits) = exe(self.params, self.state, buf)
             return StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits))
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -371,6 +385,14 @@ class Runner:
         """An all-padding step through a real executable (idle DP rank, warm-up)."""
         bucket = bucket or self.buckets.buckets[0]
         return self._run(bucket, self.pack(None, bucket))
+
+    @functools.cached_property
+    def dense_reference(self):
+        """Jitted ``tokens int32[max_model_len] -> logits`` of the dense oracle (same params, fp8 rule)."""
+        from kvjax.models import dense_forward
+
+        c = self.config
+        return jax.jit(lambda toks: dense_forward(self.params, c.model, toks, c.kv_cache_dtype))
 
     def warm_up(self) -> None:
         """One dummy step through every executable."""

@@ -17,7 +17,7 @@ def test_trace_demo_passes_every_check_and_prints_them():
 
 def test_cli_rejects_bad_requests_count(capsys):
     try:
-        main(["demo", "--requests", "0"])
+        main(["trace", "--requests", "0"])
     except SystemExit as e:
         assert e.code == 2
     assert "--requests must be positive" in capsys.readouterr().err

@@ -1,0 +1,63 @@
+"""One host-to-device transfer per step: pack a pytree of small arrays into one int32 buffer.
+
+Every leaf (int32, bool or float32, any shape) becomes a run of int32 words
+(bools widened, float32 bit-cast); :class:`PackSpec` remembers the tree
+structure, shapes and dtypes (hashable: a static argument), and
+:func:`unpack` rebuilds the pytree inside ``jit`` with static slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SUPPORTED = (np.dtype(np.int32), np.dtype(np.bool_), np.dtype(np.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    treedef: jax.tree_util.PyTreeDef
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return int(sum(int(np.prod(s)) for s in self.shapes))
+
+
+def pack(tree) -> tuple[np.ndarray, PackSpec]:
+    """``tree`` (numpy leaves) -> (int32 ``[n]`` buffer, spec)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    parts, shapes, dtypes = [], [], []
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        if a.dtype not in _SUPPORTED:
+            raise ValueError(f"pack supports int32, bool and float32 leaves, got {a.dtype}")
+        shapes.append(a.shape)
+        dtypes.append(a.dtype.name)
+        if a.dtype == np.float32:
+            parts.append(a.reshape(-1).view(np.int32))
+        else:
+            parts.append(a.reshape(-1).astype(np.int32, copy=False))
+    buf = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+    return buf, PackSpec(treedef, tuple(shapes), tuple(dtypes))
+
+
+def unpack(buf: jax.Array, spec: PackSpec):
+    """Inverse of :func:`pack`, usable under ``jit`` (``spec`` static)."""
+    if buf.shape != (spec.size,):
+        raise ValueError(f"packed buffer must have shape [{spec.size}], got {list(buf.shape)}")
+    leaves, off = [], 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes):
+        n = int(np.prod(shape))
+        part = buf[off: off + n].reshape(shape)
+        off += n
+        if dtype == "float32":
+            part = jax.lax.bitcast_convert_type(part, jnp.float32)
+        elif dtype == "bool":
+            part = part != 0
+        leaves.append(part)
+    return jax.tree.unflatten(spec.treedef, leaves)

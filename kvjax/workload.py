@@ -1,0 +1,93 @@
+"""Workloads for the serving demo: the JSON format, validation and a seeded generator.
+
+Format::
+
+    {"requests": [{"id": "a", "prompt": [72, 101, 108], "max_tokens": 16, "arrival_step": 0}]}
+
+``arrival_step`` is optional (default 0). Validation happens before anything
+is compiled and names the request and field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from kvjax.scheduler import Request
+
+
+class WorkloadError(ValueError):
+    """A workload file or entry is malformed."""
+
+
+def validate_workload(data, *, vocab_size: int, max_model_len: int) -> list[Request]:
+    """Requests from a parsed workload, or :class:`WorkloadError` naming the problem."""
+    if not isinstance(data, dict) or not isinstance(data.get("requests"), list):
+        raise WorkloadError('a workload must be a JSON object with a "requests" list')
+    if not data["requests"]:
+        raise WorkloadError("the workload has no requests")
+    out, seen = [], set()
+    for i, r in enumerate(data["requests"]):
+        where = f"requests[{i}]"
+        if not isinstance(r, dict):
+            raise WorkloadError(f"{where} must be an object, got {type(r).__name__}")
+        rid = r.get("id")
+        if not isinstance(rid, str) or not rid:
+            raise WorkloadError(f"{where}.id must be a non-empty string, got {rid!r}")
+        where = f"request {rid!r}"
+        if rid in seen:
+            raise WorkloadError(f"duplicate request id {rid!r}")
+        seen.add(rid)
+        prompt = r.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            raise WorkloadError(f"{where}: prompt must be a non-empty list of token ids, got {prompt!r}")
+        for j, t in enumerate(prompt):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise WorkloadError(
+                    f"{where}: prompt[{j}]={t!r} is not a token id in [0, {vocab_size})"
+                )
+        if len(prompt) >= max_model_len:
+            raise WorkloadError(
+                f"{where}: prompt has {len(prompt)} tokens; max_model_len={max_model_len} leaves no "
+                f"room to generate"
+            )
+        mt = r.get("max_tokens")
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt <= 0:
+            raise WorkloadError(f"{where}: max_tokens must be a positive int, got {mt!r}")
+        arrival = r.get("arrival_step", 0)
+        if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
+            raise WorkloadError(f"{where}: arrival_step must be a non-negative int, got {arrival!r}")
+        unknown = set(r) - {"id", "prompt", "max_tokens", "arrival_step"}
+        if unknown:
+            raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
+        out.append(Request(rid, list(prompt), mt, arrival))
+    return out
+
+
+def load_workload(path: str, *, vocab_size: int, max_model_len: int) -> list[Request]:
+    """Read and validate a workload file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise WorkloadError(f"cannot read workload {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"workload {path!r} is not valid JSON: {e}") from None
+    return validate_workload(data, vocab_size=vocab_size, max_model_len=max_model_len)
+
+
+def generate_workload(num_requests: int, seed: int, *, max_model_len: int, vocab_size: int = 256) -> dict:
+    """A seeded workload: varied prompt lengths, some repetition (so n-gram drafts hit), staggered arrivals."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(num_requests):
+        n = rng.randint(3, max(3, min(24, max_model_len // 3)))
+        base = [rng.randrange(32, min(127, vocab_size)) for _ in range(rng.randint(2, 5))]
+        prompt = [base[j % len(base)] if rng.random() < 0.5 else rng.randrange(vocab_size) for j in range(n)]
+        reqs.append({
+            "id": f"req{i}",
+            "prompt": prompt,
+            "max_tokens": rng.randint(4, max(4, min(24, max_model_len - n - 1))),
+            "arrival_step": rng.randint(0, 2 * num_requests),
+        })
+    return {"requests": reqs}

@@ -1,0 +1,203 @@
+"""The bucketed runner end to end: parity with the dense reference, poison, fp8,
+speculative decoding, preemption, row reuse, dummy steps and no serving-time compiles."""
+
+import json
+import random
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvjax import NULL_BLOCK_ID
+from kvjax.buckets import BatchTooLargeError, BucketSpec, default_token_sizes
+from kvjax.compile_guard import ServingCompileError, ServingGuard
+from kvjax.packing import pack, unpack
+from kvjax.runner import Runner, RunnerConfig
+from kvjax.scheduler import Request, Scheduler
+from kvjax.serve_demo import serve
+from kvjax.workload import WorkloadError, validate_workload
+
+# Optimisation level 0 cuts the CPU compile of each step several-fold; results are checked
+# against the dense reference either way.
+FAST = {"xla_backend_optimization_level": 0}
+
+BASE = RunnerConfig(block_size=4, num_blocks=14, max_model_len=32, max_num_seqs=3,
+                    max_num_batched_tokens=12, token_sizes=(4, 12), poison=True)
+SPEC_FP8 = RunnerConfig(block_size=4, num_blocks=40, max_model_len=32, max_num_seqs=3,
+                        max_num_batched_tokens=12, token_sizes=(3, 12), num_speculative_tokens=2,
+                        kv_cache_dtype="fp8", poison=True)
+
+
+@pytest.fixture(scope="module")
+def base_runner():
+    r = Runner(BASE, compiler_options=FAST)
+    r.precompile()
+    return r
+
+
+@pytest.fixture(scope="module")
+def spec_runner():
+    r = Runner(SPEC_FP8, compiler_options=FAST)
+    r.precompile()
+    return r
+
+
+def assert_report_ok(report):
+    bad = {k: v for k, v in report.requests.items() if not v["matches_reference"]}
+    assert not bad, bad
+    assert report.serving_compiles == 0
+    assert report.nan_count == 0
+
+
+requests_strategy = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 255), min_size=1, max_size=10),
+        st.integers(1, 8),
+        st.integers(0, 4),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=requests_strategy)
+def test_random_workloads_match_dense_reference_with_poison(base_runner, reqs):
+    requests = [Request(f"q{i}", p, m, a) for i, (p, m, a) in enumerate(reqs)]
+    report, _ = serve(BASE, requests, runner=base_runner, progress_stream=None)
+    assert_report_ok(report)
+    assert all(len(r["output"]) == m for r, (_, m, _) in zip(report.requests.values(), reqs))
+
+
+def test_preemption_by_recompute_keeps_outputs(base_runner):
+    # 3 requests of up to 28 tokens need up to 21 blocks; 13 exist, so some are preempted.
+    rng = random.Random(1)
+    requests = [Request(f"p{i}", [rng.randrange(256) for _ in range(14)], 14, 0) for i in range(3)]
+    report, _ = serve(BASE, requests, runner=base_runner, progress_stream=None)
+    assert report.preemptions > 0
+    assert_report_ok(report)
+
+
+def test_speculative_decoding_fp8_poison_matches_reference_and_accepts_drafts(spec_runner):
+    # Repetitive prompts make the n-gram drafter propose drafts the model may accept.
+    prompts = [[7, 8, 9] * 4, [1, 2] * 5, [50, 60, 70, 80] * 2]
+    requests = [Request(f"s{i}", p, 10, i) for i, p in enumerate(prompts)]
+    report, runner = serve(SPEC_FP8, requests, runner=spec_runner, progress_stream=None)
+    assert_report_ok(report)
+    assert all(len(r["output"]) == 10 for r in report.requests.values())
+
+
+def test_immediate_row_reuse(base_runner):
+    """A request that arrives right after another finishes gets its row at once (LIFO)."""
+    c = BASE
+    sched = Scheduler(c.specs, c.bucket_spec, num_blocks=c.num_blocks, max_model_len=c.max_model_len,
+                      num_state_slots=c.num_state_slots)
+    sched.add_request(Request("a", [3, 4, 5], 2, 0))
+    sched.add_request(Request("b", [9, 9], 3, 3))
+    base_runner.warm_up()
+    rows = {}
+    freed = None
+    while sched.has_work:
+        plan = sched.schedule()
+        if plan is None:
+            continue
+        for row, toks, _ in plan.added:
+            rows[tuple(toks)] = row
+        if plan.cleared_rows:
+            freed = plan.cleared_rows[-1]
+        out = base_runner.execute(plan)
+        sched.update(plan, out.sampled, out.num_sampled, out.logits)
+    assert rows[(9, 9)] == rows[(3, 4, 5)] == freed
+
+
+def _bits(tree):
+    return [np.asarray(x).view(np.uint8).copy() for x in jax.tree.leaves(tree)]
+
+
+def test_dummy_step_leaves_every_cache_and_state_byte_unchanged(base_runner):
+    # Serve something first so rows, tables and caches hold real data; block 0 is NaN (poison).
+    serve(BASE, [Request("d", [1, 2, 3, 4, 5], 3, 0)], runner=base_runner, progress_stream=None)
+    key0 = np.asarray(base_runner.state.caches.key[0][NULL_BLOCK_ID])
+    assert np.isnan(key0).all()
+    for bucket in base_runner.buckets.buckets:
+        before = _bits(base_runner.state)
+        out = base_runner.dummy_step(bucket)
+        after = _bits(base_runner.state)
+        assert all((a == b).all() for a, b in zip(before, after)), bucket
+        assert not out.num_sampled.any()
+
+
+def test_strict_guard_turns_a_serving_time_compile_into_an_error():
+    guard = ServingGuard(strict=True)
+    with pytest.raises(ServingCompileError, match="at serving time"):
+        with guard.serving():
+            jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))
+    lenient = ServingGuard(strict=False)
+    with pytest.warns(RuntimeWarning, match="compile"):
+        with lenient.serving():
+            jax.jit(lambda x: x * 5 - 2)(jnp.arange(9.0))
+    assert lenient.serving_compiles >= 1
+
+
+def test_unknown_bucket_is_an_error_not_a_compile(base_runner):
+    from kvjax.buckets import Bucket
+
+    with pytest.raises(RuntimeError, match="was not precompiled"):
+        base_runner.dummy_step(Bucket(7, 3, 7))
+
+
+def test_buckets():
+    assert default_token_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert all(s % 3 == 0 or s == 20 for s in default_token_sizes(20, 2))
+    spec = BucketSpec((4, 16, 32), max_num_seqs=4, num_speculative_tokens=1)
+    assert spec.choose(3, 2, 3).num_tokens == 4
+    assert spec.choose(5, 4, 8).num_tokens == 16  # 8 logits need R*(1+k) >= 8
+    with pytest.raises(BatchTooLargeError, match="the scheduler must split it"):
+        spec.choose(33, 1, 1)
+    with pytest.raises(ValueError, match="distinct ascending"):
+        BucketSpec((8, 4), 2)
+
+
+def test_pack_roundtrip_under_jit():
+    tree = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": np.array([True, False]),
+            "c": np.array([1.5, -0.0, np.nan], np.float32)}
+    buf, spec = pack(tree)
+    out = jax.jit(lambda b: unpack(b, spec))(buf)
+    np.testing.assert_array_equal(out["a"], tree["a"])
+    np.testing.assert_array_equal(out["b"], tree["b"])
+    np.testing.assert_array_equal(np.asarray(out["c"]).view(np.uint32), tree["c"].view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    "workload, match",
+    [
+        ({"requests": [{"id": "a", "prompt": [], "max_tokens": 2}]}, "prompt must be a non-empty list"),
+        ({"requests": [{"id": "a", "prompt": [1, 256], "max_tokens": 2}]}, r"prompt\[1\]=256 is not a token id in \[0, 256\)"),
+        ({"requests": [{"id": "a", "prompt": [1] * 40, "max_tokens": 2}]}, "prompt has 40 tokens; max_model_len=32"),
+        ({"requests": [{"id": "a", "prompt": [1], "max_tokens": 0}]}, "max_tokens must be a positive int, got 0"),
+        ({"requests": [{"id": "a", "prompt": [1], "max_tokens": 1}, {"id": "a", "prompt": [2], "max_tokens": 1}]}, "duplicate request id 'a'"),
+        ({"requests": []}, "no requests"),
+        ({"reqs": []}, '"requests" list'),
+    ],
+)
+def test_bad_workloads_are_rejected(workload, match):
+    with pytest.raises(WorkloadError, match=match):
+        validate_workload(workload, vocab_size=256, max_model_len=32)
+
+
+def test_cli_rejects_bad_workload_before_any_compile(tmp_path, monkeypatch, capsys):
+    from kvjax import __main__ as cli
+    import kvjax.runner
+
+    def boom(*a, **k):
+        raise AssertionError("compiled before validating the workload")
+
+    monkeypatch.setattr(kvjax.runner.Runner, "precompile", boom)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"requests": [{"id": "x", "prompt": [1, 2, 999], "max_tokens": 3}]}))
+    assert cli.main(["demo", "--workload", str(path)]) == 2
+    assert "prompt[2]=999" in capsys.readouterr().err
+    assert cli.main(["demo", "--workload", str(tmp_path / "missing.json")]) == 2
