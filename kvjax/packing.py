@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SUPPORTED = (np.dtype(np.int32), np.dtype(np.bool_), np.dtype(np.float32))
+_NAMES = {np.dtype(np.int32).char: "int32", np.dtype(np.bool_).char: "bool", np.dtype(np.float32).char: "float32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +34,12 @@ def pack(tree) -> tuple[np.ndarray, PackSpec]:
     parts, shapes, dtypes = [], [], []
     for leaf in leaves:
         a = np.asarray(leaf)
-        if a.dtype not in _SUPPORTED:
+        name = _NAMES.get(a.dtype.char)
+        if name is None:
             raise ValueError(f"pack supports int32, bool and float32 leaves, got {a.dtype}")
         shapes.append(a.shape)
-        dtypes.append(a.dtype.name)
-        if a.dtype == np.float32:
+        dtypes.append(name)
+        if name == "float32":
             parts.append(a.reshape(-1).view(np.int32))
         else:
             parts.append(a.reshape(-1).astype(np.int32, copy=False))

@@ -54,6 +54,7 @@ class RunnerConfig:
     seed: int = 0
     poison: bool = False
     token_sizes: tuple[int, ...] | None = None
+    max_new_requests_per_step: int = 4
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -71,6 +72,19 @@ class RunnerConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one decode window "
                 f"of 1 + {self.num_speculative_tokens} tokens"
             )
+
+    @property
+    def max_new_requests(self) -> int:
+        """Rows staged for new requests per step: ``min(max_new_requests_per_step, max_num_seqs)``."""
+        return max(1, min(self.max_new_requests_per_step, self.max_num_seqs))
+
+    def make_scheduler(self):
+        """A :class:`~kvjax.scheduler.Scheduler` sized for this runner."""
+        from kvjax.scheduler import Scheduler
+
+        return Scheduler(self.specs, self.bucket_spec, num_blocks=self.num_blocks,
+                         max_model_len=self.max_model_len, num_state_slots=self.num_state_slots,
+                         max_new_requests=self.max_new_requests)
 
     @property
     def kv_group(self) -> KVGroupSpec:
@@ -296,17 +310,19 @@ class Runner:
         w_ow = np.zeros((R,), np.bool_)
         zb = np.full((Z,), -1, np.int32)
         zs = np.full((R * (1 + k),), -1, np.int32)
-        pb = np.full((c.num_blocks,), -1, np.int32)
-        ps = np.full((c.num_state_slots,), -1, np.int32)
+        pb = np.full((c.num_blocks if c.poison else 0,), -1, np.int32)
+        ps = np.full((c.num_state_slots if c.poison else 0,), -1, np.int32)
         drafts = np.zeros((R, k), np.int32)
         sidx = np.full((R, 1 + k), NULL_BLOCK_ID, np.int32)
+        U = c.max_new_requests
         if plan is None:
-            new = NewRequests.from_lists([], [], max_model_len=c.max_model_len, pad_to=R)
+            new = NewRequests.from_lists([], [], max_model_len=c.max_model_len, pad_to=U)
             sched = ScheduledBatch.empty(R)
         else:
-            cleared[: len(plan.cleared_rows)] = plan.cleared_rows
-            if len(plan.block_writes) > R or len(plan.blocks_to_zero) > Z:
+            sc = plan.scheduled
+            if len(plan.block_writes) > R or len(plan.blocks_to_zero) > Z or len(plan.added) > U:
                 raise RuntimeError(f"step plan exceeds the bucket's staging sizes: {bucket}")
+            cleared[: len(plan.cleared_rows)] = plan.cleared_rows
             for u, (row, ids, ow) in enumerate(plan.block_writes):
                 w_rows[u], w_ow[u] = row, ow
                 w_ids[u, : len(ids[0])] = ids[0]
@@ -318,16 +334,22 @@ class Runner:
                 ps[: len(plan.freed_slots)] = plan.freed_slots
             new = NewRequests.from_lists(
                 [a[0] for a in plan.added], [a[1] for a in plan.added],
-                prompt_lens=[a[2] for a in plan.added], max_model_len=c.max_model_len, pad_to=R,
+                prompt_lens=[a[2] for a in plan.added], max_model_len=c.max_model_len, pad_to=U,
             )
-            rows = [s.req.row for s in plan.scheduled]
-            sched = ScheduledBatch.from_lists(
-                rows, [s.num_tokens for s in plan.scheduled], [len(s.drafts) for s in plan.scheduled], pad_to=R
-            )
-            for b, s in enumerate(plan.scheduled):
-                drafts[b, : len(s.drafts)] = s.drafts
-                if s.req.state_slots:
-                    sidx[b] = s.req.state_slots
+            n = len(sc)
+            idx = np.full((R,), -1, np.int32)
+            q = np.zeros((R,), np.int32)
+            nd = np.zeros((R,), np.int32)
+            idx[:n] = [s.req.row for s in sc]
+            q[:n] = [s.num_tokens for s in sc]
+            if k:
+                for b, s in enumerate(sc):
+                    if s.drafts:
+                        nd[b] = len(s.drafts)
+                        drafts[b, : len(s.drafts)] = s.drafts
+            if n and sc[0].req.state_slots:
+                sidx[:n] = [s.req.state_slots for s in sc]
+            sched = ScheduledBatch(idx_mapping=idx, num_scheduled_tokens=q, num_draft_tokens=nd)
         return StepInputs(
             cleared_rows=cleared, new=new, write_rows=w_rows, write_ids=(w_ids,), write_num=w_num,
             write_overwrite=w_ow, zero_blocks=zb, zero_slots=zs, poison_blocks=pb, poison_slots=ps,

@@ -23,7 +23,7 @@ from kvjax.spec import KVGroupSpec, cdiv
 from kvjax.state import RequestRows
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity semantics: fast membership tests
 class Request:
     """One request as the scheduler sees it.
 
@@ -102,6 +102,8 @@ class Scheduler:
       max_model_len: longest sequence.
       num_state_slots: recurrent-state slots incl. the reserved slot 0 (0: no
         recurrent layers). Each running request owns ``1 + num_speculative_tokens``.
+      max_new_requests: requests admitted per step at most (the runner stages that
+        many new rows per step).
     """
 
     def __init__(
@@ -112,8 +114,10 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         num_state_slots: int = 0,
+        max_new_requests: int | None = None,
     ):
         self.specs = tuple(specs)
+        self.max_new_requests = max_new_requests or buckets.max_num_seqs
         self.buckets = buckets
         self.k = buckets.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -174,6 +178,8 @@ class Scheduler:
     def _grow(self, req: Request, upto_tokens: int, block_writes) -> bool:
         """Give ``req`` blocks for ``upto_tokens`` tokens; preempt others if needed."""
         need = [max(cdiv(upto_tokens, s.block_size) - len(req.blocks[g]), 0) for g, s in enumerate(self.specs)]
+        if not any(need):
+            return True
         while sum(need) > self.pool.num_free:
             victims = [r for r in self.running if r is not req]
             if not victims:
@@ -204,17 +210,22 @@ class Scheduler:
         added: list = []
         block_writes: dict[int, tuple[list[list[int]], bool]] = {}
         # Admit arrived requests into free rows.
-        while self.waiting and self.waiting[0].arrival_step <= step and self.rows.free_rows:
+        while (self.waiting and self.waiting[0].arrival_step <= step and self.rows.free_rows
+               and len(added) < self.max_new_requests):
             if not self._admit(self.waiting.popleft(), added, block_writes):
                 break
         scheduled: list[ScheduledRequest] = []
         # Decode windows first, then prefill chunks (oldest first).
-        for req in sorted(list(self.running), key=lambda r: not r.is_decoding):
-            if req not in self.running or budget <= 0:
+        n_preempted = self.num_preemptions
+        for req in sorted(self.running, key=lambda r: not r.is_decoding):
+            if budget <= 0 or req.row is None:  # out of budget, or preempted in this loop
                 continue
             if req.is_decoding:
-                room = min(req.max_tokens - len(req.output), self.max_model_len - len(req.tokens)) - 1
-                drafts = propose_ngram(req.tokens, min(self.k, max(room, 0), budget - 1))
+                drafts = []
+                if self.k:
+                    total = len(req.prompt) + len(req.output)
+                    room = min(req.max_tokens - len(req.output), self.max_model_len - total) - 1
+                    drafts = propose_ngram(req.tokens, min(self.k, max(room, 0), budget - 1))
                 n = 1 + len(drafts)
             else:
                 drafts = []
@@ -223,9 +234,11 @@ class Scheduler:
                 continue
             scheduled.append(ScheduledRequest(req, n, drafts))
             budget -= n
-        # Preemption may have removed requests scheduled earlier in this loop.
-        scheduled = [s for s in scheduled if s.req in self.running]
-        added = [a for a in added if any(r.row == a[0] and r.tokens == a[1] for r in self.running)]
+        if self.num_preemptions != n_preempted:
+            # Preemption may have removed requests scheduled or added earlier in this step.
+            live = {id(r) for r in self.running}
+            scheduled = [s for s in scheduled if id(s.req) in live]
+            added = [a for a in added if any(r.row == a[0] and r.tokens == a[1] for r in self.running)]
         if not scheduled and not added and not self._cleared:
             if self.waiting and self.waiting[0].arrival_step > step:
                 self.step_count += 1  # idle: nothing has arrived yet

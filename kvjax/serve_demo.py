@@ -20,7 +20,7 @@ import numpy as np
 
 from kvjax.models import dense_forward
 from kvjax.runner import Runner, RunnerConfig
-from kvjax.scheduler import Request, Scheduler
+from kvjax.scheduler import Request
 
 LOGITS_ATOL = 1e-4
 # fp8 caches: the paged path and the dense reference compute K/V with float32 ops in a
@@ -81,8 +81,7 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
     runner = runner or Runner(config, strict=strict)
     n_exe, _ = runner.precompile(workers=compile_workers)
     runner.warm_up()
-    sched = Scheduler(config.specs, config.bucket_spec, num_blocks=config.num_blocks,
-                      max_model_len=config.max_model_len, num_state_slots=config.num_state_slots)
+    sched = config.make_scheduler()
     for r in sorted(requests, key=lambda r: r.arrival_step):
         sched.add_request(r)
     bar = Progress(len(requests), progress_stream)

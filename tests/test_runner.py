@@ -16,7 +16,7 @@ from kvjax.buckets import BatchTooLargeError, BucketSpec, default_token_sizes
 from kvjax.compile_guard import ServingCompileError, ServingGuard
 from kvjax.packing import pack, unpack
 from kvjax.runner import Runner, RunnerConfig
-from kvjax.scheduler import Request, Scheduler
+from kvjax.scheduler import Request
 from kvjax.serve_demo import serve
 from kvjax.workload import WorkloadError, validate_workload
 
@@ -93,8 +93,7 @@ def test_speculative_decoding_fp8_poison_matches_reference_and_accepts_drafts(sp
 def test_immediate_row_reuse(base_runner):
     """A request that arrives right after another finishes gets its row at once (LIFO)."""
     c = BASE
-    sched = Scheduler(c.specs, c.bucket_spec, num_blocks=c.num_blocks, max_model_len=c.max_model_len,
-                      num_state_slots=c.num_state_slots)
+    sched = c.make_scheduler()
     sched.add_request(Request("a", [3, 4, 5], 2, 0))
     sched.add_request(Request("b", [9, 9], 3, 3))
     base_runner.warm_up()
