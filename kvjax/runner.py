@@ -78,13 +78,13 @@ class RunnerConfig:
         """Rows staged for new requests per step: ``min(max_new_requests_per_step, max_num_seqs)``."""
         return max(1, min(self.max_new_requests_per_step, self.max_num_seqs))
 
-    def make_scheduler(self):
-        """A :class:`~kvjax.scheduler.Scheduler` sized for this runner."""
+    def make_scheduler(self, drafter=None):
+        """A :class:`~kvjax.scheduler.Scheduler` sized for this runner (optional custom drafter)."""
         from kvjax.scheduler import Scheduler
 
         return Scheduler(self.specs, self.bucket_spec, num_blocks=self.num_blocks,
                          max_model_len=self.max_model_len, num_state_slots=self.num_state_slots,
-                         max_new_requests=self.max_new_requests)
+                         max_new_requests=self.max_new_requests, drafter=drafter)
 
     @property
     def kv_group(self) -> KVGroupSpec:

@@ -104,6 +104,8 @@ class Scheduler:
         recurrent layers). Each running request owns ``1 + num_speculative_tokens``.
       max_new_requests: requests admitted per step at most (the runner stages that
         many new rows per step).
+      drafter: ``(tokens, k) -> up to k draft tokens``; default the n-gram
+        prompt-lookup drafter.
     """
 
     def __init__(
@@ -115,9 +117,11 @@ class Scheduler:
         max_model_len: int,
         num_state_slots: int = 0,
         max_new_requests: int | None = None,
+        drafter=None,
     ):
         self.specs = tuple(specs)
         self.max_new_requests = max_new_requests or buckets.max_num_seqs
+        self.drafter = drafter or propose_ngram
         self.buckets = buckets
         self.k = buckets.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -129,6 +133,8 @@ class Scheduler:
         self.finished: list[Request] = []
         self.step_count = 0
         self.num_preemptions = 0
+        self.num_drafts_proposed = 0
+        self.num_drafts_accepted = 0
         self._cleared: list[int] = []
         self._freed_blocks: list[int] = []
         self._freed_slots: list[int] = []
@@ -225,7 +231,7 @@ class Scheduler:
                 if self.k:
                     total = len(req.prompt) + len(req.output)
                     room = min(req.max_tokens - len(req.output), self.max_model_len - total) - 1
-                    drafts = propose_ngram(req.tokens, min(self.k, max(room, 0), budget - 1))
+                    drafts = list(self.drafter(req.tokens, min(self.k, max(room, 0), budget - 1)))
                 n = 1 + len(drafts)
             else:
                 drafts = []
@@ -285,6 +291,8 @@ class Scheduler:
             toks = [int(t) for t in sampled[b, :n]]
             if req.is_decoding:
                 req.num_computed += n
+                self.num_drafts_proposed += len(s.drafts)
+                self.num_drafts_accepted += n - 1
             else:
                 req.num_computed += q
             room = req.max_tokens - len(req.output)

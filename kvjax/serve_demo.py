@@ -48,6 +48,8 @@ class ServeReport:
     serving_compiles: int
     nan_count: int
     preemptions: int
+    drafts_proposed: int
+    drafts_accepted: int
     all_match: bool
 
     def to_json(self) -> dict:
@@ -76,12 +78,15 @@ class Progress:
 
 
 def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True, progress_stream=sys.stderr,
-          runner: Runner | None = None, compile_workers: int = 2) -> tuple[ServeReport, Runner]:
-    """Run ``requests`` to completion; returns the report and the runner (for inspection)."""
+          runner: Runner | None = None, compile_workers: int = 2, drafter=None) -> tuple[ServeReport, Runner]:
+    """Run ``requests`` to completion; returns the report and the runner (for inspection).
+
+    ``drafter``: ``(tokens, k) -> drafts`` for speculative decoding (default: n-gram lookup).
+    """
     runner = runner or Runner(config, strict=strict)
     n_exe, _ = runner.precompile(workers=compile_workers)
     runner.warm_up()
-    sched = config.make_scheduler()
+    sched = config.make_scheduler(drafter)
     for r in sorted(requests, key=lambda r: r.arrival_step):
         sched.add_request(r)
     bar = Progress(len(requests), progress_stream)
@@ -111,6 +116,8 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
         serving_compiles=runner.guard.serving_compiles + runner.guard.serving_traces,
         nan_count=nan_count,
         preemptions=sched.num_preemptions,
+        drafts_proposed=sched.num_drafts_proposed,
+        drafts_accepted=sched.num_drafts_accepted,
         all_match=all(r["matches_reference"] for r in results.values()),
     )
     del n_exe
@@ -152,6 +159,7 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> 
         f"buckets compiled        {report.executables} ({', '.join(str(b['num_tokens']) for b in report.buckets)} tokens) in {report.compile_seconds:.1f} s",
         f"serving-time compiles   {report.serving_compiles}",
         f"preemptions             {report.preemptions}",
+        f"draft tokens accepted   {report.drafts_accepted}/{report.drafts_proposed}",
         f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within {logits_tolerance(config.kv_cache_dtype):g})",
         f"NaN count               {report.nan_count}",
     ]

@@ -72,6 +72,14 @@ def test_random_workloads_match_dense_reference_with_poison(base_runner, reqs):
     assert all(len(r["output"]) == m for r, (_, m, _) in zip(report.requests.values(), reqs))
 
 
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=requests_strategy)
+def test_random_workloads_speculative_fp8_poison_match_reference(spec_runner, reqs):
+    requests = [Request(f"s{i}", p * 2, m, a) for i, (p, m, a) in enumerate(reqs)]  # repeats: drafts hit
+    report, _ = serve(SPEC_FP8, requests, runner=spec_runner, progress_stream=None)
+    assert_report_ok(report)
+
+
 def test_preemption_by_recompute_keeps_outputs(base_runner):
     # 3 requests of up to 28 tokens need up to 21 blocks; 13 exist, so some are preempted.
     rng = random.Random(1)
@@ -88,6 +96,40 @@ def test_speculative_decoding_fp8_poison_matches_reference_and_accepts_drafts(sp
     report, runner = serve(SPEC_FP8, requests, runner=spec_runner, progress_stream=None)
     assert_report_ok(report)
     assert all(len(r["output"]) == 10 for r in report.requests.values())
+    assert report.drafts_proposed > 0  # speculation really ran (acceptance depends on the weights)
+
+
+@pytest.mark.parametrize("good_drafts", [2, 1, 0])
+def test_accepted_and_rejected_drafts_give_the_greedy_output(spec_runner, good_drafts):
+    """A drafter that knows the model's greedy continuation gets its drafts accepted; one that
+    corrupts the later drafts gets them rejected at the right place. Either way the output is
+    the plain greedy one, and KV and Mamba states past a rejection do not leak."""
+    runner = spec_runner
+    L = SPEC_FP8.max_model_len
+
+    def greedy_next(tokens):
+        toks = np.zeros((L,), np.int32)
+        toks[: len(tokens)] = tokens
+        return int(np.asarray(runner.dense_reference(jnp.asarray(toks)))[len(tokens) - 1].argmax())
+
+    def drafter(tokens, k):
+        out, seq = [], list(tokens)
+        for i in range(k):
+            t = greedy_next(seq)
+            out.append(t if i < good_drafts else (t + 1) % 256)
+            seq.append(t)
+        return out
+
+    requests = [Request("g0", [5, 6, 7, 8], 9, 0), Request("g1", [200, 3], 7, 0)]
+    report, _ = serve(SPEC_FP8, requests, runner=runner, progress_stream=None, drafter=drafter)
+    assert_report_ok(report)
+    assert report.drafts_proposed > 0
+    if good_drafts == 2:
+        assert report.drafts_accepted == report.drafts_proposed
+    elif good_drafts == 0:
+        assert report.drafts_accepted == 0
+    else:
+        assert 0 < report.drafts_accepted < report.drafts_proposed
 
 
 def test_immediate_row_reuse(base_runner):
