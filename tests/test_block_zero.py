@@ -21,32 +21,16 @@ import numpy as np
 import pytest
 
 from pallas_kernels.block_zero import zero_blocks, zero_blocks_reference
+from kvjax.testing.asserts import assert_bitwise, bits, races_found  # noqa: E402
+from kvjax.testing.convert import to_numpy, to_torch  # noqa: E402
+
+
+def torch_bits(t):
+    return bits(to_numpy(t))
 
 BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
 FP8 = ml_dtypes.float8_e4m3fn
 NKB = 8  # kernel blocks per array
-
-
-def races_found():
-    """The TPU interpreter's race flag, or None when this JAX does not expose it."""
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-    except ImportError:
-        return None
-    races = getattr(ipc, "races", None)
-    return None if races is None else bool(races.races_found)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-
-
-def assert_bitwise(actual, expected, name):
-    a, e = bits(actual), bits(expected)
-    assert a.dtype == e.dtype and a.shape == e.shape, f"{name}: {a.dtype}{a.shape} vs {e.dtype}{e.shape}"
-    diff = np.argwhere(a != e)
-    assert diff.size == 0, f"{name}: {len(diff)} elements differ, first at {tuple(diff[0])}"
 
 
 # K/V-like arrays of one pool: different dtypes and trailing shapes, same axis 0.
@@ -193,26 +177,6 @@ def test_random_ids(ids, seed):
 # --------------------------------------------------------------------------
 # torch differential
 # --------------------------------------------------------------------------
-
-
-def to_torch(x):
-    torch = pytest.importorskip("torch")
-    x = np.ascontiguousarray(x)
-    views = {
-        np.dtype(ml_dtypes.bfloat16): (np.uint16, torch.bfloat16),
-        np.dtype(FP8): (np.uint8, torch.float8_e4m3fn),
-    }
-    if x.dtype in views:
-        raw, tdt = views[x.dtype]
-        return torch.from_numpy(x.view(raw).copy()).view(tdt)
-    return torch.from_numpy(x.copy())
-
-
-def torch_bits(t):
-    torch = pytest.importorskip("torch")
-    size = t.element_size()
-    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
-    return t.contiguous().view(raw).numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size])
 
 
 @pytest.mark.parametrize("seed", range(3))

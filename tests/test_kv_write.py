@@ -31,6 +31,12 @@ from pallas_kernels.kv_write import (
     reshape_and_cache_flash,
     reshape_and_cache_flash_reference,
 )
+from kvjax.testing.asserts import assert_bitwise, bits, races_found  # noqa: E402
+from kvjax.testing.convert import to_numpy, to_torch  # noqa: E402
+
+
+def torch_bits(t):
+    return bits(to_numpy(t))
 
 BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
 FP8 = ml_dtypes.float8_e4m3fn
@@ -45,16 +51,6 @@ L, R = 16, 8  # MLA kv_lora_rank, pe_dim
 # --------------------------------------------------------------------------
 
 
-def races_found():
-    """The TPU interpreter's race flag, or None when this JAX does not expose it."""
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-    except ImportError:
-        return None
-    races = getattr(ipc, "races", None)
-    return None if races is None else bool(races.races_found)
-
-
 def assert_no_races(backend):
     if backend != "pallas_tpu":
         return
@@ -62,22 +58,6 @@ def assert_no_races(backend):
     if found is None:
         pytest.skip("this JAX exposes no TPU-interpreter race state; race check skipped")
     assert not found, "TPU interpret mode detected a race"
-
-
-def bits(x):
-    """The raw bits of an array (NaN payloads included), as unsigned ints."""
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-
-
-def assert_bitwise(actual, expected, name="cache"):
-    a, e = bits(actual), bits(expected)
-    assert a.shape == e.shape, f"{name}: shape {a.shape} != {e.shape}"
-    diff = np.argwhere(a != e)
-    assert diff.size == 0, (
-        f"{name}: {len(diff)} elements differ, first at {tuple(diff[0])}: "
-        f"got {a[tuple(diff[0])]:#x}, expected {e[tuple(diff[0])]:#x}"
-    )
 
 
 def poisoned_cache(rng, shape, dtype):
@@ -420,25 +400,6 @@ def test_flash_random_slot_mappings(perm_seed, pad_mask, fp8):
 # --------------------------------------------------------------------------
 # torch differential (kvjax.testing.torch_ref)
 # --------------------------------------------------------------------------
-
-
-def to_torch(x):
-    torch = pytest.importorskip("torch")
-    x = np.ascontiguousarray(x)
-    views = {
-        np.dtype(ml_dtypes.bfloat16): (np.uint16, torch.bfloat16),
-        np.dtype(FP8): (np.uint8, torch.float8_e4m3fn),
-    }
-    if x.dtype in views:
-        raw, tdt = views[x.dtype]
-        return torch.from_numpy(x.view(raw).copy()).view(tdt)
-    return torch.from_numpy(x.copy())
-
-
-def torch_bits(t):
-    torch = pytest.importorskip("torch")
-    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
-    return t.contiguous().view(raw).numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32}[t.element_size()])
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -23,6 +23,7 @@ from pallas_kernels.token_combine import (
     combine_sampled_and_draft_tokens,
     combine_sampled_and_draft_tokens_reference,
 )
+from kvjax.testing.asserts import races_found  # noqa: E402
 
 BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
 # T tokens, R batch rows, MR request rows, S speculative steps, L logits rows.
@@ -104,16 +105,6 @@ def oracle(a):
         for i in range(nd):
             ids[qe - nd + i] = a["draft_tokens"][s, i]
     return ids, li
-
-
-def races_found():
-    """The TPU interpreter's race flag, or None when this JAX does not expose it."""
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-    except ImportError:
-        return None
-    races = getattr(ipc, "races", None)
-    return None if races is None else bool(races.races_found)
 
 
 def run(a, backend):

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from kvjax.testing import vllm as oracle
+from kvjax.testing.asserts import assert_bitwise, bits  # noqa: E402
 
 FP8 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
@@ -43,21 +44,6 @@ CVD_AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")
 def _vllm_oracle():
     if not oracle.available():
         pytest.skip(f"vLLM oracle unavailable: {oracle.reason()}")
-
-
-def bits(a):
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
-def assert_bitwise(actual, expected, name):
-    a, e = bits(actual), bits(expected)
-    assert a.shape == e.shape, f"{name}: shape {a.shape} != {e.shape}"
-    diff = np.argwhere(a != e)
-    assert diff.size == 0, (
-        f"{name}: {len(diff)} elements differ, first at {tuple(diff[0])}: "
-        f"got {a[tuple(diff[0])]:#x}, expected {e[tuple(diff[0])]:#x}"
-    )
 
 
 def assert_close(actual, expected, name, rtol, atol):
