@@ -159,8 +159,9 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> 
         f"buckets compiled        {report.executables} ({', '.join(str(b['num_tokens']) for b in report.buckets)} tokens) in {report.compile_seconds:.1f} s",
         f"serving-time compiles   {report.serving_compiles}",
         f"preemptions             {report.preemptions}",
-        f"draft tokens accepted   {report.drafts_accepted}/{report.drafts_proposed}",
         f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within {logits_tolerance(config.kv_cache_dtype):g})",
         f"NaN count               {report.nan_count}",
     ]
+    if config.num_speculative_tokens:
+        lines.insert(-2, f"draft tokens accepted   {report.drafts_accepted}/{report.drafts_proposed}")
     print("\n".join(lines), file=out)
