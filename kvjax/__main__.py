@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvjax demo | trace``."""
+"""Command line: ``python -m kvjax demo | trace | difftest``."""
 
 from __future__ import annotations
 
@@ -61,6 +61,34 @@ def _demo(args, parser) -> int:
     return 0 if ok else 1
 
 
+def _ops_list(text: str) -> list[str]:
+    return [o for o in text.split(",") if o]
+
+
+def _difftest(args, parser) -> int:
+    from kvjax.testing import difftest as dt
+    from kvjax.testing.scenarios import OPS
+
+    ops = [o for group in (args.ops or []) for o in group] or None
+    unknown = [o for o in ops or [] if o not in OPS]
+    if unknown:
+        parser.error(f"unknown op(s) {unknown}; ops are: {', '.join(OPS)}")
+    if args.cases < 0:
+        parser.error(f"--cases must be >= 0, got {args.cases}")
+    try:
+        report = dt.difftest(against=args.against, ops=ops, cases=args.cases, seed=args.seed,
+                             backend=args.backend, interpret=True if args.interpret else None,
+                             progress=None if args.quiet else sys.stderr)
+    except dt.VLLMUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return 0 if report.ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax", description="kvjax demos")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,7 +114,22 @@ def main(argv=None) -> int:
     trace = sub.add_parser("trace", help="a scheduling trace through the state functions (no model)")
     trace.add_argument("--seed", type=int, default=0)
     trace.add_argument("--requests", type=int, default=4)
+    diff = sub.add_parser("difftest", help="compare kvjax with the torch reference / vLLM on seeded "
+                                           "scenarios (exit 1 on any mismatch)")
+    diff.add_argument("--against", choices=("torch", "vllm", "all"), default="torch",
+                      help="what to compare with (torch); vllm needs `bash scripts/install_vllm_oracle.sh`")
+    diff.add_argument("--ops", nargs="+", type=_ops_list, metavar="OP",
+                      help="ops to run, space- or comma-separated (default: all)")
+    diff.add_argument("--cases", type=int, default=4, help="random scenarios per op, besides the adversarial ones (4)")
+    diff.add_argument("--seed", type=int, default=0, help="base seed of the scenarios (0)")
+    diff.add_argument("--backend", choices=("reference", "pallas", "auto"), default="auto",
+                      help="kvjax kernels: jnp reference, Pallas, or auto (auto)")
+    diff.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
+    diff.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    diff.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.command == "difftest":
+        return _difftest(args, parser)
     if args.command == "demo":
         return _demo(args, parser)
     if args.command == "trace":
