@@ -10,7 +10,6 @@ no padding, full recompute): identical greedy tokens and logits within
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 
@@ -18,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.models import dense_forward
+from kvjax.progress import Progress
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.scheduler import Request
 
@@ -56,27 +55,6 @@ class ServeReport:
         return dataclasses.asdict(self)
 
 
-class Progress:
-    """A one-line text progress bar on a stream (no dependency)."""
-
-    def __init__(self, total: int, stream=sys.stderr, width: int = 30):
-        self.total, self.stream, self.width = total, stream, width
-        self.enabled = stream is not None
-
-    def update(self, done: int, step: int) -> None:
-        if not self.enabled:
-            return
-        filled = int(self.width * done / max(self.total, 1))
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {done}/{self.total} requests finished, step {step}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True, progress_stream=sys.stderr,
           runner: Runner | None = None, compile_workers: int = 2, drafter=None) -> tuple[ServeReport, Runner]:
     """Run ``requests`` to completion; returns the report and the runner (for inspection).
@@ -89,7 +67,7 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
     sched = config.make_scheduler(drafter)
     for r in sorted(requests, key=lambda r: r.arrival_step):
         sched.add_request(r)
-    bar = Progress(len(requests), progress_stream)
+    bar = Progress(len(requests), progress_stream, unit="requests finished")
     steps = 0
     t0 = time.perf_counter()
     while sched.has_work:
@@ -99,7 +77,7 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
         out = runner.execute(plan)
         sched.update(plan, out.sampled, out.num_sampled, out.logits)
         steps += 1
-        bar.update(len(sched.finished), steps)
+        bar.update(len(sched.finished), f"step {steps}")
     serving = time.perf_counter() - t0
     bar.close()
     results, nan_count = check_against_reference(runner, config, sched.finished)

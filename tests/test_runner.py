@@ -3,7 +3,6 @@ speculative decoding, preemption, row reuse, dummy steps and no serving-time com
 
 import json
 import random
-import warnings
 
 import jax
 import jax.numpy as jnp

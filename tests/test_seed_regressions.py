@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kvjax
 from kvjax import (
     NULL_BLOCK_ID, PAD_SLOT_ID, BlockPool, BlockTables, KVGroupSpec, RequestRows, RequestState,
     ScheduledBatch, build_step_batch, dummy_step_batch,

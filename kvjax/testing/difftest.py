@@ -672,20 +672,9 @@ def _progress_reporter(progress, total: int):
         return None, None
     if callable(progress) and not hasattr(progress, "write"):
         return (lambda done, label: progress(done, total, label)), None
-    from kvjax.serve_demo import Progress
+    from kvjax.progress import Progress
 
-    class _ScenarioProgress(Progress):
-        """serve_demo's bar, counting scenarios instead of requests."""
-
-        def update(self, done: int, label: str) -> None:  # type: ignore[override]
-            if not self.enabled:
-                return
-            filled = int(self.width * done / max(self.total, 1))
-            bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(f"\r[{bar}] {done}/{self.total} scenarios  {label[:48]:<48}")
-            self.stream.flush()
-
-    bar = _ScenarioProgress(total, sys.stderr if progress is True else progress)
+    bar = Progress(total, sys.stderr if progress is True else progress, unit="scenarios")
     return bar.update, bar.close
 
 
