@@ -34,6 +34,7 @@ from pallas_kernels.mamba_ssu import (
     _triton,
     _valid_index,
 )
+from pallas_kernels._xla import scatter_set
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
 
@@ -215,9 +216,8 @@ def _conv_update_reference(a: _ConvArgs):
     keep = rows[..., :ncols]
     new_lead = jnp.where(cmask[:, None, :], vals.astype(sd), keep)
     new_rows = jnp.concatenate([new_lead, rows[..., ncols:]], axis=-1)
-    conv_state = a.conv_state.at[jnp.where(a.ok, a.idx, L)].set(new_rows, mode="drop")
-    out = a.x.at[tok.reshape(-1)].set(
-        jnp.swapaxes(acc, 1, 2).reshape(-1, dim).astype(a.x.dtype), mode="drop")
+    conv_state = scatter_set(a.conv_state, jnp.where(a.ok, a.idx, L), new_rows)
+    out = scatter_set(a.x, tok.reshape(-1), jnp.swapaxes(acc, 1, 2).reshape(-1, dim))
     return out, conv_state
 
 
@@ -587,7 +587,7 @@ def _conv_varlen_jnp(x, weight, bias, conv_states, query_start_loc, cache_indice
     hv = jnp.take_along_axis(hist, jnp.where(in_x, 0, p)[:, None, :], axis=-1)
     new_lead = jnp.where(in_x[:, None, :], xv, hv).astype(sd)
     new_rows = jnp.concatenate([new_lead, rows[..., W - 1:]], axis=-1)
-    conv_states = conv_states.at[jnp.where(ok, cache_indices, L)].set(new_rows, mode="drop")
+    conv_states = scatter_set(conv_states, jnp.where(ok, cache_indices, L), new_rows)
     return jnp.transpose(out), conv_states
 
 

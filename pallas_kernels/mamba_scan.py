@@ -33,6 +33,7 @@ from pallas_kernels.mamba_ssu import (
     _token_segment_ids,
     _valid_index,
 )
+from pallas_kernels._xla import scatter_set
 
 __all__ = ["selective_scan_varlen", "DEFAULT_CHUNK_SIZE"]
 
@@ -103,7 +104,7 @@ def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_init
     init = (jnp.zeros((H, P, N), jnp.float32), jnp.zeros((R, H, P, N), jnp.float32))
     (_, finals), ys = jax.lax.scan(body, init, jnp.arange(T))
     out = _finish(ys, x, D, z, tok_ok[:, None, None]).astype(x.dtype)
-    state = state.at[jnp.where(ok, cache_indices, L)].set(finals.astype(state.dtype), mode="drop")
+    state = scatter_set(state, jnp.where(ok, cache_indices, L), finals)
     return out, state
 
 
@@ -177,7 +178,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
         y.reshape(NC * Q, H, P).astype(x.dtype), mode="drop")
     c_last = jnp.where(ok, cend - 1, 0)
     finals = s_out[c_last]
-    state = state.at[jnp.where(ok, cache_indices, L)].set(finals.astype(state.dtype), mode="drop")
+    state = scatter_set(state, jnp.where(ok, cache_indices, L), finals)
     return out, state
 
 
