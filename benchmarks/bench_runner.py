@@ -23,7 +23,7 @@ import numpy as np
 
 from kvjax.packing import pack
 from kvjax.runner import Runner, RunnerConfig
-from kvjax.scheduler import Request, Scheduler
+from kvjax.scheduler import Request
 
 
 def _decode_ready(cfg: RunnerConfig, n: int):

@@ -18,14 +18,17 @@ division and fp8 conversion on the device, and a short decode-sized timing
 (informational, not a benchmark), close the run.
 
 Last run, 2026-11-22, NVIDIA H100 80GB HBM3, driver 580.159.04, jax/jaxlib
-0.11.2 (CUDA 13), Pallas Triton lowering: 17/17 checks passed (all flash,
-MLA, fp8 and zero_blocks cases bitwise equal to numpy for both the GPU kernel
-and the reference; donated caches updated in place, GPU kernel temp 512 B
-(auto) / 4.6 KB (fp8) for a 128 MiB / 64 MiB cache). Diagnosis: plain XLA
-float32 x / s differed from IEEE in 259615 of 1048576 elements (div.full.f32),
-ieee_divide in 0, f32 -> fp8 conversion in 0. Decode write T=64, H=8, D=128,
-8192 blocks of 16, median host-synchronised call: auto 79 us kernel vs 72 us
-reference, fp8 78 us vs 86 us (dispatch-dominated at this size; no claim).
+0.11.2 (CUDA 13), Pallas Triton lowering, the kernels of BENCHMARKS.md (several
+tokens per program, slot check in the kernel, per-head fp8 scales): 17/17
+checks passed (all flash, MLA, fp8 and zero_blocks cases bitwise equal to
+numpy for both the GPU kernel and the reference; donated caches updated in
+place, GPU kernel temp 16 B (auto) / 288 B (fp8) for a 128 MiB / 64 MiB cache;
+the first kernels: 512 B / 4.6 KB). Diagnosis: plain XLA float32 x / s
+differed from IEEE in 259615 of 1048576 elements (div.full.f32), ieee_divide
+in 0, f32 -> fp8 conversion in 0. Decode write T=64, H=8, D=128, 8192 blocks
+of 16, median host-synchronised call: auto 87 us kernel vs 94 us reference,
+fp8 84 us vs 81 us (dispatch-dominated, and run beside the other two checks;
+no claim: device-side figures are in BENCHMARKS.md, from bench_kernels.py).
 """
 
 from __future__ import annotations

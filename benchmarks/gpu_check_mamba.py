@@ -14,16 +14,19 @@ copy per call when the pool is donated).
 ``--interpret`` runs the GPU kernels through the generic Pallas interpreter (on a
 CPU), with smaller sizes, to dry-run this script without a GPU.
 
-Recorded run (NVIDIA H100 80GB HBM3, jax 0.11.2, Pallas Triton lowering): all 15
-checks PASS (13 correctness cases, 2 in-place checks). Timings, per call, donated
-pool, 20 iterations (two runs):
+Recorded runs (NVIDIA H100 80GB HBM3, jax 0.11.2, Pallas Triton lowering): all 15
+checks PASS (13 correctness cases, 2 in-place checks), with the first SSU kernel and,
+on 2026-11-22, with the one of BENCHMARKS.md (32 rows of dim per program, no zero-filled
+output). Timings, per call, donated pool, 20 iterations, host-synchronised (the
+device-side figures are in BENCHMARKS.md):
 
-* ssu decode b=64 H=32 P=64 N=128 (L=256): reference 111 / 116 us, GPU kernel 88 / 86 us;
-  GPU kernel temp memory 512 B vs a 256 MiB pool (in place).
-* conv decode b=64 dim=4352 W=4: reference 47 / 41 us, GPU kernel 47 / 77 us (noisy;
-  not settled).
-* prefill scan T=2048 R=8 H=8 P=64 N=128: token scan 16.6 ms; chunked 0.63 ms (Q=64),
-  0.42 ms (Q=128), 0.43 ms (Q=256).
+* ssu decode b=64 H=32 P=64 N=128 (L=256): first kernel: reference 111 / 116 us, GPU
+  kernel 88 / 86 us; 2026-11-22 (run beside the other two checks): reference 117 us,
+  GPU kernel 97 us. GPU kernel temp memory 512 B vs a 256 MiB pool (in place).
+* conv decode b=64 dim=4352 W=4: reference 47 / 41 / 59 us, GPU kernel 47 / 77 / 50 us
+  (noisy; not settled).
+* prefill scan T=2048 R=8 H=8 P=64 N=128: token scan 16.6 / 17.0 ms; chunked 0.63 /
+  0.58 ms (Q=64), 0.42 / 0.43 ms (Q=128), 0.43 / 0.44 ms (Q=256).
 """
 
 from __future__ import annotations

@@ -33,9 +33,10 @@ Implementations (picked by :func:`pallas_kernels._backend.resolve`):
   ``_TPU_TOKENS_PER_STEP`` tokens share a grid step so their DMAs overlap.
   fp8 inputs are staged through VMEM and quantised there before the DMA
   (compiled, Mosaic's float32 division; its rounding is not yet checked on a TPU).
-* GPU (Pallas Triton, see :func:`gpu_compiler_params`): grid (token, column
-  tile), masked loads/stores; a skipped token's stores are fully masked. fp8
-  divides with PTX ``div.rn.f32`` (Triton's ``/`` is ``div.full.f32``).
+* GPU (Pallas Triton, see :func:`gpu_compiler_params`): grid (block of
+  tokens, column tile), masked loads/stores, the slot range check in the
+  kernel (one launch per call); a skipped token's stores are fully masked.
+  fp8 divides with PTX ``div.rn.f32`` (Triton's ``/`` is ``div.full.f32``).
 
 Callers donate the caches (``jax.jit(..., donate_argnums=...)``) so that the
 write happens in place: every implementation aliases the cache buffers to its
@@ -84,6 +85,18 @@ _TPU_TOKENS_PER_STEP = 8
 # Upper bound on the columns one GPU program copies (a power of two, as Triton
 # needs); vLLM's Triton kernel uses min(2048, next_pow2(H * D)) too.
 _GPU_MAX_TILE = 2048
+# Tokens per GPU program: at most this many, and few enough that a call has at
+# least _GPU_MIN_PROGRAMS programs (4 per SM of an H100) where it can.
+_GPU_MAX_TOKENS_PER_PROGRAM = 8
+_GPU_MIN_PROGRAMS = 512
+# fp8: one token per program. Each element costs an IEEE division (div.rn.f32),
+# and with more rows per thread the registers held across the loads cut the
+# warps in flight (measured: 8 tokens per program took 1.6x as long).
+_GPU_FP8_MAX_TOKENS_PER_PROGRAM = 1
+# Benchmark overrides (None: the rules above); benchmarks/bench_kernels.py sets them.
+_GPU_TOKENS_PER_PROGRAM: int | None = None
+_GPU_NUM_WARPS: int | None = None
+_GPU_EVICTION: str | None = None  # eviction policy of the row loads and stores
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -472,24 +485,35 @@ def _tpu_write(slot_mapping, sources, caches, segments, scales, *, interpret_par
 
 
 # --------------------------------------------------------------------------
-# GPU: Pallas Triton lowering, masked stores
+# GPU: Pallas Triton lowering, several tokens per program, masked stores
 # --------------------------------------------------------------------------
 
 
-def gpu_compiler_params():
+def gpu_compiler_params(num_warps: int = 4):
     """``compiler_params`` for every GPU-flavoured kernel in ``pallas_kernels``.
 
-    The one place that picks the Pallas GPU lowering. It is Pallas Triton,
-    chosen for simplicity and correctness first, not yet by a measurement
-    against Mosaic GPU: the write kernels are scatters of short rows, which
-    Triton expresses directly as masked pointer stores (a masked-off lane
-    touches no memory, so a PAD or out-of-range slot cannot write), and the
-    same kernel body runs in generic interpret mode on CPU for CI. Mosaic GPU,
-    the maintained lowering, would copy rows through SMEM/TMA instead. Switch
-    here, and in the ``_gpu_*`` kernels, if Mosaic GPU measures faster on the
-    device, and before JAX removes the Triton lowering (deprecated in 0.11).
+    The one place that picks the Pallas GPU lowering. It is Pallas Triton:
+    the write kernels are scatters of short rows, which Triton expresses
+    directly as masked pointer stores (a masked-off lane touches no memory, so
+    a PAD or out-of-range slot cannot write), and the same kernel body runs in
+    generic interpret mode on CPU for CI. Measured on an H100 (JAX 0.11.2,
+    BENCHMARKS.md) the Triton kernels run at 87-90% of the copy bandwidth for
+    large writes and 2-3 us for decode-sized ones, ahead of torch and plain XLA.
+
+    Mosaic GPU, the maintained lowering, was tried for the flash write (bulk
+    TMA loads of a block of rows into SMEM, one predicated TMA store per token)
+    and could not be measured: in JAX 0.11.2 a Mosaic GPU kernel no longer
+    lowers through ``pl.pallas_call`` (the lowering asserts; 0.10.2 only
+    warned "migrate to plgpu.kernel"), and ``plgpu.kernel`` has no
+    ``input_output_aliases``, so it cannot update a donated cache in place, the
+    one thing these kernels must do. Porting means JAX's Ref-based kernel API
+    (the cache passed as a mutable Ref); do it here, and in the ``_gpu_*``
+    kernels, before JAX removes the Triton lowering (deprecated in 0.11).
+
+    Args:
+      num_warps: warps per program (a kernel picks it from its tile size).
     """
-    return plt.CompilerParams(num_warps=4, num_stages=1)
+    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
 def _gpu_tile(widths: Sequence[int]) -> int:
@@ -506,11 +530,55 @@ def _check_gpu_int32_offsets(name: str, shape) -> None:
         )
 
 
-def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
-    """Pallas Triton kernel on 2-D views: sources ``[T, W]``, caches ``[num_slots, W']``.
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
 
-    Program ``(t, j)`` copies columns ``[j * tile, (j + 1) * tile)`` of token
-    ``t``'s row; the store mask is empty when the slot is PAD or out of range.
+
+def _gpu_tokens_per_program(n: int, quantize: bool) -> int:
+    """Tokens one GPU program writes: 1 for decode-sized ``n``, up to 8 for prefill.
+
+    Enough programs to spread over the SMs (at least ``_GPU_MIN_PROGRAMS``
+    where ``n`` allows), and up to ``_GPU_MAX_TOKENS_PER_PROGRAM`` rows per
+    program (``_GPU_FP8_MAX_TOKENS_PER_PROGRAM`` when quantising) so that
+    each thread has several 16-byte loads in flight.
+    """
+    if _GPU_TOKENS_PER_PROGRAM is not None:  # benchmark override
+        return _GPU_TOKENS_PER_PROGRAM
+    most = _GPU_FP8_MAX_TOKENS_PER_PROGRAM if quantize else _GPU_MAX_TOKENS_PER_PROGRAM
+    return int(min(most, _pow2_floor(n // _GPU_MIN_PROGRAMS)))
+
+
+def _gpu_num_warps(tile: int, itemsize: int) -> int:
+    """Warps that give each thread 16 bytes of a ``tile``-wide row of ``itemsize`` elements."""
+    if _GPU_NUM_WARPS is not None:  # benchmark override
+        return _GPU_NUM_WARPS
+    return int(min(8, max(1, tile * itemsize // (32 * 16))))
+
+
+def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
+    """Pallas Triton kernel on 2-D views: sources ``[T, W_s]``, caches ``[num_slots, W_d]``.
+
+    Program ``(p, j)`` writes tokens ``p * bt .. p * bt + bt - 1`` (``bt`` from
+    :func:`_gpu_tokens_per_program`), columns ``[j * tile_s, (j + 1) * tile_s)``
+    of each segment ``s``. It loads every row first and stores afterwards, so
+    all of a program's loads are in flight together. A token's store mask is
+    empty when it is past ``N`` or its slot is negative or beyond the cache:
+    the range check runs in the kernel (no separate XLA pass over the slot
+    mapping, so a call is one launch), on the mapping's own dtype.
+
+    Measured on an H100 against the first version (one token per program,
+    slots range-checked by a separate XLA op; BENCHMARKS.md): bf16 8 x 128,
+    T=16: 2.8 us vs 3.2; T=4096: 14.3-15.4 us vs 17.1 (8 tokens per
+    program; 1 token: 18.1); T=32768: 102-104 us either way (87-89% of copy
+    bandwidth). fp8 wants one token per program (see
+    ``_GPU_FP8_MAX_TOKENS_PER_PROGRAM``).
+
+    fp8: the scale rows are constant along each source's last axis (per head
+    for the flash layout, one scale for MLA: see ``_check_flash`` and
+    ``_check_mla``), so the kernel gets one float32 per group (``[H]`` or
+    ``[1]``) and gathers it per column, instead of re-reading a full float32
+    row per token (8 KiB of cache traffic per token for 8 x 128 K and V).
+    Measured: fp8 flash T=32768 80.7 -> 77.8 us, MLA fp8 T=32768 45.9 -> 26.5 us.
     """
     n = slot_mapping.shape[0]
     num_slots = caches[0].shape[0] * caches[0].shape[1]
@@ -519,46 +587,66 @@ def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
     for k, c in enumerate(flat_caches):
         _check_gpu_int32_offsets(f"cache {k}", c.shape)
     widths = [s.shape[1] for s in flat_src]
-    tile = _gpu_tile(widths)
-    num_tiles = pl.cdiv(max(widths), tile)
+    tiles = [int(min(_GPU_MAX_TILE, pl.next_power_of_2(w))) for w in widths]
+    num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
     quantize = scales is not None
-    scale_args = [s.reshape(-1) for s in scales] if quantize else []
+    bt = _gpu_tokens_per_program(n, quantize)
+    num_warps = _gpu_num_warps(max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src))
+    # Columns per scale value of each source: its last axis (D, or all of L / R).
+    groups = [s.shape[-1] for s in sources]
+    scale_args = [s.reshape(-1, g)[:, 0] for s, g in zip(scales, groups)] if quantize else []
     divide = ieee_divide if interpret else _ptx_div_rn
+    evict = _GPU_EVICTION
     n_src, n_dst = len(sources), len(caches)
 
     def kernel(slots_ref, *refs):
-        # Inputs:  slots_ref i32[N] (-1 = skip); sources [T, W_s];
-        #          fp8 only: scales f32[W_s]; caches [num_slots, W_d] (aliased)
+        # Inputs:  slots_ref int[N] (raw slot mapping); sources [T, W_s];
+        #          fp8 only: scales f32[W_s / group_s]; caches [num_slots, W_d] (aliased)
         # Outputs: caches [num_slots, W_d]
         src_refs = refs[:n_src]
         scale_refs = refs[n_src : n_src + len(scale_args)]
         out_refs = refs[len(refs) - n_dst :]
-        t, j = pl.program_id(0), pl.program_id(1)
-        slot = slots_ref[t]
-        live = slot >= 0
-        row = jnp.where(live, slot, 0)  # keeps masked-off addresses in range
-        start = j * tile
-        cols = start + jnp.arange(tile, dtype=jnp.int32)
+        p, j = pl.program_id(0), pl.program_id(1)
+        tokens = [p * bt + i for i in range(bt)]
+        # Rows read: clamped into [0, N) so every load is in bounds; a token
+        # past N is masked at the store.
+        src_rows = [jnp.minimum(t, n - 1) for t in tokens]
+        slots = [slots_ref[r] for r in src_rows]
+        live = [(t < n) & (s >= 0) & (s < num_slots) for t, s in zip(tokens, slots)]
+        # Masked-off stores keep their addresses in range (row 0).
+        dst_rows = [jnp.where(ok, s, 0).astype(jnp.int32) for ok, s in zip(live, slots)]
+        loaded = []
         for seg in segments:
+            tile = tiles[seg.src]
+            start = j * tile
+            cols = start + jnp.arange(tile, dtype=jnp.int32)
             in_row = cols < widths[seg.src]
-            x = plt.load(src_refs[seg.src].at[t, pl.ds(start, tile)], mask=in_row)
             if quantize:
-                scale = plt.load(scale_refs[seg.src].at[pl.ds(start, tile)], mask=in_row)
-                x = quantize_fp8(x, scale, divide=divide)
-            col = 0 if seg.col is None else seg.col
-            dst = out_refs[seg.dst].at[row, pl.ds(col + start, tile)]
-            plt.store(dst, x.astype(out_refs[seg.dst].dtype), mask=in_row & live)
+                group_of_col = jax.lax.div(cols, jnp.int32(groups[seg.src]))
+                scale = plt.load(scale_refs[seg.src].at[group_of_col], mask=in_row)
+            rows = []
+            for r in src_rows:
+                x = plt.load(src_refs[seg.src].at[r, pl.ds(start, tile)], mask=in_row,
+                             eviction_policy=evict)
+                rows.append(quantize_fp8(x, scale, divide=divide) if quantize else x)
+            loaded.append((seg, start, in_row, rows))
+        for seg, start, in_row, rows in loaded:
+            out = out_refs[seg.dst]
+            col = (0 if seg.col is None else seg.col) + start
+            for x, row, ok in zip(rows, dst_rows, live):
+                plt.store(out.at[row, pl.ds(col, tiles[seg.src])], x.astype(out.dtype),
+                          mask=in_row & ok, eviction_policy=evict)
 
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in flat_caches),
-        grid=(n, num_tiles),
+        grid=(pl.cdiv(n, bt), num_col_tiles),
         input_output_aliases={1 + n_src + len(scale_args) + d: d for d in range(n_dst)},
-        compiler_params=gpu_compiler_params(),
+        compiler_params=gpu_compiler_params(num_warps),
         interpret=interpret,
         name="kv_write_gpu",
     )
-    outs = call(_live_slots(slot_mapping, num_slots), *flat_src, *scale_args, *flat_caches)
+    outs = call(slot_mapping, *flat_src, *scale_args, *flat_caches)
     return tuple(o.reshape(c.shape) for o, c in zip(outs, caches))
 
 

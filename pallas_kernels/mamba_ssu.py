@@ -549,12 +549,16 @@ def _gpu_impl():
     """The GPU implementation of selective_state_update.
 
     Pallas-Triton (``jax.experimental.pallas.triton``): one program per (sequence,
-    head, block of ``dim``) with masked loads/stores, exactly the structure of vLLM's
-    Triton kernel. Chosen because it is the simplest correct lowering for a
-    gather/scatter by row index with tiny per-program tiles and no tensor-core work:
-    Mosaic GPU wants warpgroup-sized (128-row) tiles and TMA-aligned copies, which a
-    decode step of a few [dim, dstate] rows does not have. Triton is deprecated in
-    JAX 0.11 (still shipped in 0.11.2); to switch lowering, replace this function.
+    head, block of ``dim``) with masked loads/stores, the structure of vLLM's Triton
+    kernel with larger blocks (``_SSU_GPU_TILE_ELEMS``). Chosen because it is the
+    simplest correct lowering for a gather/scatter by row index with no tensor-core
+    work, and it measures at 90% of the H100's copy bandwidth at batch 256 (5.7x
+    torch, 2x plain XLA; BENCHMARKS.md). Mosaic GPU was not tried for this kernel:
+    in JAX 0.11.2 it no longer lowers through ``pl.pallas_call`` and ``plgpu.kernel``
+    takes no ``input_output_aliases`` (see ``pallas_kernels.kv_write.gpu_compiler_params``),
+    so updating the state pool in place needs JAX's Ref-based kernel API. Triton is
+    deprecated in JAX 0.11 (still shipped in 0.11.2); to switch lowering, replace
+    this function.
     """
     return _ssu_gpu_triton
 
@@ -563,17 +567,25 @@ def _ssu_gpu(a: _SSUArgs, interpret: bool):
     return _gpu_impl()(a, interpret)
 
 
-def _block_m(P: int, Ns: int) -> int:
-    # vLLM's hand-tuned BLOCK_SIZE_M by dstate (no autotune: it would overwrite state).
-    if Ns <= 16:
-        bm = 32
-    elif Ns <= 32:
-        bm = 16
-    elif Ns <= 64:
-        bm = 8
-    else:
-        bm = 4
-    return min(bm, _pow2(P))
+# GPU tiles: a program holds [BM, dstate] of one head's state, BM * pow2(dstate)
+# close to this many float32 elements (16 KiB), so each thread of 4 warps keeps
+# 32 elements (eight 16-byte loads) in flight. vLLM's BLOCK_SIZE_M (4 at dstate
+# 128), which the first version used, gives half a million 2 KiB programs at
+# batch 256. Measured on an H100 (benchmarks/bench_kernels.py, 128 heads x 64 x
+# 128, fp32 state, batch 256): BM=4 920 us (70% of copy bandwidth), 8: 783,
+# 16: 724, 32: 714 (90%), 64: 709-711; batch 1: 13 us vs 14.7 for BM=4.
+_SSU_GPU_TILE_ELEMS = 4096
+# Benchmark overrides (None: the rules here); benchmarks/bench_kernels.py sets them.
+_SSU_GPU_BLOCK_M: int | None = None
+_SSU_GPU_NUM_WARPS: int | None = None
+_SSU_GPU_EVICTION: str | None = None  # eviction policy of the state row loads and stores
+
+
+def _ssu_gpu_tile(P: int, Ns: int) -> tuple[int, int]:
+    """(BM, num_warps) for the GPU kernel."""
+    bm = _SSU_GPU_BLOCK_M or max(1, _SSU_GPU_TILE_ELEMS // _pow2(Ns))
+    bm = min(bm, _pow2(P))
+    return bm, _SSU_GPU_NUM_WARPS or 4
 
 
 def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
@@ -587,7 +599,8 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
     Wd = a.dst.shape[1]
     if N == 0 or T == 0:
         return jnp.zeros(a.x.shape, a.x.dtype), state
-    BM = _block_m(P, Ns)
+    BM, num_warps = _ssu_gpu_tile(P, Ns)
+    evict = _SSU_GPU_EVICTION
     BN = _pow2(Ns)
     Pdt = a.dt.shape[2]
     _, Pa, Na = a.A.shape
@@ -603,9 +616,16 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
         inputs.append(a.dt_bias)
     if has_z:
         inputs.append(a.z)
-    inputs.append(jnp.zeros(a.x.shape, a.x.dtype))  # out: tokens outside every sequence read 0
+    # Varlen: tokens outside every sequence read 0, so out starts as zeros
+    # (aliased). Otherwise every token is its own sequence and the kernel
+    # writes all of out: no zero fill, one launch less.
+    zero_out = a.varlen
+    if zero_out:
+        inputs.append(jnp.zeros(a.x.shape, a.x.dtype))
     inputs.append(state)
     n_in = len(inputs)
+    n_aliased = 2 if zero_out else 1
+    one_token = not a.varlen
 
     def kernel(*refs):
         it = iter(refs)
@@ -614,7 +634,8 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
         D_ref = next(it) if has_D else None
         bias_ref = next(it) if has_bias else None
         z_ref = next(it) if has_z else None
-        next(it), next(it)  # aliased inputs (out zeros, state)
+        for _ in range(n_aliased):  # aliased inputs ([out zeros,] state)
+            next(it)
         out_ref, state_ref = next(it), next(it)
         f32 = jnp.float32
         b = pl.program_id(0)
@@ -654,13 +675,15 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
         src_ok = srcok_ref[b] != 0
 
         def read_state():
-            v = pltr.load(state_ref.at[src_ref[b], h, ds_m, ds_n], mask=mask2, other=0.0)
+            v = pltr.load(state_ref.at[src_ref[b], h, ds_m, ds_n], mask=mask2, other=0.0,
+                          eviction_policy=evict)
             return v.astype(f32)
 
         h0 = jax.lax.cond(src_ok, read_state, lambda: jnp.zeros((BM, BN), f32))
 
         def write_state(row, val):
-            pltr.store(state_ref.at[row, h, ds_m, ds_n], val.astype(state_ref.dtype), mask=mask2)
+            pltr.store(state_ref.at[row, h, ds_m, ds_n], val.astype(state_ref.dtype), mask=mask2,
+                       eviction_policy=evict)
 
         t0 = bos_ref[b]
         n_tok = len_ref[b]
@@ -694,7 +717,8 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
             pltr.store(out_ref.at[t, h, ds_m], y.astype(out_ref.dtype), mask=mask_m)
             return hn
 
-        hf = jax.lax.fori_loop(0, n_tok, body, h0)
+        # Without cu_seqlens every sequence is one token: no loop.
+        hf = body(jnp.int32(0), h0) if one_token else jax.lax.fori_loop(0, n_tok, body, h0)
         if not per_token:
             @pl.when((dstok_ref[b * Wd] != 0) & (n_tok > 0))
             def _():
@@ -705,8 +729,8 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
         grid=(N, H, pl.cdiv(P, BM)),
         out_shape=[jax.ShapeDtypeStruct(a.x.shape, a.x.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={n_in - 2: 0, n_in - 1: 1},
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        input_output_aliases={n_in - 2: 0, n_in - 1: 1} if zero_out else {n_in - 1: 1},
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
     )(*inputs)
     return out, state

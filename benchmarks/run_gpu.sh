@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of kvjax in one command (run from the repository root):
+#
+#     bash benchmarks/run_gpu.sh OUTDIR [SECONDS] [extra bench_kernels.py arguments...]
+#
+# OUTDIR receives: env.log (GPU, versions, the kernel files' hashes, the checks' exit
+# codes), checks.log (the three gpu_check scripts, one after another in the file; they
+# run side by side, no timing depends on them), runner.json / runner.log
+# (bench_runner.py --device-steps; RUNNER=0 skips it) and kernels.json / kernels.log
+# (bench_kernels.py).
+# SECONDS (default 400) bounds the whole run: bench_kernels.py gets what is left after
+# the checks and the runner and skips what would not fit (recorded in its JSON).
+set -u
+out=${1:-gpu-results}
+budget=${2:-400}
+shift $(( $# > 2 ? 2 : $# ))
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PYTHON:-python3}
+start=$SECONDS
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  $PY -c "import jax, jaxlib, torch, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'torch', torch.__version__, 'triton', triton.__version__); print(jax.devices())"
+  sha256sum pallas_kernels/*.py benchmarks/*.py
+} > "$out/env.log" 2>&1
+
+timeout 170 $PY benchmarks/gpu_check_kv_write.py > "$out/check_kv_write.log" 2>&1 &
+p1=$!
+timeout 170 $PY benchmarks/gpu_check_mamba.py > "$out/check_mamba.log" 2>&1 &
+p2=$!
+timeout 170 $PY benchmarks/gpu_check_token_combine.py > "$out/check_token_combine.log" 2>&1 &
+p3=$!
+wait $p1; r1=$?
+wait $p2; r2=$?
+wait $p3; r3=$?
+echo "checks exit codes: kv_write=$r1 mamba=$r2 token_combine=$r3 ($((SECONDS - start)) s)" >> "$out/env.log"
+for f in check_kv_write check_mamba check_token_combine; do
+  echo "===== $f.log"
+  cat "$out/$f.log"
+done > "$out/checks.log"
+rm -f "$out"/check_*.log
+grep -hE "^(PASS|FAIL)|checks passed|passed" "$out/checks.log" | tail -n 80
+
+if [ "${RUNNER:-1}" != 0 ]; then  # RUNNER=0 skips the runner benchmark
+  timeout 130 $PY benchmarks/bench_runner.py --device-steps --json "$out/runner.json" > "$out/runner.log" 2>&1
+  echo "runner exit code: $? ($((SECONDS - start)) s)" >> "$out/env.log"
+fi
+
+left=$(( budget - (SECONDS - start) ))
+timeout $(( left + 20 )) $PY benchmarks/bench_kernels.py --json "$out/kernels.json" --deadline "$left" "$@" \
+  > "$out/kernels.log" 2>&1
+echo "bench_kernels exit code: $? ($((SECONDS - start)) s)" >> "$out/env.log"
+tail -n 4 "$out/env.log"
