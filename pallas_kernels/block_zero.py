@@ -19,7 +19,8 @@ may differ. Zero means all bits zero (``+0.0`` for floats).
 
 Implementations:
 
-* reference: one ``.at[rows].set(0, mode="drop")`` per array.
+* reference: one ``.at[rows].set(0, mode="drop")`` per array (through an unsigned
+  view for 2-byte floats, see ``pallas_kernels._xla.scatter_set``).
 * TPU (Mosaic): ids in SMEM via scalar prefetch, arrays left in HBM and
   aliased to the outputs; per valid id one DMA per array from an HBM zeros
   buffer of ``r`` kernel blocks. A padding id issues no DMA.
@@ -46,6 +47,7 @@ from jax.experimental.pallas import triton as plt
 from kvjax import validation
 from pallas_kernels import _backend
 from pallas_kernels.kv_write import gpu_compiler_params
+from pallas_kernels._xla import scatter_set
 
 __all__ = ["zero_blocks", "zero_blocks_reference"]
 
@@ -91,7 +93,7 @@ def _reference_zero(block_ids, arrays, *, r):
     rows = jnp.where(ids[:, None] >= 0, rows, num_kernel_blocks).reshape(-1)
     # In place under donation where XLA scatters the dtype natively (XLA:CPU
     # upcasts bfloat16/float8 arrays around a scatter: a copy XLA makes).
-    return tuple(a.at[rows].set(jnp.zeros((), a.dtype), mode="drop") for a in arrays)
+    return tuple(scatter_set(a, rows, jnp.zeros((), a.dtype)) for a in arrays)
 
 
 # --------------------------------------------------------------------------

@@ -59,6 +59,7 @@ from jax.experimental.pallas import triton as plt
 from kvjax import validation
 from kvjax.constants import PAD_SLOT_ID
 from pallas_kernels import _backend
+from pallas_kernels._xla import scatter_set
 
 __all__ = [
     "FP8_DTYPE",
@@ -361,7 +362,7 @@ def _reference_write(slot_mapping, sources, caches, segments, scales):
             parts.append(x if scales is None else quantize_fp8(x, scales[seg.src]))
         new_rows = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
         flat = cache.reshape((num_slots,) + cache.shape[2:])
-        flat = flat.at[rows].set(new_rows.astype(cache.dtype), mode="drop")
+        flat = scatter_set(flat, rows, new_rows)
         outs.append(flat.reshape(cache.shape))
     return tuple(outs)
 

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from kvjax import validation
 from kvjax.constants import NULL_BLOCK_ID
 from pallas_kernels._backend import Choice, resolve
+from pallas_kernels._xla import scatter_set
 
 __all__ = ["selective_state_update"]
 
@@ -339,7 +340,7 @@ def _ssu_reference(a: _SSUArgs):
         # One token per sequence: fully vectorised.
         h1, y = _step_math(h0, a.x, a.dt, a.A, a.B, a.C, a.D, a.dt_bias, a.z, a.dt_softplus, goh)
         tgt = jnp.where(a.dst_ok[:, 0], a.dst[:, 0], L)
-        state = state.at[tgt].set(h1.astype(state.dtype), mode="drop")
+        state = scatter_set(state, tgt, h1)
         return y.astype(a.x.dtype), state
 
     seg, pos, tvalid = _token_segment_ids(a.bos, a.lens, T)
@@ -360,7 +361,7 @@ def _ssu_reference(a: _SSUArgs):
         else:
             wr = ok & (i == a.lens[b] - 1) & a.dst_ok[b, 0]
             d = a.dst[b, 0]
-        st = st.at[jnp.where(wr, d, L)].set(hn.astype(st.dtype), mode="drop")
+        st = scatter_set(st, jnp.where(wr, d, L), hn)
         return (hn, st), jnp.where(ok, y, 0.0)
 
     init = (jnp.zeros((H, P, Ns), jnp.float32), state)
