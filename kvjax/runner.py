@@ -39,6 +39,9 @@ class RunnerConfig:
     """Sizes and options of a runner (hashable).
 
     ``num_blocks`` counts logical KV blocks including the reserved block 0.
+    ``matmul_precision`` is the ``jax.default_matmul_precision`` the step (and the
+    dense reference) is traced under: "highest" keeps float32 matmuls float32 on GPUs,
+    whose default (TF32) moves logits by ~3e-3.
     ``num_state_slots`` (derived) is ``1 + max_num_seqs * (1 + num_speculative_tokens)``.
     """
 
@@ -55,6 +58,7 @@ class RunnerConfig:
     poison: bool = False
     token_sizes: tuple[int, ...] | None = None
     max_new_requests_per_step: int = 4
+    matmul_precision: str = "highest"
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -365,7 +369,8 @@ class Runner:
             donate_argnums=(1,),
             compiler_options=self.compiler_options,
         )
-        return fn.lower(self.params, self.state, buf), spec
+        with jax.default_matmul_precision(self.config.matmul_precision):
+            return fn.lower(self.params, self.state, buf), spec
 
     def precompile(self, *, workers: int = 1) -> tuple[int, float]:
         """Compile the step of every bucket; returns ``(executables built, seconds)``."""
@@ -414,7 +419,13 @@ class Runner:
         from kvjax.models import dense_forward
 
         c = self.config
-        return jax.jit(lambda toks: dense_forward(self.params, c.model, toks, c.kv_cache_dtype))
+        fn = jax.jit(lambda toks: dense_forward(self.params, c.model, toks, c.kv_cache_dtype))
+
+        def reference(tokens):
+            with jax.default_matmul_precision(c.matmul_precision):
+                return fn(tokens)
+
+        return reference
 
     def warm_up(self) -> None:
         """One dummy step through every executable."""

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from kvjax.models.caches import kv_storage_dtype
@@ -35,10 +36,20 @@ def _rope(x, theta):
     return jnp.concatenate([jnp.real(xc), jnp.imag(xc)], axis=-1)
 
 
+# float32 value of every float8_e4m3fn bit pattern.
+_FP8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
 def _fp8_round_trip(x, scale):
-    """What an fp8 cache gives back: ``float8(saturate(x / scale)) * scale``."""
+    """What an fp8 cache gives back: ``float8(saturate(x / scale)) * scale``.
+
+    The float8 value is read back from a table indexed by its bits: XLA:GPU
+    (``xla_allow_excess_precision``) drops a plain ``f32 -> fp8 -> f32`` convert
+    pair, which would leave K/V unquantised on the reference side.
+    """
     q = jnp.clip(x / scale, -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q.astype(jnp.float32) * scale
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.int32)
+    return jnp.asarray(_FP8_VALUES)[bits] * scale
 
 
 def _attention(lp, c: TinyHybridConfig, x, fp8: bool):
