@@ -618,6 +618,10 @@ def main():
         sweep_section([(k, v) for k, v in runs.items()]),
         "",
     ]
+    demo = base + "-demo.md"  # hand-written notes of the end-to-end demo run, if any
+    if os.path.exists(demo):
+        with open(demo) as fh:
+            parts += [fh.read()]
     with open(a.out, "w") as fh:
         fh.write("\n".join(parts))
     print(f"wrote {a.out}" + (f" and {png}" if have_plot else " (no plot: matplotlib missing)"))
