@@ -51,8 +51,14 @@ def _demo(args, parser) -> int:
         return 2
     print(f"serving {len(requests)} requests on the tiny hybrid model "
           f"({len(model.layer_types)} layers: {', '.join(model.layer_types)})", file=sys.stderr)
+    if args.compile_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     report, _ = serve(config, requests, strict=not args.no_strict,
-                      progress_stream=None if args.quiet else sys.stderr)
+                      progress_stream=None if args.quiet else sys.stderr,
+                      compile_workers=max(1, args.compile_workers))
     print_summary(report, config)
     if args.json:
         with open(args.json, "w") as f:
@@ -111,6 +117,10 @@ def main(argv=None) -> int:
     demo.add_argument("--no-strict", action="store_true", help="count serving-time compiles instead of failing")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    demo.add_argument("--compile-cache", metavar="DIR",
+                      help="JAX persistent compilation cache directory (reused across runs)")
+    demo.add_argument("--compile-workers", type=int, default=2,
+                      help="threads compiling the buckets in parallel (2)")
     trace = sub.add_parser("trace", help="a scheduling trace through the state functions (no model)")
     trace.add_argument("--seed", type=int, default=0)
     trace.add_argument("--requests", type=int, default=4)
