@@ -226,12 +226,10 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     kv = list(zero_blocks(kv, inp.zero_blocks, kernel_blocks_per_block=r, backend=config.backend))
     if states:
         states = list(zero_blocks(states, inp.zero_slots, backend=config.backend))
-    na, nm = len(caches.key), len(caches.conv_state)
     caches = caches.replace(
         key=tuple(kv[0::2]), value=tuple(kv[1::2]),
         conv_state=tuple(states[0::2]), ssm_state=tuple(states[1::2]),
     )
-    del na, nm
 
     sched = inp.sched
     k = config.num_speculative_tokens

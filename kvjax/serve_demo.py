@@ -62,7 +62,7 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
     ``drafter``: ``(tokens, k) -> drafts`` for speculative decoding (default: n-gram lookup).
     """
     runner = runner or Runner(config, strict=strict)
-    n_exe, _ = runner.precompile(workers=compile_workers)
+    runner.precompile(workers=compile_workers)
     runner.warm_up()
     sched = config.make_scheduler(drafter)
     for r in sorted(requests, key=lambda r: r.arrival_step):
@@ -98,7 +98,6 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
         drafts_accepted=sched.num_drafts_accepted,
         all_match=all(r["matches_reference"] for r in results.values()),
     )
-    del n_exe
     return report, runner
 
 

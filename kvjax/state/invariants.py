@@ -35,7 +35,6 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
     share a slot; no real slot lands in block 0; no slot is beyond the table's
     reach; table entries are never negative; logits rows point at real tokens.
     """
-    T, R = batch.num_tokens_padded, batch.num_reqs_padded
     pad_tok = ~batch.token_valid
     pad_req = batch.idx_mapping < 0
     out = {
@@ -63,7 +62,6 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
     out["negative_block_table_entry"] = jnp.any(jnp.stack(neg_table))
     out["two_tokens_share_a_slot"] = jnp.any(jnp.stack(dup))
     out["real_slot_in_null_block"] = jnp.any(jnp.stack(null_slot))
-    del T, R
     return out
 
 
