@@ -36,52 +36,57 @@ def run_trace(seed: int = 0, num_requests: int = 4, out=sys.stdout) -> dict:
     generated = {rid: 0 for rid, _ in pending}
     last_removed_row = None
     printed = 0
-    while pending or tr.reqs:
-        while pending and len(tr.reqs) < R:
-            rid, prompt = pending.pop(0)
-            row = tr.add(rid, prompt)
-            if last_removed_row is not None:
-                checks.setdefault("freed row reused immediately (LIFO)", row == last_removed_row)
-        schedule, drafts, budget = {}, {}, T
-        for rid, req in tr.reqs.items():
-            if req.num_computed < req.prefill_len:
-                n = min(budget, req.prefill_len - req.num_computed, 6)  # chunked prefill
-            else:
-                d = [rng.randrange(1, 255) for _ in range(rng.randrange(0, 3))]
-                n = 1 + len(d)
-                if n <= budget:
-                    drafts[rid] = d
-            if 0 < n <= budget:
-                schedule[rid] = n
-                budget -= n
-        batch = tr.step(schedule, drafts, num_tokens_padded=T, num_reqs_padded=R,
-                        accept=lambda rid, n: rng.randrange(0, n + 1))
-        for line in tr.log[printed:]:
-            print(line, file=out)
-        printed = len(tr.log)
-        for rid in list(schedule):
-            req = tr.reqs[rid]
-            if req.num_computed >= req.prefill_len:
-                generated[rid] = len(req.tokens) - req.prefill_len
-                if generated[rid] >= max_tokens[rid]:
-                    last_removed_row = tr.remove(rid)
-                    print(tr.log[-1], file=out)
-                    printed = len(tr.log)
-        # An idle data-parallel rank's step between real ones: all padding.
-        if tr.steps == 2:
-            d = dummy_step_batch(tr.state, tr.tables, num_reqs_padded=R, num_tokens_padded=T)
-            tr.check(d)
-            checks["dummy step: every slot PAD"] = bool(np.all(np.asarray(d.slot_mappings) == PAD_SLOT_ID))
-            checks["dummy step: every block-table row NULL"] = all(
-                bool(np.all(np.asarray(t) == NULL_BLOCK_ID)) for t in d.block_tables
-            )
-            print("dummy step: all PAD slots, all NULL block tables", file=out)
-        checks.setdefault("no real slot in block 0", True)
-        sm = np.asarray(batch.slot_mappings)
-        for g, spec in enumerate(specs):
-            if ((sm[g] >= 0) & (sm[g] // spec.kernel_block_size == NULL_BLOCK_ID)).any():
-                checks["no real slot in block 0"] = False
-    checks["all step-batch, table, row and pool invariants"] = True  # tr.step raises otherwise
+    invariant_error = None
+    try:
+        while pending or tr.reqs:
+            while pending and len(tr.reqs) < R:
+                rid, prompt = pending.pop(0)
+                row = tr.add(rid, prompt)
+                if last_removed_row is not None:
+                    checks.setdefault("freed row reused immediately (LIFO)", row == last_removed_row)
+            schedule, drafts, budget = {}, {}, T
+            for rid, req in tr.reqs.items():
+                if req.num_computed < req.prefill_len:
+                    n = min(budget, req.prefill_len - req.num_computed, 6)  # chunked prefill
+                else:
+                    d = [rng.randrange(1, 255) for _ in range(rng.randrange(0, 3))]
+                    n = 1 + len(d)
+                    if n <= budget:
+                        drafts[rid] = d
+                if 0 < n <= budget:
+                    schedule[rid] = n
+                    budget -= n
+            batch = tr.step(schedule, drafts, num_tokens_padded=T, num_reqs_padded=R,
+                            accept=lambda rid, n: rng.randrange(0, n + 1))
+            for line in tr.log[printed:]:
+                print(line, file=out)
+            printed = len(tr.log)
+            for rid in list(schedule):
+                req = tr.reqs[rid]
+                if req.num_computed >= req.prefill_len:
+                    generated[rid] = len(req.tokens) - req.prefill_len
+                    if generated[rid] >= max_tokens[rid]:
+                        last_removed_row = tr.remove(rid)
+                        print(tr.log[-1], file=out)
+                        printed = len(tr.log)
+            # An idle data-parallel rank's step between real ones: all padding.
+            if tr.steps == 2:
+                d = dummy_step_batch(tr.state, tr.tables, num_reqs_padded=R, num_tokens_padded=T)
+                tr.check(d)
+                checks["dummy step: every slot PAD"] = bool(np.all(np.asarray(d.slot_mappings) == PAD_SLOT_ID))
+                checks["dummy step: every block-table row NULL"] = all(
+                    bool(np.all(np.asarray(t) == NULL_BLOCK_ID)) for t in d.block_tables
+                )
+                print("dummy step: all PAD slots, all NULL block tables", file=out)
+            checks.setdefault("no real slot in block 0", True)
+            sm = np.asarray(batch.slot_mappings)
+            for g, spec in enumerate(specs):
+                if ((sm[g] >= 0) & (sm[g] // spec.kernel_block_size == NULL_BLOCK_ID)).any():
+                    checks["no real slot in block 0"] = False
+    except AssertionError as e:  # StateTrace checks every invariant each step and raises
+        invariant_error = str(e)
+        print(f"invariant violated: {invariant_error}", file=out)
+    checks["all step-batch, table, row and pool invariants"] = invariant_error is None
     summary = {
         "requests": num_requests,
         "steps": tr.steps,

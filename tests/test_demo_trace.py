@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 from kvjax.__main__ import main
 from kvjax.demo_trace import run_trace
 
@@ -15,9 +17,23 @@ def test_trace_demo_passes_every_check_and_prints_them():
     assert "[ok] dummy step: every slot PAD" in text and "add 'req0' -> row" in text
 
 
+def test_trace_reports_a_violated_invariant(monkeypatch):
+    """The invariant line is a real result: a broken step batch turns it into FAIL."""
+    import kvjax.trace
+
+    def broken(batch, specs):
+        raise AssertionError("step batch invariants violated: pad_token_slot_not_PAD")
+
+    monkeypatch.setattr(kvjax.trace, "assert_step_batch", broken)
+    out = io.StringIO()
+    summary = run_trace(seed=0, num_requests=2, out=out)
+    assert summary["checks"]["all step-batch, table, row and pool invariants"] is False
+    assert "[FAIL] all step-batch" in out.getvalue() and "pad_token_slot_not_PAD" in out.getvalue()
+    assert main(["trace", "--requests", "1"]) == 1
+
+
 def test_cli_rejects_bad_requests_count(capsys):
-    try:
+    with pytest.raises(SystemExit) as e:
         main(["trace", "--requests", "0"])
-    except SystemExit as e:
-        assert e.code == 2
+    assert e.value.code == 2
     assert "--requests must be positive" in capsys.readouterr().err
