@@ -19,7 +19,7 @@ import numpy as np
 from kvjax.block_pool import BlockPool, OutOfBlocksError
 from kvjax.buckets import Bucket, BucketSpec
 from kvjax.drafter import propose_ngram
-from kvjax.spec import KVGroupSpec, cdiv
+from kvjax.spec import KVGroupSpec
 from kvjax.state import RequestRows
 
 
@@ -183,7 +183,7 @@ class Scheduler:
 
     def _grow(self, req: Request, upto_tokens: int, block_writes) -> bool:
         """Give ``req`` blocks for ``upto_tokens`` tokens; preempt others if needed."""
-        need = [max(cdiv(upto_tokens, s.block_size) - len(req.blocks[g]), 0) for g, s in enumerate(self.specs)]
+        need = [s.blocks_to_add(upto_tokens, len(req.blocks[g])) for g, s in enumerate(self.specs)]
         if not any(need):
             return True
         while sum(need) > self.pool.num_free:

@@ -64,6 +64,10 @@ class KVGroupSpec:
         """Columns of a block-table row, in kernel blocks: ``max_num_blocks * r``."""
         return self.max_num_blocks * self.blocks_per_kv_block
 
+    def blocks_to_add(self, num_tokens: int, num_held: int) -> int:
+        """Logical blocks a request holding ``num_held`` must add to hold ``num_tokens`` tokens."""
+        return max(cdiv(num_tokens, self.block_size) - num_held, 0)
+
     @classmethod
     def for_model_len(cls, block_size: int, max_model_len: int, **kw) -> "KVGroupSpec":
         """A group whose rows hold ``max_model_len`` tokens."""

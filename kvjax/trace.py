@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvjax.block_pool import BlockPool
-from kvjax.spec import KVGroupSpec, cdiv
+from kvjax.spec import KVGroupSpec
 from kvjax.state import (
     BlockTables,
     NewRequests,
@@ -100,8 +100,7 @@ class StateTrace:
     def _ensure_blocks(self, req: _Req, upto_tokens: int) -> None:
         new_ids = []
         for g, spec in enumerate(self.specs):
-            need = cdiv(upto_tokens, spec.block_size) - len(req.blocks[g])
-            ids = self.pool.allocate(max(need, 0))
+            ids = self.pool.allocate(spec.blocks_to_add(upto_tokens, len(req.blocks[g])))
             req.blocks[g].extend(ids)
             new_ids.append(ids)
         if any(new_ids):
