@@ -24,6 +24,7 @@ from kvjax import validation
 from kvjax.constants import NULL_BLOCK_ID
 from pallas_kernels._backend import Choice, resolve
 from pallas_kernels.mamba_ssu import (
+    _varlen_batch,
     _check_float,
     _check_index_values,
     _check_int_arg,
@@ -644,15 +645,7 @@ def causal_conv1d_varlen(
     if bias is not None:
         _check_float("bias", bias)
         validation.check_shape("bias", bias, (dim,))
-    ci = _index_array("cache_indices", cache_indices, 1)
-    R = ci.shape[0]
-    qsl = _index_array("query_start_loc", query_start_loc, 1)
-    validation.check_shape("query_start_loc", qsl, (R + 1,))
-    validation.check_non_decreasing("query_start_loc", qsl)
-    validation.check_values_in_range("query_start_loc", qsl, 0, T + 1)
-    validation.check_rank("has_initial_state", has_initial_state, 1)
-    validation.check_shape("has_initial_state", has_initial_state, (R,))
-    _check_index_values("cache_indices", ci, L, null_block_id)
-    his = jnp.asarray(has_initial_state).astype(bool)
+    ci, qsl, his = _varlen_batch(cache_indices, query_start_loc, has_initial_state, T, L,
+                                 null_block_id)
     return _conv_varlen_jnp(x, weight, bias, conv_states, qsl, ci, his,
                             silu=silu, null_block_id=null_block_id)

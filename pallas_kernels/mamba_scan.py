@@ -25,10 +25,9 @@ from kvjax import validation
 from kvjax.constants import NULL_BLOCK_ID
 from pallas_kernels._backend import resolve
 from pallas_kernels.mamba_ssu import (
+    _varlen_batch,
     _check_float,
-    _check_index_values,
     _check_int_arg,
-    _index_array,
     _softplus,
     _token_segment_ids,
     _valid_index,
@@ -269,16 +268,8 @@ def selective_scan_varlen(
     if z is not None:
         _check_float("z", z)
         validation.check_shape("z", z, (T, H, P))
-    ci = _index_array("cache_indices", cache_indices, 1)
-    R = ci.shape[0]
-    qsl = _index_array("query_start_loc", query_start_loc, 1)
-    validation.check_shape("query_start_loc", qsl, (R + 1,))
-    validation.check_non_decreasing("query_start_loc", qsl)
-    validation.check_values_in_range("query_start_loc", qsl, 0, T + 1)
-    validation.check_rank("has_initial_state", has_initial_state, 1)
-    validation.check_shape("has_initial_state", has_initial_state, (R,))
-    _check_index_values("cache_indices", ci, L, null_block_id)
-    his = jnp.asarray(has_initial_state).astype(bool)
+    ci, qsl, his = _varlen_batch(cache_indices, query_start_loc, has_initial_state, T, L,
+                                 null_block_id)
     args = (x, dt, A, B, C, state, qsl, ci, his, D, dt_bias, z)
     if choice.flavor == "reference":
         return _scan_tokens(*args, softplus=bool(dt_softplus), null_block_id=null_block_id)

@@ -77,6 +77,25 @@ def _check_index_values(name: str, arr, num_lines: int, null_block_id: int) -> N
     validation.check_values_in_range(name, arr, 0, num_lines, allow=(null_block_id,))
 
 
+def _varlen_batch(cache_indices, query_start_loc, has_initial_state, num_tokens: int,
+                  num_lines: int, null_block_id: int):
+    """Checks a packed prefill batch's per-request arrays; returns them as (int32, int32, bool).
+
+    ``cache_indices [R]`` in ``[0, num_lines)`` or null, ``query_start_loc [R + 1]``
+    non-decreasing within ``[0, num_tokens]``, ``has_initial_state [R]``.
+    """
+    ci = _index_array("cache_indices", cache_indices, 1)
+    R = ci.shape[0]
+    qsl = _index_array("query_start_loc", query_start_loc, 1)
+    validation.check_shape("query_start_loc", qsl, (R + 1,))
+    validation.check_non_decreasing("query_start_loc", qsl)
+    validation.check_values_in_range("query_start_loc", qsl, 0, num_tokens + 1)
+    validation.check_rank("has_initial_state", has_initial_state, 1)
+    validation.check_shape("has_initial_state", has_initial_state, (R,))
+    _check_index_values("cache_indices", ci, num_lines, null_block_id)
+    return ci, qsl, jnp.asarray(has_initial_state).astype(bool)
+
+
 def _valid_index(idx, num_lines: int, null_block_id: int):
     """True where ``idx`` names a real row: not null and inside ``[0, num_lines)``."""
     return (idx != null_block_id) & (idx >= 0) & (idx < num_lines)
