@@ -46,10 +46,10 @@ import numpy as np
 from kvjax.constants import PAD_SLOT_ID
 from pallas_kernels.block_zero import zero_blocks
 from pallas_kernels.kv_write import concat_and_cache_mla, reshape_and_cache_flash
+from _gpu_check import RESULTS, case, on_gpu_or_allowed, run_cases, summary  # noqa: E402
 
 FP8 = ml_dtypes.float8_e4m3fn
 GPU = "pallas_gpu"
-RESULTS: list[tuple[str, bool, str]] = []
 
 
 # --------------------------------------------------------------------------
@@ -114,23 +114,6 @@ def slot_mapping(rng, n, num_slots, pad_frac, avoid_block0_of=None):
 # --------------------------------------------------------------------------
 
 
-def case(name):
-    def register(fn):
-        def run():
-            try:
-                msg = fn()
-            except Exception:  # noqa: BLE001 - report and carry on
-                msg = "exception:\n" + traceback.format_exc(limit=6)
-            RESULTS.append((name, not msg, msg or ""))
-            print(f"{'PASS' if not msg else 'FAIL'} {name}{'' if not msg else ': ' + msg}", flush=True)
-
-        CASES.append(run)
-        return fn
-
-    return register
-
-
-CASES: list = []
 
 
 def check_flash(seed, *, T, H, D, nb, bs, n=None, dtype=np.float32, fp8=False, k_scale=1.0,
@@ -470,12 +453,9 @@ def fp8_reference_diagnosis():
 
 
 def main() -> int:
-    print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
-    if jax.default_backend() not in ("gpu", "cuda", "rocm") and "--allow-cpu" not in sys.argv:
-        print("FAIL no GPU backend: this script checks the compiled GPU kernels", flush=True)
+    if not on_gpu_or_allowed("the compiled GPU kernels"):
         return 1
-    for run in CASES:
-        run()
+    run_cases()
     try:
         in_place_report()
     except Exception:  # noqa: BLE001
@@ -489,10 +469,7 @@ def main() -> int:
         timing_report()
     except Exception:  # noqa: BLE001
         print("timing failed (informational):\n" + traceback.format_exc(limit=4), flush=True)
-    failed = [name for name, ok, _ in RESULTS if not ok]
-    print(f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed"
-          + (f"; FAILED: {failed}" if failed else ""), flush=True)
-    return 1 if failed else 0
+    return summary()
 
 
 if __name__ == "__main__":

@@ -29,36 +29,18 @@ module, small temporary memory), and repeated calls give identical results.
 from __future__ import annotations
 
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.token_combine import combine_sampled_and_draft_tokens
+from _gpu_check import case, on_gpu_or_allowed, run_cases, summary  # noqa: E402
 
 GPU = "pallas_gpu"
 SENTINEL = 900_000
-RESULTS: list[tuple[str, bool, str]] = []
-CASES: list = []
 KEYS = ("input_ids", "idx_mapping", "last_sampled_tokens", "query_start_loc", "seq_lens",
         "prefill_len", "draft_tokens", "cu_num_logits")
-
-
-def case(name):
-    def register(fn):
-        def run():
-            try:
-                msg = fn()
-            except Exception:  # noqa: BLE001 - report and carry on
-                msg = "exception:\n" + traceback.format_exc(limit=6)
-            RESULTS.append((name, not msg, msg or ""))
-            print(f"{'PASS' if not msg else 'FAIL'} {name}{'' if not msg else ': ' + msg}", flush=True)
-
-        CASES.append(run)
-        return fn
-
-    return register
 
 
 # --------------------------------------------------------------------------
@@ -389,16 +371,10 @@ def _():
 
 
 def main() -> int:
-    print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
-    if jax.default_backend() not in ("gpu", "cuda", "rocm") and "--allow-cpu" not in sys.argv:
-        print("FAIL no GPU backend: this script checks the compiled GPU kernel", flush=True)
+    if not on_gpu_or_allowed("the compiled GPU kernel"):
         return 1
-    for run in CASES:
-        run()
-    failed = [name for name, ok, _ in RESULTS if not ok]
-    print(f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed"
-          + (f"; FAILED: {failed}" if failed else ""), flush=True)
-    return 1 if failed else 0
+    run_cases()
+    return summary()
 
 
 if __name__ == "__main__":
