@@ -21,9 +21,9 @@ import time
 import jax
 import numpy as np
 
-from kvjax.packing import pack
+from kvjax.runner.packing import pack
 from kvjax.runner import Runner, RunnerConfig
-from kvjax.scheduler import Request
+from kvjax.host.scheduler import Request
 
 
 def _decode_ready(cfg: RunnerConfig, n: int):

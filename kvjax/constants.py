@@ -1,14 +1,9 @@
-"""Sentinels shared by every piece of runner state.
+"""The runner's sentinels (defined once, in :mod:`pallas_kernels.contract`).
 
-The two sentinels have different jobs and must never be mixed (vLLM PR 35431):
-
-* ``PAD_SLOT_ID = -1`` appears only in slot mappings (token -> flat KV slot).
-  A KV write whose slot is ``PAD_SLOT_ID`` (or any negative value) writes
-  nothing at all.
-* ``NULL_BLOCK_ID = 0`` appears only in block tables and recurrent-state
-  indices. Physical block 0 of every cache (and recurrent slot 0 of every state
-  pool) is reserved: it is never allocated, and its contents are never trusted.
+* ``PAD_SLOT_ID = -1``: slot mappings only; a PAD slot writes nothing.
+* ``NULL_BLOCK_ID = 0``: block tables and state indices only; block 0 is reserved.
 """
 
-PAD_SLOT_ID: int = -1
-NULL_BLOCK_ID: int = 0
+from pallas_kernels.contract import NULL_BLOCK_ID as NULL_BLOCK_ID, PAD_SLOT_ID as PAD_SLOT_ID
+
+__all__ = ["NULL_BLOCK_ID", "PAD_SLOT_ID"]

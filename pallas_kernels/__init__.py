@@ -1,1 +1,50 @@
-"""Pallas kernels for the KV cache and recurrent state, each with a jnp reference."""
+"""Pallas kernels for the KV cache and recurrent state, each with a jnp reference.
+
+Public API (argument names, order and sentinels mirror vLLM 0.33; every op returns
+the updated arrays — donate them at the enclosing ``jit`` to update in place):
+
+==================================  =====================================================
+``reshape_and_cache_flash``         paged K/V write; a slot < 0 writes nothing
+``concat_and_cache_mla``            MLA latent + rope write, same slot and fp8 rules
+``zero_blocks``                     zero whole KV blocks / state slots, all arrays at once
+``selective_state_update``          Mamba SSM decode step (incl. speculative windows)
+``causal_conv1d_update``            Mamba conv decode step
+``selective_scan_varlen``           Mamba2 prefill scan over a packed batch
+``causal_conv1d_varlen``            conv prefill over a packed batch
+``combine_sampled_and_draft_tokens`` decode windows ``[last_sampled, drafts...]``
+==================================  =====================================================
+
+Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
+``"pallas_tpu"``, ``"pallas_gpu"``) and ``interpret=``; see :mod:`pallas_kernels._backend`.
+Sentinels and argument checks: :mod:`pallas_kernels.contract`. This package imports
+nothing from ``kvjax``.
+"""
+
+from pallas_kernels.contract import NULL_BLOCK_ID as NULL_BLOCK_ID, PAD_SLOT_ID as PAD_SLOT_ID
+from pallas_kernels.block_zero import zero_blocks as zero_blocks
+from pallas_kernels.kv_write import (
+    concat_and_cache_mla as concat_and_cache_mla,
+    reshape_and_cache_flash as reshape_and_cache_flash,
+)
+from pallas_kernels.mamba import (
+    causal_conv1d_update as causal_conv1d_update,
+    causal_conv1d_varlen as causal_conv1d_varlen,
+    selective_scan_varlen as selective_scan_varlen,
+    selective_state_update as selective_state_update,
+)
+from pallas_kernels.token_combine import (
+    combine_sampled_and_draft_tokens as combine_sampled_and_draft_tokens,
+)
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "PAD_SLOT_ID",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+    "combine_sampled_and_draft_tokens",
+    "concat_and_cache_mla",
+    "reshape_and_cache_flash",
+    "selective_scan_varlen",
+    "selective_state_update",
+    "zero_blocks",
+]

@@ -56,8 +56,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
-from kvjax import validation
-from kvjax.constants import PAD_SLOT_ID
+from pallas_kernels import contract as validation
+from pallas_kernels.contract import PAD_SLOT_ID
 from pallas_kernels import _backend
 from pallas_kernels._xla import scatter_set
 

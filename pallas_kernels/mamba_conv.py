@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvjax import validation
-from kvjax.constants import NULL_BLOCK_ID
+from pallas_kernels import contract as validation
+from pallas_kernels.contract import NULL_BLOCK_ID
 from pallas_kernels._backend import Choice, resolve
 from pallas_kernels.mamba_ssu import (
     _varlen_batch,

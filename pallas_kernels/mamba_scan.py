@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax import validation
-from kvjax.constants import NULL_BLOCK_ID
+from pallas_kernels import contract as validation
+from pallas_kernels.contract import NULL_BLOCK_ID
 from pallas_kernels._backend import resolve
 from pallas_kernels.mamba_ssu import (
     _varlen_batch,

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kvjax import validation
-from kvjax.constants import NULL_BLOCK_ID
+from pallas_kernels import contract as validation
+from pallas_kernels.contract import NULL_BLOCK_ID
 from pallas_kernels._backend import Choice, resolve
 from pallas_kernels._xla import scatter_set
 

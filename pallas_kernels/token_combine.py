@@ -76,7 +76,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
-from kvjax import validation
+from pallas_kernels import contract as validation
 from pallas_kernels import _backend
 from pallas_kernels.kv_write import gpu_compiler_params
 

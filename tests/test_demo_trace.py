@@ -5,7 +5,7 @@ import io
 import pytest
 
 from kvjax.__main__ import main
-from kvjax.demo_trace import run_trace
+from kvjax.cli.trace import run_trace
 
 
 def test_trace_demo_passes_every_check_and_prints_them():
@@ -19,12 +19,12 @@ def test_trace_demo_passes_every_check_and_prints_them():
 
 def test_trace_reports_a_violated_invariant(monkeypatch):
     """The invariant line is a real result: a broken step batch turns it into FAIL."""
-    import kvjax.trace
+    import kvjax.host.trace
 
     def broken(batch, specs):
         raise AssertionError("step batch invariants violated: pad_token_slot_not_PAD")
 
-    monkeypatch.setattr(kvjax.trace, "assert_step_batch", broken)
+    monkeypatch.setattr(kvjax.host.trace, "assert_step_batch", broken)
     out = io.StringIO()
     summary = run_trace(seed=0, num_requests=2, out=out)
     assert summary["checks"]["all step-batch, table, row and pool invariants"] is False

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvjax import NULL_BLOCK_ID
-from kvjax.buckets import BatchTooLargeError, BucketSpec, default_token_sizes
-from kvjax.compile_guard import ServingCompileError, ServingGuard
-from kvjax.packing import pack, unpack
+from kvjax.host.buckets import BatchTooLargeError, BucketSpec, default_token_sizes
+from kvjax.runner.compile_guard import ServingCompileError, ServingGuard
+from kvjax.runner.packing import pack, unpack
 from kvjax.runner import Runner, RunnerConfig
-from kvjax.scheduler import Request
-from kvjax.serve_demo import serve
-from kvjax.workload import WorkloadError, validate_workload
+from kvjax.host.scheduler import Request
+from kvjax.cli.demo import serve
+from kvjax.cli.workload import WorkloadError, validate_workload
 
 # Optimisation level 0 cuts the CPU compile of each step several-fold; results are checked
 # against the dense reference either way.
@@ -183,7 +183,7 @@ def test_strict_guard_turns_a_serving_time_compile_into_an_error():
 
 
 def test_unknown_bucket_is_an_error_not_a_compile(base_runner):
-    from kvjax.buckets import Bucket
+    from kvjax.host.buckets import Bucket
 
     with pytest.raises(RuntimeError, match="was not precompiled"):
         base_runner.dummy_step(Bucket(7, 3, 7))
@@ -229,7 +229,7 @@ def test_bad_workloads_are_rejected(workload, match):
 
 
 def test_cli_rejects_bad_workload_before_any_compile(tmp_path, monkeypatch, capsys):
-    from kvjax import __main__ as cli
+    from kvjax.cli import main as cli
     import kvjax.runner
 
     def boom(*a, **k):

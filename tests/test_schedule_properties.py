@@ -5,7 +5,7 @@ import random
 from hypothesis import given, settings, strategies as st
 
 from kvjax import KVGroupSpec
-from kvjax.trace import StateTrace
+from kvjax.host.trace import StateTrace
 
 SPECS = (
     KVGroupSpec(block_size=2, max_num_blocks=12),

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax import validation
+from pallas_kernels import contract as validation
 from kvjax.constants import NULL_BLOCK_ID
 from kvjax.state.step_batch import StepBatch
 

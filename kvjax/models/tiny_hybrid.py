@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kvjax import validation
+from pallas_kernels import contract as validation
 from kvjax.models.attention import AttentionLayer, _dense_init, rms_norm
 from kvjax.models.caches import HybridCaches
 from kvjax.models.config import TinyHybridConfig

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import validation
+from pallas_kernels import contract as validation
 from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
 

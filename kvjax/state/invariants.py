@@ -15,7 +15,7 @@ from jax.experimental import checkify
 
 from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
-from kvjax.state.block_tables import BlockTables
+from kvjax.state.block_tables import BlockTables, _slot_mapping_and_faults
 from kvjax.state.step_batch import StepBatch
 
 
@@ -128,7 +128,6 @@ def checkify_slot_mapping_inputs(
     These are the value checks :func:`kvjax.compute_slot_mapping` makes eagerly
     when its inputs are concrete.
     """
-    from kvjax.state.block_tables import _slot_mapping_and_faults
 
     qsl = jnp.asarray(query_start_loc)
     checkify.check(qsl[0] == 0, "query_start_loc[0] must be 0, got {}", qsl[0])

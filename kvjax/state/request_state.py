@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import validation
+from pallas_kernels import contract as validation
 
 
 @struct.dataclass

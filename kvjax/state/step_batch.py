@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import validation
+from pallas_kernels import combine_sampled_and_draft_tokens
+from pallas_kernels import contract as validation
 from kvjax.state.block_tables import BlockTables
 from kvjax.state.request_state import RequestState
 
@@ -147,8 +148,6 @@ def build_step_batch(
       ValueError: shape errors; with concrete values, a schedule that does not
         fit the bucket or the rows (see :func:`validate_schedule`).
     """
-    from pallas_kernels.token_combine import combine_sampled_and_draft_tokens
-
     idx = jnp.asarray(sched.idx_mapping, jnp.int32)
     R = idx.shape[0]
     T = num_tokens_padded

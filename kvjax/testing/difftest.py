@@ -51,7 +51,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
+
+from kvjax import state as st
+from kvjax.cli.progress import Progress
+from kvjax.spec import KVGroupSpec
+from pallas_kernels import _backend, block_zero, kv_write, mamba, token_combine
 
 from kvjax.testing import scenarios as _sc
 from kvjax.testing.scenarios import Compare, Scenario
@@ -343,51 +349,30 @@ def _kvjax(op: str, a: dict, backend: str, interpret) -> dict[str, np.ndarray]:
     """Run ``op`` through kvjax. Kernels are looked up at call time (tests monkeypatch them)."""
     kw = dict(backend=backend, interpret=interpret)
     if op == "reshape_and_cache_flash":
-        from pallas_kernels import kv_write
-
         k, v = kv_write.reshape_and_cache_flash(**a, **kw)
         return {"key_cache": _np(k), "value_cache": _np(v)}
     if op == "concat_and_cache_mla":
-        from pallas_kernels import kv_write
-
         return {"kv_cache": _np(kv_write.concat_and_cache_mla(**a, **kw))}
     if op == "zero_blocks":
-        from pallas_kernels import block_zero
-
         out = block_zero.zero_blocks(a["caches"], a["block_ids"],
                                      kernel_blocks_per_block=a["kernel_blocks_per_block"], **kw)
         return {f"caches[{i}]": _np(c) for i, c in enumerate(out)}
     if op == "selective_state_update":
-        from pallas_kernels import mamba
-
         out, state = mamba.selective_state_update(**a, **kw)
         return {"out": _np(out), "state": _np(state)}
     if op == "causal_conv1d_update":
-        from pallas_kernels import mamba
-
         out, cs = mamba.causal_conv1d_update(**a, **kw)
         return {"out": _np(out), "conv_state": _np(cs)}
     if op == "selective_scan_varlen":
-        from pallas_kernels import mamba
-
         out, state = mamba.selective_scan_varlen(**a, **kw)
         return {"out": _np(out), "state": _np(state)}
     if op == "causal_conv1d_varlen":
-        from pallas_kernels import mamba
-
         out, cs = mamba.causal_conv1d_varlen(**a, **kw)
         return {"out": _np(out), "conv_states": _np(cs)}
     if op == "combine_sampled_and_draft_tokens":
-        from pallas_kernels import token_combine
-
         ids, li = token_combine.combine_sampled_and_draft_tokens(**a, **kw)
         return {"input_ids": _np(ids), "logits_indices": _np(li)}
     # State functions: jnp, no kernel backend.
-    import jax.numpy as jnp
-
-    from kvjax import state as st
-    from kvjax.spec import KVGroupSpec
-
     if op == "compute_slot_mapping":
         return {"slot_mapping": _np(st.compute_slot_mapping(**a))}
     if op == "gather_block_tables":
@@ -638,8 +623,6 @@ _BF16_SCATTER_NAN = (
 
 def _kvjax_nan_payload(sc: Scenario, got: dict, flavor: str) -> dict[str, str]:
     """bf16 outputs of the GPU flavour interpreted on XLA:CPU: NaN bits may change."""
-    from pallas_kernels import _backend
-
     if _backend.platform() != "cpu" or flavor != "gpu":
         return {}
     return {n: _BF16_SCATTER_NAN for n, a in got.items()
@@ -672,8 +655,6 @@ def _progress_reporter(progress, total: int):
         return None, None
     if callable(progress) and not hasattr(progress, "write"):
         return (lambda done, label: progress(done, total, label)), None
-    from kvjax.progress import Progress
-
     bar = Progress(total, sys.stderr if progress is True else progress, unit="scenarios")
     return bar.update, bar.close
 
@@ -702,8 +683,6 @@ def difftest(against="torch", ops=None, cases: int = 4, seed: int = 0, backend: 
     impls = _normalize_against(against)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    from pallas_kernels import _backend
-
     choice = _backend.resolve(backend, interpret)
     scs = _sc.scenarios(ops, cases)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):

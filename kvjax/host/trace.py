@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvjax.block_pool import BlockPool
+from kvjax.host.block_pool import BlockPool
 from kvjax.spec import KVGroupSpec
 from kvjax.state import (
     BlockTables,

@@ -17,7 +17,7 @@ import numpy as np
 from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
 from kvjax.state import dummy_step_batch
-from kvjax.trace import StateTrace
+from kvjax.host.trace import StateTrace
 
 
 def run_trace(seed: int = 0, num_requests: int = 4, out=sys.stdout) -> dict:

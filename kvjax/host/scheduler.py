@@ -16,9 +16,9 @@ from collections import deque
 
 import numpy as np
 
-from kvjax.block_pool import BlockPool, OutOfBlocksError
-from kvjax.buckets import Bucket, BucketSpec
-from kvjax.drafter import propose_ngram
+from kvjax.host.block_pool import BlockPool, OutOfBlocksError
+from kvjax.host.buckets import Bucket, BucketSpec
+from kvjax.host.drafter import propose_ngram
 from kvjax.spec import KVGroupSpec
 from kvjax.state import RequestRows
 

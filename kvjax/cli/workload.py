@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 
-from kvjax.scheduler import Request
+from kvjax.host.scheduler import Request
 
 
 class WorkloadError(ValueError):

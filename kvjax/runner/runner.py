@@ -1,6 +1,6 @@
 """Bucketed, ahead-of-time compiled step functions: kvjax's CUDA-graph replacement.
 
-One executable per bucket (:mod:`kvjax.buckets`) runs a whole step on the
+One executable per bucket (:mod:`kvjax.host.buckets`) runs a whole step on the
 device: apply the step's staged writes (cleared rows, new requests, block-table
 appends), zero the fresh KV blocks and recurrent slots (one ``zero_blocks``
 launch each), build the padded :class:`~kvjax.state.StepBatch`, run the model,
@@ -9,7 +9,7 @@ caches are donated, so they are updated in place. The host sends one packed,
 fixed-shape :class:`StepInputs` per step (numpy, made by :meth:`Runner.pack`).
 
 All executables are compiled at start-up (:meth:`Runner.precompile`); at
-serving time nothing traces or compiles (:class:`~kvjax.compile_guard.ServingGuard`).
+serving time nothing traces or compiles (:class:`~kvjax.runner.compile_guard.ServingGuard`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.buckets import Bucket, BucketSpec
-from kvjax.compile_guard import ServingGuard
+from kvjax.host.buckets import Bucket, BucketSpec
+from kvjax.runner.compile_guard import ServingGuard
 from kvjax.constants import NULL_BLOCK_ID
-from kvjax.packing import PackSpec, pack, unpack
-from kvjax.models import HybridCaches, TinyHybridConfig, forward_step, init_caches, init_params
-from kvjax.scheduler import StepPlan
+from kvjax.runner.packing import PackSpec, pack, unpack
+from kvjax.models import HybridCaches, TinyHybridConfig, dense_forward, forward_step, init_caches, init_params
+from kvjax.host.scheduler import Scheduler, StepPlan
 from kvjax.spec import KVGroupSpec, cdiv
+from pallas_kernels import zero_blocks
 from kvjax.state import BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch
 
 
@@ -83,8 +84,7 @@ class RunnerConfig:
         return max(1, min(self.max_new_requests_per_step, self.max_num_seqs))
 
     def make_scheduler(self, drafter=None):
-        """A :class:`~kvjax.scheduler.Scheduler` sized for this runner (optional custom drafter)."""
-        from kvjax.scheduler import Scheduler
+        """A :class:`~kvjax.host.scheduler.Scheduler` sized for this runner (optional custom drafter)."""
 
         return Scheduler(self.specs, self.bucket_spec, num_blocks=self.num_blocks,
                          max_model_len=self.max_model_len, num_state_slots=self.num_state_slots,
@@ -199,7 +199,7 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
             spec: PackSpec):
     """One whole step on the device (pure; ``dstate`` is donated by the runner).
 
-    ``packed`` is the int32 buffer of :class:`StepInputs` made by :func:`kvjax.packing.pack`.
+    ``packed`` is the int32 buffer of :class:`StepInputs` made by :func:`kvjax.runner.packing.pack`.
     """
     inp: StepInputs = unpack(packed, spec)
     req, tables, caches = dstate.requests, dstate.tables, dstate.caches
@@ -214,8 +214,6 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     )
     req = req.add_requests(inp.new)
     tables = tables.write_rows(inp.write_rows, inp.write_ids, inp.write_num, inp.write_overwrite)
-
-    from pallas_kernels.block_zero import zero_blocks
 
     r = config.kv_group.blocks_per_kv_block
     kv = caches.kv_arrays
@@ -414,7 +412,6 @@ class Runner:
     @functools.cached_property
     def dense_reference(self):
         """Jitted ``tokens int32[max_model_len] -> logits`` of the dense oracle (same params, fp8 rule)."""
-        from kvjax.models import dense_forward
 
         c = self.config
         fn = jax.jit(lambda toks: dense_forward(self.params, c.model, toks, c.kv_cache_dtype))

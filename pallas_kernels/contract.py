@@ -1,12 +1,22 @@
-"""Argument checks with messages that name the argument, the expectation and what came.
+"""The kernels' contract: sentinels and argument checks shared by every op.
 
-Two kinds of check:
+Sentinels (never mixed, vLLM PR 35431):
 
-* static (shapes, dtypes, ranks): always run, at trace time; raise ``ValueError``.
+* ``PAD_SLOT_ID = -1`` appears only in slot mappings (token -> flat KV slot).
+  A write whose slot is negative writes nothing at all.
+* ``NULL_BLOCK_ID = 0`` appears only in block tables and recurrent-state
+  indices. Block 0 of every cache and slot 0 of every state pool is reserved:
+  never allocated, its contents never trusted, never read or written by a kernel.
+
+Argument checks raise ``ValueError`` naming the argument, the expectation and
+what came:
+
+* static (shapes, dtypes, ranks): always run, at trace time.
 * value checks (ids in range, non-decreasing offsets): run only when the array
-  is concrete (not a tracer), raise ``ValueError``; under ``jit`` use the
-  ``checkify`` forms in :mod:`kvjax.state.invariants` instead. A value check is
-  never replaced by a clamp.
+  is concrete (not a tracer); under ``jit`` the kernels mask invalid entries
+  instead. A value check is never replaced by a clamp.
+
+``kvjax.constants`` re-exports the sentinels: this module is their one definition.
 """
 
 from __future__ import annotations
@@ -15,6 +25,9 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+
+PAD_SLOT_ID: int = -1
+NULL_BLOCK_ID: int = 0
 
 
 def is_concrete(x) -> bool:

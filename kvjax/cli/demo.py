@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.progress import Progress
+from kvjax.cli.progress import Progress
 from kvjax.runner import Runner, RunnerConfig
-from kvjax.scheduler import Request
+from kvjax.host.scheduler import Request
 
 LOGITS_ATOL = 1e-4
 # fp8 caches: the paged path and the dense reference compute K/V with float32 ops in a
