@@ -60,6 +60,8 @@ from kvjax.spec import KVGroupSpec
 from pallas_kernels import _backend, block_zero, kv_write, mamba, token_combine
 
 from kvjax.testing import scenarios as _sc
+from kvjax.testing import vllm as oracle
+from kvjax.testing.convert import to_numpy, to_torch
 from kvjax.testing.scenarios import Compare, Scenario
 
 __all__ = ["AGAINST", "ArrayDiff", "DiffReport", "DiffRow", "VLLMUnavailable", "compare_arrays",
@@ -397,8 +399,6 @@ def _kvjax(op: str, a: dict, backend: str, interpret) -> dict[str, np.ndarray]:
 
 
 def _to_torch_args(a: dict) -> dict:
-    from kvjax.testing.convert import to_torch
-
     def conv(v):
         if isinstance(v, np.ndarray):
             return to_torch(v)
@@ -411,8 +411,6 @@ def _to_torch_args(a: dict) -> dict:
 def _torch(op: str, a: dict) -> dict[str, np.ndarray]:
     """Run ``op`` through :mod:`kvjax.testing.torch_ref` (in place on copies of the inputs)."""
     from kvjax.testing import torch_ref as tr
-    from kvjax.testing.convert import to_numpy, to_torch
-
     t = _to_torch_args(a)
     if op == "reshape_and_cache_flash":
         k, v = tr.reshape_and_cache_flash(**t)
@@ -511,8 +509,6 @@ def _vllm(op: str, a: dict, torch_out: Callable[[], dict]):
     """vLLM's outputs, plus ``{output: [(mask, reason)]}`` exclusions and notes."""
     if op in _NO_VLLM_ADAPTER:
         raise _Skip(_NO_VLLM_ADAPTER[op])
-    from kvjax.testing import vllm as oracle
-
     exclude: dict[str, list] = {}
     notes: list[str] = []
     if op == "combine_sampled_and_draft_tokens":
@@ -607,8 +603,6 @@ def _normalize_against(against) -> tuple[str, ...]:
 
 
 def _vllm_install_message() -> str:
-    from kvjax.testing import vllm as oracle
-
     why = oracle.reason() or "kvjax.testing.vllm.available() is False"
     return (f"the vLLM {oracle.VLLM_VERSION} oracle is unavailable: {why}\n"
             f"install it (CPU only, no CUDA packages) with:\n    {oracle.INSTALL_COMMAND}")
@@ -691,8 +685,6 @@ def difftest(against="torch", ops=None, cases: int = 4, seed: int = 0, backend: 
                   cases=cases, seed=int(seed), backend=backend, interpret=interpret,
                   kvjax_kernels=choice.flavor + (" (interpret)" if choice.interpret else ""))
     if "vllm" in impls:
-        from kvjax.testing import vllm as oracle
-
         if not oracle.available():
             raise VLLMUnavailable(_vllm_install_message())
         config["vllm"] = f"{oracle.VLLM_VERSION} ({'Triton interpreter' if oracle.interpreted() else 'GPU'})"

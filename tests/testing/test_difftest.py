@@ -23,7 +23,7 @@ from kvjax.__main__ import main  # noqa: E402
 from kvjax.testing import difftest as dt  # noqa: E402
 from kvjax.testing import scenarios as sc  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The adversarial scenarios the issue lists, by name (each must exist for at least one op).
 REQUIRED = (
