@@ -1,7 +1,11 @@
-"""The README's commands and CI stay in sync."""
+"""The README's commands and CI stay in sync; its Python snippets and sample output are real."""
 
+import json
 import pathlib
 import re
+import shlex
+
+from kvjax.cli.main import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -20,3 +24,54 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one_verbatim
     assert "pytest" in tests
     ci_lines = [l.strip() for l in (ROOT / ".ci/run").read_text().splitlines()]
     assert tests in ci_lines, f"{tests!r} not found verbatim in .ci/run"
+
+
+def _fenced_blocks(text):
+    """``(language, body)`` of every fenced block, in order."""
+    return re.findall(r"^```([^\n`]*)\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_every_readme_fence_names_its_language():
+    """An unlabelled fence would hide a Python snippet from the test below: output is ```text."""
+    blocks = _fenced_blocks((ROOT / "README.md").read_text())
+    assert blocks
+    bad = [body[:60] for lang, body in blocks if lang.strip() not in ("python", "bash", "text", "json")]
+    assert not bad, f"label these fences (python, bash, text or json): {bad}"
+
+
+def test_every_readme_python_snippet_runs_as_written():
+    """Each ```python block runs, in a fresh namespace, from the repository root."""
+    snippets = [body for lang, body in _fenced_blocks((ROOT / "README.md").read_text()) if lang == "python"]
+    assert snippets
+    for i, code in enumerate(snippets):
+        try:
+            exec(compile(code, f"README.md python snippet {i}", "exec"), {"__name__": f"readme_{i}"})
+        except Exception as e:
+            raise AssertionError(f"README python snippet {i} fails:\n{code}") from e
+
+
+def test_readme_json_snippets_parse():
+    for lang, body in _fenced_blocks((ROOT / "README.md").read_text()):
+        if lang == "json":
+            json.loads(body)
+
+
+def test_readme_difftest_sample_is_what_the_command_prints(capsys):
+    """The sample table is the command's output, except the time in the summary's bracket."""
+    readme = (ROOT / "README.md").read_text()
+    sample = next(body for lang, body in _fenced_blocks(readme)
+                  if lang == "text" and body.startswith("$ python -m kvjax difftest"))
+    command, printed = sample.split("\n", 1)
+    argv = shlex.split(command)[4:]  # after "$ python -m kvjax"
+    assert main([*argv, "--quiet"]) == 0
+    got = capsys.readouterr().out
+    seconds = re.compile(r", \d+\.\d s\]$", flags=re.M)
+    assert seconds.sub(", N s]", got).strip() == seconds.sub(", N s]", printed).strip()
+
+
+def test_readme_states_the_jax_floor_that_pyproject_requires():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    floor = re.search(r'"jax>=([\d.]+)"', pyproject).group(1)
+    readme = (ROOT / "README.md").read_text()
+    assert f"JAX ≥ {floor}" in readme and f"jax>={floor}" in readme
+    assert f'"jaxlib>={floor}"' in pyproject
