@@ -1,0 +1,37 @@
+"""The notebooks run top to bottom without an error cell, and are committed without outputs."""
+
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_three_notebooks():
+    assert [p.name for p in NOTEBOOKS] == ["01_silent_bugs.ipynb", "02_kernels.ipynb", "03_serving.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    dirty = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    assert not dirty, f"{path.name}: cells {dirty} hold outputs; strip them before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_runs_without_error_and_draws_a_figure(path):
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError on the first error cell
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.get("output_type") == "error"]
+    assert not errors
+    figures = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+               if o.get("output_type") == "display_data" and "image/png" in o.get("data", {})]
+    assert figures, f"{path.name} drew no figure"
