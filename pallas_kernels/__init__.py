@@ -12,6 +12,7 @@ the updated arrays — donate them at the enclosing ``jit`` to update in place):
 ``selective_scan_varlen``           Mamba2 prefill scan over a packed batch
 ``causal_conv1d_varlen``            conv prefill over a packed batch
 ``combine_sampled_and_draft_tokens`` decode windows ``[last_sampled, drafts...]``
+``write_kv_pages``                  K/V write into JAX's ragged-paged-attention layout
 ==================================  =====================================================
 
 Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
@@ -26,6 +27,7 @@ from pallas_kernels.kv_write import (
     concat_and_cache_mla as concat_and_cache_mla,
     reshape_and_cache_flash as reshape_and_cache_flash,
 )
+from pallas_kernels.kv_pages import write_kv_pages as write_kv_pages
 from pallas_kernels.mamba import (
     causal_conv1d_update as causal_conv1d_update,
     causal_conv1d_varlen as causal_conv1d_varlen,
@@ -46,5 +48,6 @@ __all__ = [
     "reshape_and_cache_flash",
     "selective_scan_varlen",
     "selective_state_update",
+    "write_kv_pages",
     "zero_blocks",
 ]
