@@ -26,6 +26,8 @@ from typing import Literal
 
 import jax
 
+from pallas_kernels import tpu_target
+
 BACKENDS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
 INTERPRET_ENV = "KVJAX_INTERPRET"
 
@@ -89,4 +91,6 @@ def resolve(backend: str, interpret: bool | None) -> Choice:
         flavor = "tpu" if backend == "pallas_tpu" else "gpu"
     if interpret is None:
         interpret = plat != flavor
+    if flavor == "tpu" and not interpret:
+        tpu_target.prepare_compiled_tpu()  # Mosaic must not ask a CPU/GPU which TPU it is
     return Choice(flavor, interpret)

@@ -438,7 +438,9 @@ def _tpu_write(slot_mapping, sources, caches, segments, scales, *, interpret_par
         def copies(i, slot):
             # Row i of this step (token first + i) -> cache[slot // bs, slot % bs].
             row = i if quantize else first + i
-            blk, off = slot // block_size, slot % block_size
+            # slot >= 0 here (pl.when): truncating division is floor division.
+            bs = jnp.asarray(block_size, slot.dtype)
+            blk, off = jax.lax.div(slot, bs), jax.lax.rem(slot, bs)
             out = []
             for k, seg in enumerate(segments):
                 src = copy_from[seg.src].at[pl.ds(row, 1)]

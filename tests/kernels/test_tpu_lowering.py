@@ -1,0 +1,217 @@
+"""Every public TPU kernel lowers for TPU (Mosaic) on this CPU, at serving-like shapes.
+
+``jax.export.export(jax.jit(f), platforms=("tpu",))`` runs Mosaic's Python lowering
+without a TPU: block shapes and tiling rules, supported ops and dtypes, scalar
+prefetch. The exported module must hold a Mosaic custom call (``tpu_custom_call``):
+a kernel that silently fell back to XLA would not. What only a chip checks (Mosaic's
+compiler passes, VMEM limits, numerics, speed) is ``benchmarks/tpu_check.py``'s job.
+
+``selective_scan_varlen`` and ``causal_conv1d_varlen`` have no TPU kernel (they are
+jnp only, whatever the backend), so there is nothing Mosaic-specific to lower.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import tpu_target
+
+SD = jax.ShapeDtypeStruct
+BF16, F32, FP8, I32 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int32
+TPU = dict(backend="pallas_tpu", interpret=False)
+MOSAIC = "tpu_custom_call"
+
+
+def _flash(T, H, D, bs, dtype, fp8=False, num_blocks=40):
+    cache = FP8 if fp8 else dtype
+    args = (SD((T, H, D), dtype), SD((T, H, D), dtype), SD((num_blocks, bs, H, D), cache),
+            SD((num_blocks, bs, H, D), cache), SD((T,), I32))
+    extra = ("fp8", SD((H,), F32), SD((), F32)) if fp8 else ()
+
+    def f(k, v, kc, vc, sm, *scales):
+        return pk.reshape_and_cache_flash(k, v, kc, vc, sm, *extra[:1], *scales, **TPU)
+
+    return f, args + extra[1:]
+
+
+def _mla(T, L, R, bs, dtype, fp8=False, num_blocks=40):
+    args = (SD((T, L), dtype), SD((T, R), dtype), SD((num_blocks, bs, L + R), FP8 if fp8 else dtype),
+            SD((T,), I32))
+
+    def f(kv_c, k_pe, cache, sm, *scale):
+        return pk.concat_and_cache_mla(kv_c, k_pe, cache, sm, *(("fp8",) if fp8 else ()), *scale,
+                                       **TPU)
+
+    return f, args + ((SD((), F32),) if fp8 else ())
+
+
+def _zero(n_ids, r, shapes_dtypes):
+    args = tuple(SD(s, d) for s, d in shapes_dtypes) + (SD((n_ids,), I32),)
+
+    def f(*a):
+        return pk.zero_blocks(list(a[:-1]), a[-1], kernel_blocks_per_block=r, **TPU)
+
+    return f, args
+
+
+def _ssu(T, H, P, Ns, G, state_dtype, x_dtype, mode="decode", L=33, W=4):
+    """mode: "decode" (one token per sequence), "spec" (W-token windows), "varlen"."""
+    n = T if mode == "decode" else T // W
+    idx = SD((n, W) if mode == "spec" else (n,), I32)
+    args = [SD((L, H, P, Ns), state_dtype), SD((T, H, P), x_dtype), SD((T, H, 1), x_dtype),
+            SD((H, 1, 1), F32), SD((T, G, Ns), x_dtype), SD((T, G, Ns), x_dtype),
+            SD((H, P), F32), SD((H, 1), F32), SD((T, H, P), x_dtype), idx]
+    if mode == "spec":
+        args += [SD((n,), I32), SD((n + 1,), I32)]
+    elif mode == "varlen":
+        args += [SD((n + 1,), I32)]
+
+    def f(state, x, dt, A, B, C, D, dt_bias, z, idx, *rest):
+        acc, cu = (rest if mode == "spec" else (None, rest[0] if rest else None))
+        return pk.selective_state_update(state, x, dt, A, B, C, D, dt_bias, z, True, idx, idx,
+                                         num_accepted_tokens=acc, cu_seqlens=cu, **TPU)
+
+    return f, tuple(args)
+
+
+def _conv(batch, dim, width, S, dtype, mode="decode", q=1, L=33):
+    """mode: "decode" ([batch, dim]), "spec" ([batch, dim, q] + num_accepted), "varlen"."""
+    x = {"decode": (batch, dim), "spec": (batch, dim, q), "varlen": (batch * q, dim)}[mode]
+    args = [SD(x, dtype), SD((L, dim, S), dtype), SD((dim, width), dtype), SD((dim,), dtype),
+            SD((batch,), I32)]
+    if mode == "spec":
+        args.append(SD((batch,), I32))
+    if mode == "varlen":
+        args.append(SD((batch + 1,), I32))
+
+    def f(x, cs, w, b, idx, *rest):
+        kw = {}
+        if mode == "spec":
+            kw["num_accepted_tokens"] = rest[0]
+        if mode == "varlen":
+            kw.update(query_start_loc=rest[0], max_query_len=q)
+        return pk.causal_conv1d_update(x, cs, w, b, "silu", idx, **kw, **TPU)
+
+    return f, tuple(args)
+
+
+def _combine(T, R, MR, S, num_new=1):
+    num_logits = R * (S + num_new) or 1
+    args = (SD((T,), I32), SD((R,), I32), SD((MR, 1), I32), SD((R + 1,), I32), SD((R,), I32),
+            SD((MR,), I32), SD((MR, S), I32), SD((R + 1,), I32))
+
+    def f(*a):
+        return pk.combine_sampled_and_draft_tokens(*a, num_logits, num_new, **TPU)
+
+    return f, args
+
+
+KV = [((64, 16, 8, 128), BF16), ((64, 16, 8, 128), BF16)]
+CASES = {
+    # reshape_and_cache_flash: decode / prefill token counts, block sizes 16 and 128,
+    # bf16 / fp32 / fp8 caches, head sizes 128, 64 and non-power-of-two 80 / 96.
+    "flash-decode-bf16-bs16": _flash(8, 8, 128, 16, BF16),
+    "flash-prefill-bf16-bs128": _flash(2048, 8, 128, 128, BF16),
+    "flash-decode-f32-d80-bs16": _flash(5, 4, 80, 16, F32),
+    "flash-prefill-f32-d96-bs128": _flash(300, 2, 96, 128, F32),
+    "flash-decode-fp8-bs16": _flash(8, 8, 128, 16, BF16, fp8=True),
+    "flash-prefill-fp8-d80-bs128": _flash(520, 4, 80, 128, BF16, fp8=True),
+    "flash-decode-h1-d64-bs16": _flash(3, 1, 64, 16, BF16),
+    # concat_and_cache_mla: DeepSeek (512 + 64) and non-power-of-two latents.
+    "mla-decode-bf16-bs16": _mla(8, 512, 64, 16, BF16),
+    "mla-prefill-bf16-bs128": _mla(1024, 512, 64, 128, BF16),
+    "mla-decode-f32-l320r48-bs16": _mla(6, 320, 48, 16, F32),
+    "mla-decode-fp8-bs16": _mla(8, 512, 64, 16, BF16, fp8=True),
+    "mla-prefill-fp8-l320r48-bs128": _mla(200, 320, 48, 128, BF16, fp8=True),
+    # zero_blocks: KV caches of both block sizes plus state pools, 1 and 2 kernel blocks
+    # per logical block, one id (decode-sized) and many.
+    "zero-kv-bs16": _zero(1, 1, KV),
+    "zero-kv-bs128-r2": _zero(64, 2, [((64, 128, 8, 128), BF16), ((64, 128, 8, 80), F32)]),
+    "zero-mixed-fp8-state": _zero(
+        7, 1, [((33, 16, 4, 96), FP8), ((33, 4, 64, 128), F32), ((33, 256, 3), BF16)]
+    ),
+    # selective_state_update: decode, speculative windows, varlen; f32/bf16 states.
+    "ssu-decode-f32": _ssu(8, 4, 64, 128, 1, F32, BF16),
+    "ssu-decode-bf16-p80-n48": _ssu(5, 6, 80, 48, 2, BF16, BF16),
+    "ssu-spec-f32": _ssu(16, 4, 64, 128, 2, F32, BF16, mode="spec"),
+    "ssu-varlen-f32-prefill": _ssu(256, 8, 64, 128, 1, F32, F32, mode="varlen", W=64),
+    # causal_conv1d_update: decode, speculative, varlen; power-of-two and odd dims.
+    "conv-decode-bf16": _conv(8, 256, 4, 3, BF16),
+    "conv-decode-f32-dim200": _conv(5, 200, 4, 3, F32),
+    "conv-spec-bf16": _conv(4, 256, 4, 6, BF16, mode="spec", q=4),
+    "conv-varlen-f32-prefill": _conv(4, 384, 4, 3, F32, mode="varlen", q=64),
+    # combine_sampled_and_draft_tokens: with and without drafts, num_new 1 and 0.
+    "combine-decode-drafts": _combine(64, 4, 8, 2),
+    "combine-one-row-no-drafts": _combine(16, 1, 3, 0),
+    "combine-prefill-num-new-0": _combine(4096, 64, 128, 3, num_new=0),
+}
+
+
+def _export(f, args, target=None):
+    fresh = lambda *a: f(*a)  # noqa: E731 - a new function: nothing cached from earlier traces
+    if target is None:  # a bare export, as a user would write it
+        return jax.export.export(jax.jit(fresh), platforms=("tpu",))(*args)
+    return tpu_target.export(fresh, *args, target=target)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_lowers_for_tpu(name):
+    f, args = CASES[name]
+    text = _export(f, args).mlir_module()
+    assert MOSAIC in text, f"{name}: no Mosaic kernel in the TPU module"
+
+
+@pytest.mark.parametrize("target", sorted(tpu_target.TARGETS))
+def test_kernels_lower_for_each_target(target):
+    # One representative per op for every generation: the target, not the local
+    # device, answers Mosaic's chip questions.
+    for name in ("flash-decode-fp8-bs16", "mla-decode-bf16-bs16", "zero-kv-bs16",
+                 "ssu-spec-f32", "conv-spec-bf16", "combine-decode-drafts"):
+        f, args = CASES[name]
+        assert MOSAIC in _export(f, args, target=target).mlir_module(), (name, target)
+
+
+# --------------------------------------------------------------------------
+# Target resolution (pallas_kernels.tpu_target)
+# --------------------------------------------------------------------------
+
+
+def test_resolve_order(monkeypatch):
+    monkeypatch.delenv(tpu_target.TARGET_ENV, raising=False)
+    assert tpu_target.resolve().name == tpu_target.DEFAULT_TARGET  # CPU host: the default
+    assert tpu_target.resolve("v5e").name == "v5e"
+    assert tpu_target.resolve("TPU v6 lite").name == "v6e"  # a JAX device kind
+    monkeypatch.setenv(tpu_target.TARGET_ENV, "v5p")
+    assert tpu_target.resolve().name == "v5p"  # static config beats the default
+    assert tpu_target.resolve("v7").name == "v7"  # an explicit target beats both
+    with tpu_target.lowering("v7") as t:
+        assert t.name == "v7" and tpu_target.resolve().name == "v7"
+    monkeypatch.setenv(tpu_target.TARGET_ENV, "v9")
+    with pytest.raises(ValueError, match=tpu_target.TARGET_ENV):
+        tpu_target.resolve()
+    with pytest.raises(ValueError, match="target must be"):
+        tpu_target.resolve("TPU v99")
+
+
+def test_lowering_keeps_the_callers_mesh_axes():
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+    with jax.sharding.use_abstract_mesh(mesh), tpu_target.lowering("v5e"):
+        inner = jax.sharding.get_abstract_mesh()
+        assert inner.axis_names == ("data", "model") and inner.axis_sizes == (2, 2)
+        assert inner.abstract_device.device_kind == "TPU v5 lite"
+
+
+def test_explicit_target_never_asks_the_local_device(monkeypatch):
+    # With Mosaic's table of extra device kinds emptied, "cpu" is unknown to Mosaic:
+    # lowering under an explicit target must not need it, nor register anything.
+    registry = {}
+    monkeypatch.setattr(tpu_target._mosaic_tpu_info, "registry", registry)
+    monkeypatch.setattr(tpu_target, "_registered_fallback", {})
+    tpu_target._mosaic_tpu_info.get_tpu_info.cache_clear()
+    f, args = CASES["combine-decode-drafts"]  # its lowering asks Mosaic for the chip
+    assert MOSAIC in _export(f, args, target="v5e").mlir_module()
+    assert registry == {}
+    tpu_target._mosaic_tpu_info.get_tpu_info.cache_clear()
