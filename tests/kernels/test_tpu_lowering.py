@@ -48,6 +48,20 @@ def _mla(T, L, R, bs, dtype, fp8=False, num_blocks=40):
     return f, args + ((SD((), F32),) if fp8 else ())
 
 
+def _pages(T, H, D, bs, dtype, fp8=False, packed=False, num_pages=40):
+    cache = FP8 if fp8 else dtype
+    p = 4 // jnp.dtype(cache).itemsize
+    row = (2 * H // p, p, D) if packed else (2 * H, D)
+    args = (SD((T, H, D), dtype), SD((T, H, D), dtype), SD((num_pages, bs) + row, cache),
+            SD((T,), I32))
+    extra = ("fp8", SD((H,), F32), SD((), F32)) if fp8 else ()
+
+    def f(k, v, pages, sm, *scales):
+        return pk.write_kv_pages(k, v, pages, sm, *extra[:1], *scales, **TPU)
+
+    return f, args + extra[1:]
+
+
 def _zero(n_ids, r, shapes_dtypes):
     args = tuple(SD(s, d) for s, d in shapes_dtypes) + (SD((n_ids,), I32),)
 
@@ -109,6 +123,18 @@ def _combine(T, R, MR, S, num_new=1):
     return f, args
 
 
+def test_every_public_tpu_op_is_covered():
+    ops = {n for n in pk.__all__ if n[0].islower()} - {"selective_scan_varlen",
+                                                        "causal_conv1d_varlen"}
+    prefixes = {"reshape_and_cache_flash": "flash", "concat_and_cache_mla": "mla",
+                "write_kv_pages": "pages", "zero_blocks": "zero",
+                "selective_state_update": "ssu", "causal_conv1d_update": "conv",
+                "combine_sampled_and_draft_tokens": "combine"}
+    assert ops <= set(prefixes), f"add lowering cases for {sorted(ops - set(prefixes))}"
+    for op, prefix in prefixes.items():
+        assert any(c.startswith(prefix + "-") for c in CASES), op
+
+
 KV = [((64, 16, 8, 128), BF16), ((64, 16, 8, 128), BF16)]
 CASES = {
     # reshape_and_cache_flash: decode / prefill token counts, block sizes 16 and 128,
@@ -126,6 +152,11 @@ CASES = {
     "mla-decode-f32-l320r48-bs16": _mla(6, 320, 48, 16, F32),
     "mla-decode-fp8-bs16": _mla(8, 512, 64, 16, BF16, fp8=True),
     "mla-prefill-fp8-l320r48-bs128": _mla(200, 320, 48, 128, BF16, fp8=True),
+    # write_kv_pages: ragged-paged-attention layout, plain and packed (rank 5).
+    "pages-decode-bf16-bs16": _pages(8, 8, 128, 16, BF16),
+    "pages-prefill-bf16-packed-bs128": _pages(1024, 4, 128, 128, BF16, packed=True),
+    "pages-decode-f32-d80-bs16": _pages(5, 2, 80, 16, F32),
+    "pages-prefill-fp8-packed-bs128": _pages(300, 4, 128, 128, BF16, fp8=True, packed=True),
     # zero_blocks: KV caches of both block sizes plus state pools, 1 and 2 kernel blocks
     # per logical block, one id (decode-sized) and many.
     "zero-kv-bs16": _zero(1, 1, KV),
@@ -168,7 +199,7 @@ def test_kernel_lowers_for_tpu(name):
 def test_kernels_lower_for_each_target(target):
     # One representative per op for every generation: the target, not the local
     # device, answers Mosaic's chip questions.
-    for name in ("flash-decode-fp8-bs16", "mla-decode-bf16-bs16", "zero-kv-bs16",
+    for name in ("flash-decode-fp8-bs16", "mla-decode-bf16-bs16", "pages-decode-bf16-bs16", "zero-kv-bs16",
                  "ssu-spec-f32", "conv-spec-bf16", "combine-decode-drafts"):
         f, args = CASES[name]
         assert MOSAIC in _export(f, args, target=target).mlir_module(), (name, target)
