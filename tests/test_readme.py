@@ -26,6 +26,16 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one_verbatim
     assert tests in ci_lines, f"{tests!r} not found verbatim in .ci/run"
 
 
+def test_ci_installs_the_vllm_oracle_before_running_the_tests():
+    """Otherwise every vLLM oracle test skips in CI."""
+    readme = (ROOT / "README.md").read_text()
+    tests = _bash_blocks(readme.split("## Set-up", 1)[1].split("\n## ", 1)[0])[1]
+    ci_lines = [l.strip() for l in (ROOT / ".ci/run").read_text().splitlines()]
+    install = "bash scripts/install_vllm_oracle.sh"
+    assert install in ci_lines, f"{install!r} not in .ci/run"
+    assert ci_lines.index(install) < ci_lines.index(tests)
+
+
 def _fenced_blocks(text):
     """``(language, body)`` of every fenced block, in order."""
     return re.findall(r"^```([^\n`]*)\n(.*?)^```", text, flags=re.S | re.M)
