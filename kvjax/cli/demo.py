@@ -34,8 +34,28 @@ def logits_tolerance(kv_cache_dtype: str) -> float:
     return LOGITS_ATOL if kv_cache_dtype == "auto" else LOGITS_ATOL_FP8
 
 
+def run_settings(config: RunnerConfig, **extra) -> dict:
+    """What a run was configured with, JSON-ready: every :class:`RunnerConfig` field (the model
+    as a dict), the platform, the JAX version, and ``extra`` (e.g. ``strict``)."""
+    def plain(v):
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        return str(v)  # e.g. a device mesh
+
+    settings = plain(config)
+    settings.update(platform=jax.default_backend(), jax_version=jax.__version__)
+    settings.update({k: plain(v) for k, v in extra.items()})
+    return settings
+
+
 @dataclasses.dataclass
 class ServeReport:
+    """What :func:`serve` did: per-request results, counts and timings, and ``settings`` (:func:`run_settings`)."""
+
     requests: dict
     steps: int
     generated_tokens: int
@@ -50,6 +70,7 @@ class ServeReport:
     drafts_proposed: int
     drafts_accepted: int
     all_match: bool
+    settings: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,6 +118,7 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
         drafts_proposed=sched.num_drafts_proposed,
         drafts_accepted=sched.num_drafts_accepted,
         all_match=all(r["matches_reference"] for r in results.values()),
+        settings=run_settings(config, strict=strict, compile_workers=compile_workers),
     )
     return report, runner
 

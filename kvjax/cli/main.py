@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
@@ -15,6 +16,7 @@ from kvjax.models import TinyHybridConfig
 from kvjax.runner import RunnerConfig
 from kvjax.testing import difftest as dt
 from kvjax.testing.scenarios import OPS
+from pallas_kernels._backend import BACKENDS
 
 
 def _token_sizes(text: str) -> tuple[int, ...]:
@@ -47,8 +49,6 @@ def _demo(args, parser) -> int:
         if args.workload:
             requests = load_workload(args.workload, vocab_size=model.vocab_size, max_model_len=config.max_model_len)
         else:
-            if args.requests <= 0:
-                raise WorkloadError(f"--requests must be positive, got {args.requests}")
             data = generate_workload(args.requests, args.seed, max_model_len=config.max_model_len,
                                      vocab_size=model.vocab_size)
             requests = validate_workload(data, vocab_size=model.vocab_size, max_model_len=config.max_model_len)
@@ -62,9 +62,10 @@ def _demo(args, parser) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     report, _ = serve(config, requests, strict=not args.no_strict,
                       progress_stream=None if args.quiet else sys.stderr,
-                      compile_workers=max(1, args.compile_workers))
+                      compile_workers=args.compile_workers)
     print_summary(report, config)
     if args.json:
+        report.settings["workload"] = args.workload or f"generated: {args.requests} requests, seed {args.seed}"
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1)
     ok = report.all_match and report.nan_count == 0 and report.serving_compiles == 0
@@ -80,8 +81,6 @@ def _difftest(args, parser) -> int:
     unknown = [o for o in ops or [] if o not in OPS]
     if unknown:
         parser.error(f"unknown op(s) {unknown}; ops are: {', '.join(OPS)}")
-    if args.cases < 0:
-        parser.error(f"--cases must be >= 0, got {args.cases}")
     try:
         report = dt.difftest(against=args.against, ops=ops, cases=args.cases, seed=args.seed,
                              backend=args.backend, interpret=True if args.interpret else None,
@@ -96,57 +95,105 @@ def _difftest(args, parser) -> int:
     return 0 if report.ok else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvjax", description="kvjax demos")
+def _int_at_least(lowest: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
+        return value
+    parse.__name__ = f"int >= {lowest}"
+    return parse
+
+
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def _json_out(path: str) -> str:
+    """``--json OUT``: its folder must exist and be writable now, not after the run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder!r} of {path!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"folder {folder!r} of {path!r} is not writable")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a folder, expected a file name")
+    return path
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` for options that have a default value (not for None / off flags)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m kvjax`` parser; every option has help text and shows its default."""
+    fmt = _HelpFormatter
+    parser = argparse.ArgumentParser(prog="python -m kvjax", description="kvjax demos", formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="serve a seeded workload on the tiny hybrid model and check parity")
+    demo = sub.add_parser("demo", help="serve a seeded workload on the tiny hybrid model and check parity",
+                          formatter_class=fmt)
     demo.add_argument("--workload", metavar="FILE.json", help="workload file (default: a seeded random one)")
-    demo.add_argument("--requests", type=int, default=8, help="requests in the generated workload (8)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the workload and the weights (0)")
-    demo.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
-    demo.add_argument("--num-spec-tokens", type=int, default=0, help="n-gram draft tokens per step (0)")
-    demo.add_argument("--num-blocks", type=int, default=96, help="KV blocks incl. the null block (96)")
-    demo.add_argument("--block-size", type=int, default=8)
-    demo.add_argument("--max-num-seqs", type=int, default=4)
-    demo.add_argument("--max-num-batched-tokens", type=int, default=32)
-    demo.add_argument("--max-model-len", type=int, default=96)
-    demo.add_argument("--token-sizes", type=_token_sizes, default=(4, 16, 32),
-                      help="bucket token sizes, comma-separated (4,16,32)")
-    demo.add_argument("--backend", default="auto", help="kernel backend: auto|reference|pallas (auto)")
+    demo.add_argument("--requests", type=_positive, metavar="N", default=8, help="requests in the generated workload")
+    demo.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the workload and the weights")
+    demo.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                      help="KV cache storage: auto (float32) or fp8 (float8_e4m3fn)")
+    demo.add_argument("--num-spec-tokens", type=_non_negative, metavar="N", default=0, help="n-gram draft tokens per step")
+    demo.add_argument("--num-blocks", type=_positive, metavar="N", default=96, help="KV blocks incl. the null block")
+    demo.add_argument("--block-size", type=_positive, metavar="N", default=8, help="tokens per KV block")
+    demo.add_argument("--max-num-seqs", type=_positive, metavar="N", default=4, help="request rows (requests in flight)")
+    demo.add_argument("--max-num-batched-tokens", type=_positive, metavar="N", default=32, help="token budget of a step")
+    demo.add_argument("--max-model-len", type=_positive, metavar="N", default=96,
+                      help="longest request (prompt + output) in tokens")
+    demo.add_argument("--token-sizes", type=_token_sizes, metavar="T1,T2,...", default="4,16,32",
+                      help="bucket token sizes, comma-separated")
+    demo.add_argument("--backend", choices=BACKENDS, default="auto",
+                      help="kernel backend (auto: Pallas on GPU/TPU, jnp reference on CPU)")
     demo.add_argument("--poison", action="store_true",
                       help="fill the null block, free blocks and freed recurrent slots with NaN")
     demo.add_argument("--no-strict", action="store_true", help="count serving-time compiles instead of failing")
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
-    demo.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    demo.add_argument("--quiet", action="store_true", help="no progress output")
+    demo.add_argument("--json", metavar="OUT", type=_json_out,
+                      help="write the report, with the settings it ran with, as JSON")
     demo.add_argument("--compile-cache", metavar="DIR",
                       help="JAX persistent compilation cache directory (reused across runs)")
-    demo.add_argument("--compile-workers", type=int, default=2,
-                      help="threads compiling the buckets in parallel (2)")
-    trace = sub.add_parser("trace", help="a scheduling trace through the state functions (no model)")
-    trace.add_argument("--seed", type=int, default=0)
-    trace.add_argument("--requests", type=int, default=4)
+    demo.add_argument("--compile-workers", type=_positive, metavar="N", default=2,
+                      help="threads compiling the buckets in parallel")
+    trace = sub.add_parser("trace", help="a scheduling trace through the state functions (no model)",
+                           formatter_class=fmt)
+    trace.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the trace's arrivals and lengths")
+    trace.add_argument("--requests", type=_positive, metavar="N", default=4, help="requests in the trace")
     diff = sub.add_parser("difftest", help="compare kvjax with the torch reference / vLLM on seeded "
-                                           "scenarios (exit 1 on any mismatch)")
+                                           "scenarios (exit 1 on any mismatch)", formatter_class=fmt)
     diff.add_argument("--against", choices=("torch", "vllm", "all"), default="torch",
-                      help="what to compare with (torch); vllm needs `bash scripts/install_vllm_oracle.sh`")
+                      help="what to compare with; vllm needs `bash scripts/install_vllm_oracle.sh`")
     diff.add_argument("--ops", nargs="+", type=_ops_list, metavar="OP",
                       help="ops to run, space- or comma-separated (default: all)")
-    diff.add_argument("--cases", type=int, default=4, help="random scenarios per op, besides the adversarial ones (4)")
-    diff.add_argument("--seed", type=int, default=0, help="base seed of the scenarios (0)")
+    diff.add_argument("--cases", type=_non_negative, metavar="N", default=4,
+                      help="random scenarios per op, besides the adversarial ones")
+    diff.add_argument("--seed", type=int, metavar="N", default=0, help="base seed of the scenarios")
     diff.add_argument("--backend", choices=("reference", "pallas", "auto"), default="auto",
-                      help="kvjax kernels: jnp reference, Pallas, or auto (auto)")
+                      help="kvjax kernels: jnp reference, Pallas, or auto")
     diff.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
-    diff.add_argument("--json", metavar="OUT", help="write the report as JSON")
-    diff.add_argument("--quiet", action="store_true", help="no progress bar")
+    diff.add_argument("--json", metavar="OUT", type=_json_out, help="write the report as JSON")
+    diff.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "difftest":
         return _difftest(args, parser)
     if args.command == "demo":
         return _demo(args, parser)
     if args.command == "trace":
-        if args.requests <= 0:
-            parser.error(f"--requests must be positive, got {args.requests}")
         summary = run_trace(seed=args.seed, num_requests=args.requests)
         return 0 if all(summary["checks"].values()) else 1
     return 2
-

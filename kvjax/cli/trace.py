@@ -1,9 +1,9 @@
-"""``python -m kvjax demo``: a seeded scheduling trace through the state functions.
+"""``python -m kvjax trace``: a seeded scheduling trace through the state functions.
 
 Requests arrive, prefill in chunks, decode with drafts, finish, and a new
 request immediately reuses a freed row; an idle (dummy) step runs between real
 ones. Each step prints what the scheduler did, and the run ends with the
-invariant results, including one check per seed bug (see DESIGN.md).
+invariant results, including one check per seed bug.
 """
 
 from __future__ import annotations

@@ -603,9 +603,11 @@ def _normalize_against(against) -> tuple[str, ...]:
 
 
 def _vllm_install_message() -> str:
+    """Why the oracle cannot run, and the install command once (``reason()`` may already name it)."""
     why = oracle.reason() or "kvjax.testing.vllm.available() is False"
-    return (f"the vLLM {oracle.VLLM_VERSION} oracle is unavailable: {why}\n"
-            f"install it (CPU only, no CUDA packages) with:\n    {oracle.INSTALL_COMMAND}")
+    hint = ("" if oracle.INSTALL_COMMAND in why else
+            f"\ninstall it (CPU only, no CUDA packages) with:\n    {oracle.INSTALL_COMMAND}")
+    return f"the vLLM {oracle.VLLM_VERSION} oracle is unavailable: {why}{hint}"
 
 
 _BF16_SCATTER_NAN = (

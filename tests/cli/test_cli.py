@@ -1,0 +1,173 @@
+"""The command line's edges: bad flags fail at once with exit 2, help shows every default,
+the JSON report carries its settings, progress writes no carriage returns into logs."""
+
+import argparse
+import io
+import json
+
+import pytest
+
+import kvjax.cli.main as cli
+from kvjax.cli.demo import ServeReport, run_settings
+from kvjax.cli.progress import Progress
+from kvjax.runner import RunnerConfig
+from kvjax.testing import difftest as dt
+from kvjax.testing import vllm as oracle
+
+
+def _refuse_to_serve(*args, **kwargs):
+    raise AssertionError("the demo started serving")
+
+
+def _exit_code(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["demo", "difftest"])
+def test_json_into_a_missing_folder_fails_before_anything_runs(command, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "serve", _refuse_to_serve)
+    monkeypatch.setattr(cli.dt, "difftest", _refuse_to_serve)
+    out = tmp_path / "missing" / "out.json"
+    code, err = _exit_code([command, "--json", str(out)], capsys)
+    assert code == 2
+    assert "--json" in err and "does not exist" in err and str(out.parent) in err
+    code, err = _exit_code([command, "--json", str(tmp_path)], capsys)  # a folder, not a file
+    assert code == 2 and "is a folder" in err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["demo", "--backend", "bogus"], "argument --backend: invalid choice: 'bogus'"),
+    (["demo", "--compile-workers", "0"], "argument --compile-workers: must be >= 1, got 0"),
+    (["demo", "--num-blocks", "-3"], "argument --num-blocks: must be >= 1, got -3"),
+    (["demo", "--max-model-len", "lots"], "argument --max-model-len: expected an int, got 'lots'"),
+    (["demo", "--num-spec-tokens", "-1"], "argument --num-spec-tokens: must be >= 0, got -1"),
+    (["demo", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
+    (["trace", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
+    (["difftest", "--cases", "-1"], "argument --cases: must be >= 0, got -1"),
+    (["difftest", "--backend", "bogus"], "argument --backend: invalid choice: 'bogus'"),
+])
+def test_bad_flags_are_a_usage_error_naming_the_flag(argv, fragment, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "serve", _refuse_to_serve)
+    code, err = _exit_code(argv, capsys)
+    assert code == 2
+    assert fragment in err
+    assert "Traceback" not in err
+
+
+def _subparsers(parser):
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_every_option_has_help_and_shows_its_default():
+    subs = _subparsers(cli.build_parser())
+    assert set(subs) == {"demo", "trace", "difftest"}
+    for name, parser in subs.items():
+        text = parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = action.option_strings[0]
+            assert action.help, f"{name} {flag} has no help text"
+            if action.default not in (None, False):
+                shown = ",".join(map(str, action.default)) if isinstance(action.default, tuple) else action.default
+                assert f"(default: {shown})" in " ".join(text.split()), f"{name} {flag}: default not shown"
+
+
+def test_the_vllm_install_hint_is_printed_once(monkeypatch, capsys):
+    reasons = [f"vllm is not installed; install it with `{oracle.INSTALL_COMMAND}`",
+               "vLLM disabled Triton (no active driver)"]
+    for why in reasons:
+        monkeypatch.setattr(oracle, "available", lambda: False)
+        monkeypatch.setattr(oracle, "reason", lambda why=why: why)
+        assert cli.main(["difftest", "--against", "vllm", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.count(oracle.INSTALL_COMMAND) == 1, err
+        assert why in err
+
+
+def test_demo_json_report_records_the_settings_it_ran_with(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_serve(config, requests, *, strict, progress_stream, compile_workers):
+        seen["config"] = config
+        report = ServeReport(requests={}, steps=0, generated_tokens=0, tokens_per_s=0.0, serving_seconds=0.0,
+                             buckets=[], executables=0, compile_seconds=0.0, serving_compiles=0, nan_count=0,
+                             preemptions=0, drafts_proposed=0, drafts_accepted=0, all_match=True,
+                             settings=run_settings(config, strict=strict, compile_workers=compile_workers))
+        return report, None
+
+    monkeypatch.setattr(cli, "serve", fake_serve)
+    monkeypatch.setattr(cli, "print_summary", lambda report, config: None)
+    out = tmp_path / "report.json"
+    argv = ["demo", "--backend", "reference", "--kv-cache-dtype", "fp8", "--poison", "--seed", "7",
+            "--requests", "2", "--json", str(out), "--quiet"]
+    assert cli.main(argv) == 0
+    s = json.loads(out.read_text())["settings"]
+    assert (s["backend"], s["kv_cache_dtype"], s["poison"], s["seed"]) == ("reference", "fp8", True, 7)
+    assert s["token_sizes"] == [4, 16, 32] and s["max_model_len"] == 96 and s["strict"] is True
+    assert s["model"]["layer_types"] == ["attn", "mamba", "attn", "mamba"]
+    assert s["platform"] == "cpu" and s["jax_version"] and s["workload"] == "generated: 2 requests, seed 7"
+    assert seen["config"].seed == 7
+
+
+def test_run_settings_records_every_config_field_and_anything_else_as_text():
+    config = RunnerConfig(backend="pallas", poison=True)
+    s = run_settings(config, strict=False, mesh=object())
+    for field in ("backend", "poison", "seed", "kv_cache_dtype", "block_size", "num_blocks", "max_model_len"):
+        assert s[field] == getattr(config, field)
+    assert s["strict"] is False and isinstance(s["mesh"], str)
+    json.dumps(s)
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_off_a_terminal_prints_plain_periodic_lines():
+    stream, clock = io.StringIO(), _Clock()
+    bar = Progress(5, stream, unit="requests finished", interval=10.0, clock=clock)
+    for done in range(6):
+        bar.update(done, f"step {done}")
+        clock.t += 4.0
+    bar.close()
+    text = stream.getvalue()
+    assert "\r" not in text
+    # first update, then at most one line per 10 s, and the last one
+    assert text.splitlines() == ["0/5 requests finished  step 0", "3/5 requests finished  step 3",
+                                 "5/5 requests finished  step 5"]
+
+
+def test_progress_on_a_terminal_redraws_one_line():
+    stream = _Terminal()
+    bar = Progress(2, stream, unit="scenarios")
+    bar.update(1, "a")
+    bar.update(2, "done")
+    bar.close()
+    text = stream.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
+    assert "[###############...............] 1/2 scenarios" in text
+
+
+def test_progress_none_writes_nothing():
+    bar = Progress(3, None)
+    bar.update(1)
+    bar.close()
+
+
+def test_difftest_progress_into_a_log_has_no_carriage_return():
+    log = io.StringIO()
+    report = dt.difftest(ops=["combine_sampled_and_draft_tokens"], cases=0, backend="reference", progress=log)
+    assert report.ok
+    assert "\r" not in log.getvalue() and log.getvalue().rstrip().endswith("scenarios  done")
