@@ -11,7 +11,7 @@ Two jnp implementations with identical semantics:
 * ``_scan_chunked`` (every other backend): the SSD chunked form used by vLLM's
   ``mamba_chunk_scan_combined_varlen``: requests are cut into chunks of
   ``chunk_size`` tokens that never span two requests; inside a chunk the scan is a
-  masked ``[Q, Q]`` matrix product, between chunks a ``lax.scan`` over chunk states.
+  masked ``[Q, Q]`` matrix product, between chunks an associative scan over chunk states.
 """
 
 from __future__ import annotations
@@ -107,6 +107,44 @@ def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_init
     return out, state
 
 
+def _chunk_states(s_loc, lam, first, h_first):
+    """States entering and leaving each chunk: ``s_out[c] = lam[c] * s_in[c] + s_loc[c]``.
+
+    ``s_in[c]`` is ``h_first[c]`` where ``first[c]`` (a request's first chunk), else
+    ``s_out[c - 1]``. Shapes: ``s_loc``, ``h_first`` ``[NC, H, P, N]``; ``lam`` ``[NC, H]``;
+    ``first`` bool ``[NC]``. Computed as an associative scan of the affine maps
+    ``s -> lam * s + b`` with a reset flag at first chunks (O(log NC) steps, no loop: an
+    XLA while loop on a GPU launches every iteration's kernels one after another). A reset
+    selects, never multiplies by zero, so a NaN or inf state of one request cannot reach
+    the next.
+    """
+    reset = first[:, None, None, None]
+    lam4 = lam[:, :, None, None]
+    b = s_loc + jnp.where(reset, lam4 * h_first, 0.0)
+
+    if _CHUNK_STATE_SCAN == "sequential":  # benchmark knob: the former lax.scan
+        def step(carry, inp):
+            lam_c, b_c, r_c = inp
+            out = jnp.where(r_c, b_c, lam_c * carry + b_c)
+            return out, out
+
+        _, s_out = jax.lax.scan(step, jnp.zeros(s_loc.shape[1:], s_loc.dtype), (lam4, b, reset))
+    else:
+        def compose(earlier, later):  # apply `earlier`, then `later`
+            a1, b1, r1 = earlier
+            a2, b2, r2 = later
+            return (jnp.where(r2, a2, a1 * a2), jnp.where(r2, b2, a2 * b1 + b2), r1 | r2)
+
+        _, s_out, _ = jax.lax.associative_scan(compose, (lam4, b, reset))
+    prev = jnp.concatenate([jnp.zeros_like(s_out[:1]), s_out[:-1]], axis=0)
+    s_in = jnp.where(reset, h_first, prev)
+    return s_in, s_out
+
+
+# Benchmark knob (benchmarks/profile_gpu.py): "associative" (default) or "sequential".
+_CHUNK_STATE_SCAN = "associative"
+
+
 @functools.partial(jax.jit, static_argnames=("softplus", "null_block_id", "chunk_size"))
 def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
                   D, dt_bias, z, *, softplus, null_block_id, chunk_size):
@@ -160,13 +198,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     s_loc = jnp.einsum("cjh,cjhp,cjhn->chpn", to_end, xs, Bh, precision="highest")
     lam = jnp.exp(cum[:, -1, :])  # [NC, H]
 
-    def chunk_step(carry, inp):
-        s_c, lam_c, first_c, r = inp
-        s_in = jnp.where(first_c, h0[r], carry)
-        s_out = lam_c[:, None, None] * s_in + s_c
-        return s_out, (s_in, s_out)
-
-    _, (s_in, s_out) = jax.lax.scan(chunk_step, jnp.zeros((H, P, N), f32), (s_loc, lam, first, rc))
+    s_in, s_out = _chunk_states(s_loc, lam, first, h0[rc])
     y_inter = jnp.exp(cum)[..., None] * jnp.einsum("cihn,chpn->cihp", Ch, s_in, precision="highest")
     zs = None
     if z is not None:
@@ -215,7 +247,7 @@ def selective_scan_varlen(
     ``query_start_loc`` raise ``ValueError``; shape/dtype mismatches raise at trace time.
 
     Why jnp and not Pallas: the work is a chunked SSD scan — batched ``[Q, Q]`` and
-    ``[Q, N] x [N, P]`` matrix products plus a short ``lax.scan`` over chunk states —
+    ``[Q, N] x [N, P]`` matrix products plus an associative scan over chunk states —
     which XLA already maps onto the MXU / tensor cores; the masking (fresh zero
     starts, skipped null rows, padding) is all in the gather/scatter tables, where a
     kernel would gain nothing. ``backend="reference"`` (and ``"auto"`` on a CPU) runs

@@ -738,6 +738,31 @@ def test_scan_jit_out_of_range_is_masked(backend):
     assert_rows_bitwise_equal(new_state, state, [0, 1, 3, 4])
 
 
+@pytest.mark.parametrize("backend", SCAN_BACKENDS[:2])
+def test_scan_nan_state_does_not_reach_next_request(backend):
+    # Request 0 starts from a cached state that is all NaN (its own outputs are NaN);
+    # requests 1 and 2 (several chunks each at chunk 4) must not see any of it.
+    rng = np.random.default_rng(25)
+    c = scan_case(rng, T=14, L=6)
+    state = c["state"].copy()
+    state[2] = np.nan
+    qsl = np.array([0, 5, 10, 14], np.int32)
+    ci = np.array([2, 4, 1], np.int32)
+    his = np.array([True, True, False])
+    be, chunk = backend
+    out, new_state = selective_scan_varlen(
+        c["x"], c["dt"], c["A"], c["B"], c["C"], jnp.asarray(state), qsl, ci, his, D=c["D"],
+        chunk_size=chunk, backend=be)
+    out, new_state = np.asarray(out), np.asarray(new_state)
+    want, want_state, _ = oracle_scan(c["x"], c["dt"], c["A"], c["B"], c["C"], state, qsl, ci, his,
+                                      c["D"])
+    assert np.isnan(out[:5]).all() and np.isnan(new_state[2]).all()
+    assert np.isfinite(out[5:]).all(), "a NaN state leaked into a later request"
+    close(out[5:], want[5:])
+    close(new_state[[4, 1]], want_state[[4, 1]])
+    assert_rows_bitwise_equal(new_state, state, [0, 3, 5])
+
+
 def test_scan_validation_errors():
     rng = np.random.default_rng(23)
     c = scan_case(rng, T=4, L=4)
