@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import importlib
 import json
 import math
 import os
@@ -66,6 +67,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -92,6 +94,24 @@ try:
     import torch.nn.functional as F
 except ImportError:  # pragma: no cover - torch is on the GPU machine
     torch = None
+
+# vLLM 0.33.0's own Triton kernels (``vllm_triton`` rows), loaded by --vllm DIR from the
+# importable copy that ../shared/tools/vllm_gpu_oracle.sh builds (never committed).
+VLLM: types.SimpleNamespace | None = None
+
+
+def load_vllm(path: str) -> types.SimpleNamespace:
+    """The three vLLM Triton ops from the oracle tree at ``path`` (needs torch + triton)."""
+    sys.path.insert(0, os.path.abspath(path))
+    flash = importlib.import_module("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
+    batch = importlib.import_module("vllm.v1.worker.gpu.input_batch")
+    ssm = importlib.import_module("vllm.model_executor.layers.mamba.ops.mamba_ssm")
+    return types.SimpleNamespace(
+        reshape_and_cache_flash=flash.triton_reshape_and_cache_flash,
+        combine=batch.combine_sampled_and_draft_tokens,
+        ssm=ssm,
+    )
+
 
 CALLS = 50  # op calls per executable / per CUDA graph
 SKIP_IMPLS: set = set()  # --skip-impls (a CPU smoke run skips the slow interpreted kernels)
@@ -384,7 +404,8 @@ class Impl:
 
 def run_case(meta: dict, impls: list[Impl], carry, sets, *, mains: Callable,
              inplace: Callable | None = None, fresh: Callable | None = None,
-             torch_case: dict | None = None, budget_s: float = 0.5, sweep: bool = False,
+             torch_case: dict | None = None, vllm_case: dict | None = None,
+             budget_s: float = 0.5, sweep: bool = False,
              tol: float = 0.0, ceiling: str = "copy"):
     """Time every JAX implementation, then torch; one row each.
 
@@ -447,17 +468,21 @@ def run_case(meta: dict, impls: list[Impl], carry, sets, *, mains: Callable,
                              rel_err=err, **meta.get("extra", {})), sweep=sweep)
         except Exception as e:  # noqa: BLE001
             RES.error(f"run {op} {size} {dtype} {im.name}", e)
-    if torch_case is not None and torch is not None and (TORCH_GPU or not GPU):
+    for impl_name, case in (("torch", torch_case), ("vllm_triton", vllm_case if VLLM else None)):
+        if case is None or torch is None or not (TORCH_GPU or (impl_name == "torch" and not GPU)):
+            continue
+        if impl_name in SKIP_IMPLS:
+            continue
         try:
-            tc = torch_case["setup"](ref)
+            tc = case["setup"](ref)
             samples = time_torch(tc["fn"], tc["n_sets"], budget_s)
             match, err = tc["check"]() if ref is not None else (None, None)
-            RES.add(make_row(op, size, dtype, "torch", samples, nbytes, ceiling=ceiling,
+            RES.add(make_row(op, size, dtype, impl_name, samples, nbytes, ceiling=ceiling,
                              matches_reference=match, compared_with=ref_name, rel_err=err,
                              note=tc.get("note", ""), **meta.get("extra", {})))
             del tc
         except Exception as e:  # noqa: BLE001
-            RES.error(f"torch {op} {size} {dtype}", e)
+            RES.error(f"{impl_name} {op} {size} {dtype}", e)
     del ref
     return carry
 
@@ -647,8 +672,33 @@ def bench_flash(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5)
         return dict(fn=fn, n_sets=N_SETS, check=check,
                     note="index_copy_ of K and V" + (" after (x.float() / scale).clamp().to(fp8)" if fp8 else ""))
 
+    def vllm_setup(ref):
+        tdt = torch.uint8 if fp8 else torch.bfloat16
+        kc_t = to_torch(ref[0], tdt)  # [nb, BS, H, D]; vLLM views a uint8 cache as fp8 itself
+        vc_t = to_torch(ref[1], tdt)
+        kk = [to_torch(s[0], torch.bfloat16) for s in sets]
+        vv = [to_torch(s[1], torch.bfloat16) for s in sets]
+        ss = [torch.from_numpy(x).to("cuda").long() for x in slots]  # vLLM's slot dtype
+        ks_t = torch.tensor([ks], device="cuda")
+        vs_t = torch.tensor([vs], device="cuda")
+        mode = "fp8" if fp8 else "auto"
+
+        def fn(k):
+            VLLM.reshape_and_cache_flash(kk[k], vv[k], kc_t, vc_t, ss[k], mode, ks_t, vs_t)
+
+        def check():
+            # vLLM divides by the scale with Triton's "/" (div.full.f32, not IEEE), so an fp8
+            # byte may differ from kvjax's correctly rounded one: count them.
+            diff = sum(int((torch_bits(t).reshape(-1) != torch.from_dlpack(
+                jax_view_for_torch(a)).reshape(-1).view(torch_bits(t).dtype)).sum())
+                for t, a in ((kc_t, ref[0]), (vc_t, ref[1])))
+            return diff == 0, float(diff)
+
+        return dict(fn=fn, n_sets=N_SETS, check=check,
+                    note="vLLM 0.33.0 triton_reshape_and_cache_flash; rel_err column = bytes that differ")
+
     run_case(meta, impls, (kc, vc), sets, mains=lambda c: c, torch_case=dict(setup=torch_setup),
-             budget_s=budget)
+             vllm_case=dict(setup=vllm_setup), budget_s=budget)
     del kc, vc, sets
     free()
 
@@ -893,8 +943,39 @@ def bench_ssu(batch: int, sz: dict, *, sweep_variants=None, budget=0.5):
         return dict(fn=fn, n_sets=n_sets, check=check,
                     note="index_select, in-place mul_/addcmul_, matmul, index_copy_ (zero row for null reads, spare row for null writes)")
 
+    def vllm_setup(ref):
+        st = to_torch(init_state, torch.float32)  # [L, H, P, N]; row 0 is the null row
+        # kvjax's per-head scalars as vLLM's tied-head-dim views (stride 0: TIE_HDIM).
+        tA = to_torch(A, torch.float32).view(H, 1, 1).expand(H, P, N)
+        tD = to_torch(D, torch.float32).view(H, 1).expand(H, P)
+        tb = to_torch(dt_bias, torch.float32).view(H, 1).expand(H, P)
+        ts = [[to_torch(a, torch.bfloat16) for a in s[:5]] for s in sets]
+        ts = [[x, dt.expand(batch, H, P), Bm, Cm, z] for x, dt, Bm, Cm, z in ts]
+        ii = [torch.from_numpy(x).to("cuda") for x in idx_sets]  # int32, 0 = null
+        outs = [torch.empty((batch, H, P), dtype=torch.bfloat16, device="cuda") for _ in range(n_sets)]
+        cfg = VLLM.ssm._get_default_ssm_launch_config(N, False)  # vLLM's H100 default
+
+        def fn(k):
+            x, dt, Bm, Cm, z = ts[k]
+            with VLLM.ssm.override_ssm_config(cfg):
+                VLLM.ssm.selective_state_update(st, x, dt, tA, Bm, Cm, tD, tb, z=z, dt_softplus=True,
+                                                state_batch_indices=ii[k], null_block_id=0,
+                                                out=outs[k])
+
+        def check():
+            st.copy_(to_torch(init_state, torch.float32))
+            for i in range(CALLS):
+                fn(i % n_sets)
+            ref_t = torch.from_dlpack(jax_view_for_torch(ref[0])).view(torch.float32)
+            err = float((st - ref_t).abs().max() / ref_t.abs().max())
+            return err <= 2e-4, err
+
+        return dict(fn=fn, n_sets=n_sets, check=check,
+                    note=f"vLLM 0.33.0 selective_state_update, launch config {cfg} (BLOCK_SIZE_M, warps)")
+
     run_case(meta, impls, None, sets, mains=lambda c: (c[0],), fresh=fresh,
-             torch_case=dict(setup=torch_setup), budget_s=budget, tol=2e-4)
+             torch_case=dict(setup=torch_setup), vllm_case=dict(setup=vllm_setup), budget_s=budget,
+             tol=2e-4)
     del init_state, sets
     free()
 
@@ -968,9 +1049,27 @@ def bench_combine(sz: dict, budget=0.5):
 
         return dict(fn=fn, n_sets=N_SETS, check=check, note="vectorised torch ops (scatter_)")
 
+    def vllm_setup(ref):
+        ids_t = to_torch(ref[0])  # int32 [T]
+        ts = [[torch.from_numpy(a).to("cuda") for a in s] for s in sets_np]
+        lis = [None] * N_SETS
+
+        def fn(k):
+            idx, last, qsl, seq, prefill, drafts, cu = ts[k]
+            lis[k] = VLLM.combine(ids_t, idx, last, qsl, seq, prefill, drafts, cu, num_logits)
+
+        def check():
+            ok = torch_equal_to_jax(ids_t, ref[0])
+            ok &= all(torch_equal_to_jax(lis[k].to(torch.int32), ref[1 + k]) for k in range(N_SETS))
+            return ok, 0.0
+
+        return dict(fn=fn, n_sets=N_SETS, check=check,
+                    note="vLLM 0.33.0 combine_sampled_and_draft_tokens (int64 logits_indices, allocated per call)")
+
     impls = [Impl("pallas", call("pallas_gpu")), Impl("xla", call("reference"))]
     run_case(meta, impls, carry, sets, mains=lambda c: (c[0],) + c[1],
-             inplace=lambda c: (c[0],), torch_case=dict(setup=torch_setup), budget_s=budget)
+             inplace=lambda c: (c[0],), torch_case=dict(setup=torch_setup),
+             vllm_case=dict(setup=vllm_setup), budget_s=budget)
     free()
 
 
@@ -1041,7 +1140,7 @@ def sizes(smoke: bool) -> dict:
         mla_blocks_fp8=233016,
         zero_layers=32, zero_blocks=2048,  # 64 arrays of [2048, 16, 8, 128] bf16 (64 MiB each)
         ssu_rows=512,  # [512, 128, 64, 128] fp32: 2 GiB
-        flash_T=(16, 64, 256, 4096, 32768), ssu_batch=(1, 64, 256), zero_n=(1, 64, 1024))
+        flash_T=(1, 16, 64, 256, 1024, 4096, 32768), ssu_batch=(1, 64, 256), zero_n=(1, 64, 1024))
 
 
 def metadata() -> dict:
@@ -1092,8 +1191,15 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.4, help="seconds of timed samples per row")
     ap.add_argument("--calls", type=int, default=50, help="op calls per executable (smoke: 5)")
     ap.add_argument("--skip-impls", default="", help="comma list of implementations not to run")
+    ap.add_argument("--vllm", default="", help="vLLM oracle dir (vllm_gpu_oracle.sh): vllm_triton rows")
+    ap.add_argument("--flash-T", default="", help="comma list of T for the flash rows (default: all)")
     args = ap.parse_args()
-    global CALLS, SKIP_IMPLS
+    global CALLS, SKIP_IMPLS, VLLM
+    if args.vllm and TORCH_GPU:
+        try:
+            VLLM = load_vllm(args.vllm)
+        except Exception as e:  # noqa: BLE001
+            RES.error("load vLLM oracle", e)
     CALLS = args.calls
     SKIP_IMPLS = set(filter(None, args.skip_impls.split(",")))
     if not GPU and not args.smoke:
@@ -1102,9 +1208,13 @@ def main() -> int:
     RES.path = args.json
     RES.meta = metadata()
     RES.meta["argv"] = sys.argv[1:]
+    if VLLM is not None:
+        RES.meta["vllm"] = "0.33.0 (Triton kernels from the wheel, benchmarks: vllm_triton rows)"
     RES.save()
     log("meta", json.dumps(RES.meta))
     sz = sizes(args.smoke)
+    if args.flash_T:
+        sz["flash_T"] = tuple(int(t) for t in args.flash_T.split(","))
     only = set(filter(None, args.only.split(",")))
     b = args.budget
 

@@ -245,9 +245,10 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
         num_accepted = jnp.where(valid, req.num_accepted_tokens[safe], 1)
     else:
         state_indices, num_accepted = inp.state_indices[:, 0], None
-    logits, caches = forward_step(
-        params, config.model, batch, caches, state_indices, num_accepted, backend=config.backend
-    )
+    with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
+        logits, caches = forward_step(
+            params, config.model, batch, caches, state_indices, num_accepted, backend=config.backend
+        )
     ndraft = jnp.where(valid, sched.num_draft_tokens, 0)
     sampled, num_sampled = _greedy_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k)
     req = req.post_update(sched.idx_mapping, sched.num_scheduled_tokens, sampled, num_sampled)
