@@ -4,6 +4,8 @@ Sentinels (never mixed, vLLM PR 35431):
 
 * ``PAD_SLOT_ID = -1`` appears only in slot mappings (token -> flat KV slot).
   A write whose slot is negative writes nothing at all.
+* ``PAD_ROW_ID = -1`` appears only in ``idx_mapping`` (batch row -> request row):
+  the batch row is padding, with no tokens, no logits and no block-table row.
 * ``NULL_BLOCK_ID = 0`` appears only in block tables and recurrent-state
   indices. Block 0 of every cache and slot 0 of every state pool is reserved:
   never allocated, its contents never trusted, never read or written by a kernel.
@@ -27,6 +29,7 @@ import jax
 import numpy as np
 
 PAD_SLOT_ID: int = -1
+PAD_ROW_ID: int = -1
 NULL_BLOCK_ID: int = 0
 
 

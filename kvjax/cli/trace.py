@@ -16,7 +16,7 @@ import numpy as np
 
 from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
-from kvjax.state import dummy_step_batch
+from kvjax.state import dummy_step_batch, is_real_slot
 from kvjax.host.trace import StateTrace
 
 
@@ -81,7 +81,7 @@ def run_trace(seed: int = 0, num_requests: int = 4, out=sys.stdout) -> dict:
             checks.setdefault("no real slot in block 0", True)
             sm = np.asarray(batch.slot_mappings)
             for g, spec in enumerate(specs):
-                if ((sm[g] >= 0) & (sm[g] // spec.kernel_block_size == NULL_BLOCK_ID)).any():
+                if (is_real_slot(sm[g]) & (sm[g] // spec.kernel_block_size == NULL_BLOCK_ID)).any():
                     checks["no real slot in block 0"] = False
     except AssertionError as e:  # StateTrace checks every invariant each step and raises
         invariant_error = str(e)

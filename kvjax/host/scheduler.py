@@ -20,7 +20,7 @@ from kvjax.host.block_pool import BlockPool, OutOfBlocksError
 from kvjax.host.buckets import Bucket, BucketSpec
 from kvjax.host.drafter import propose_ngram
 from kvjax.spec import KVGroupSpec
-from kvjax.state import RequestRows
+from kvjax.state import RequestRows, step_progress
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics: fast membership tests
@@ -269,7 +269,7 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, sampled: np.ndarray, num_sampled: np.ndarray, logits: np.ndarray | None = None) -> list[Request]:
-        """Apply the step's results (mirror of ``RequestState.post_update``); returns finished requests.
+        """Apply the step's results (counters by :func:`~kvjax.state.step_progress`, as on the device); returns finished requests.
 
         Args:
           sampled: int ``[R, 1 + k]`` accepted tokens per batch row.
@@ -282,19 +282,16 @@ class Scheduler:
         for b, s in enumerate(plan.scheduled):
             req, q = s.req, s.num_tokens
             nl = 1 + len(s.drafts)
-            seq_len = req.num_computed + q
-            if seq_len < req.prefill_len:
-                req.num_computed += q
-                cu += nl
-                continue
-            n = int(num_sampled[b])
-            toks = [int(t) for t in sampled[b, :n]]
+            n, new_nc = step_progress(req.num_computed, req.prefill_len, q, int(num_sampled[b]))
+            n = int(n)
             if req.is_decoding:
-                req.num_computed += n
                 self.num_drafts_proposed += len(s.drafts)
                 self.num_drafts_accepted += n - 1
-            else:
-                req.num_computed += q
+            req.num_computed = int(new_nc)
+            if n == 0:  # a mid-prefill chunk samples nothing
+                cu += nl
+                continue
+            toks = [int(t) for t in sampled[b, :n]]
             room = req.max_tokens - len(req.output)
             toks = toks[:room]
             req.output.extend(toks)

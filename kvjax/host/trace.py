@@ -28,7 +28,9 @@ from kvjax.state import (
     assert_block_tables,
     assert_step_batch,
     build_step_batch,
+    expand_to_kernel_blocks,
     free_rows_are_empty,
+    step_progress,
 )
 
 
@@ -155,19 +157,14 @@ class StateTrace:
         num_sampled = np.zeros((num_reqs_padded,), np.int32)
         for i, rid in enumerate(order):
             req = self.reqs[rid]
-            q = schedule[rid]
-            seq_len = req.num_computed + q
-            if seq_len < req.prefill_len:  # mid-prefill chunk: nothing sampled
-                req.num_computed += q
-                continue
             n_acc = accept(rid, ndrafts[i]) if ndrafts[i] else 0
-            n = n_acc + 1
+            n, new_nc = step_progress(req.num_computed, req.prefill_len, schedule[rid], n_acc + 1)
             base = len(req.tokens)
-            toks = [sample(rid, base + j) for j in range(n)]
-            sampled[i, :n] = toks
-            num_sampled[i] = n
+            toks = [sample(rid, base + j) for j in range(int(n))]
+            sampled[i, : len(toks)] = toks
+            num_sampled[i] = len(toks)
             req.tokens.extend(toks)
-            req.num_computed += n if req.num_computed >= req.prefill_len else q
+            req.num_computed = int(new_nc)
         self.state = self.state.post_update(sched.idx_mapping, sched.num_scheduled_tokens, sampled, num_sampled)
         self.steps += 1
         self.log.append(
@@ -203,8 +200,9 @@ class StateTrace:
             if ids[req.row, : len(req.tokens)].tolist() != req.tokens:
                 raise AssertionError(f"{req.req_id!r}: all_token_ids differs from the host copy")
             for g, spec in enumerate(self.specs):
-                r = spec.blocks_per_kv_block
-                want = [b * r + k for b in req.blocks[g] for k in range(r)]
+                want = np.asarray(
+                    expand_to_kernel_blocks(np.asarray(req.blocks[g], np.int32), spec.blocks_per_kv_block)
+                ).tolist()
                 got = np.asarray(self.tables.tables[g][req.row, : len(want)]).tolist()
                 if got != want:
                     raise AssertionError(f"{req.req_id!r}: block table group {g} {got} != {want}")

@@ -32,6 +32,7 @@ from kvjax.constants import NULL_BLOCK_ID
 from kvjax.models.attention import _dense_init, rms_norm
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
+from kvjax.state.padding import gather_index, token_rows
 from pallas_kernels.mamba import (
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -121,7 +122,7 @@ class MambaLayer(nn.Module):
                 ctx, xbc, z, dt, A, conv_state, ssm_state, backend
             )
         R = ctx.num_rows
-        row = jnp.minimum(ctx.token_row, R - 1)  # gather index only, masked by token_real
+        row = gather_index(ctx.token_row, R)  # masked by token_real
         is_dec = ctx.token_real & ctx.decode_row[row]
         is_pre = ctx.token_real & ctx.prefill_row[row]
         y = jnp.where(is_dec[:, None, None], y_dec, jnp.where(is_pre[:, None, None], y_pre, 0.0))
@@ -226,7 +227,7 @@ class MambaLayer(nn.Module):
             conv={"conv_state_indices": slots},
             ssm={"state_batch_indices": slots},
         )
-        row = jnp.minimum(ctx.token_row, ctx.num_rows - 1)  # masked by the caller
+        row = gather_index(ctx.token_row, ctx.num_rows)  # masked by the caller
         return y_rows[row], conv_state, ssm_state
 
     def _decode_spec(self, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
@@ -238,7 +239,7 @@ class MambaLayer(nn.Module):
         dlen = jnp.where(ctx.decode_row, ctx.query_len, 0)
         cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(dlen, dtype=jnp.int32)])
         u = jnp.arange(T, dtype=jnp.int32)  # packed index
-        ub = jnp.minimum(jnp.searchsorted(cu[1:], u, side="right").astype(jnp.int32), R - 1)
+        ub = gather_index(token_rows(cu, T), R)  # masked below by u < cu[R]
         src = jnp.where(u < cu[R], qsl[ub] + u - cu[ub], T)  # T -> zero fill
 
         def gather(a):
@@ -266,7 +267,7 @@ class MambaLayer(nn.Module):
                 "cu_seqlens": cu,
             },
         )
-        row = jnp.minimum(ctx.token_row, R - 1)  # masked by the caller
+        row = gather_index(ctx.token_row, R)  # masked by the caller
         t = jnp.arange(T, dtype=jnp.int32)
         packed = jnp.clip(cu[row] + t - qsl[row], 0, T - 1)  # masked by the caller
         return y_packed[packed], conv_state, ssm_state

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import contract as validation
 from kvjax.constants import NULL_BLOCK_ID
+from kvjax.state.padding import gather_index
 from kvjax.state.step_batch import StepBatch
 
 
@@ -69,7 +70,7 @@ def make_step_context(
 ) -> StepContext:
     """Validate the per-row state arguments against ``batch`` and build the context.
 
-    Padded rows (``idx_mapping == -1``) get ``NULL_BLOCK_ID`` state indices here
+    Padded rows (``batch.row_valid`` false) get ``NULL_BLOCK_ID`` state indices here
     whatever the caller passed, so they can never read or write a state slot.
     """
     R = batch.num_reqs_padded
@@ -85,7 +86,7 @@ def make_step_context(
     si = si.astype(jnp.int32)
     if si.ndim == 2 and si.shape[1] == 1:
         si = si[:, 0]
-    row_valid = batch.idx_mapping >= 0
+    row_valid = batch.row_valid
     if si.ndim == 2:
         if num_accepted_tokens is None:
             raise ValueError(
@@ -109,7 +110,7 @@ def make_step_context(
     live = row_valid & (qlen > 0)
     token_row = batch.request_of_token
     real = batch.token_valid & (token_row < R)
-    real = real & row_valid[jnp.minimum(token_row, R - 1)]
+    real = real & row_valid[gather_index(token_row, R)]
     return StepContext(
         positions=batch.positions,
         token_row=token_row,

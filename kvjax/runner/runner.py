@@ -26,13 +26,16 @@ from flax import struct
 
 from kvjax.host.buckets import Bucket, BucketSpec
 from kvjax.runner.compile_guard import ServingGuard
-from kvjax.constants import NULL_BLOCK_ID
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
 from kvjax.runner.packing import PackSpec, pack, unpack
 from kvjax.models import HybridCaches, TinyHybridConfig, dense_forward, forward_step, init_caches, init_params
 from kvjax.host.scheduler import Scheduler, StepPlan
 from kvjax.spec import KVGroupSpec, cdiv
 from pallas_kernels import zero_blocks
-from kvjax.state import BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch
+from kvjax.state import (
+    BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch, expand_to_kernel_blocks,
+    gather_index, is_real_row,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +163,7 @@ class StepOutput:
 def _fill(arrays, ids, value, r=1):
     """Set kernel blocks ``b*r .. b*r+r-1`` for ids ``b >= 0`` of every array to ``value``."""
     ids = ids.astype(jnp.int32)
-    k = jnp.arange(r, dtype=jnp.int32)
-    rows = (ids[:, None] * r + k).reshape(-1)
+    rows = expand_to_kernel_blocks(ids, r)
     ok = jnp.repeat(ids >= 0, r)
     out = []
     for a in arrays:
@@ -238,8 +240,8 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
         num_tokens_padded=bucket.num_tokens, num_logits_padded=bucket.num_logits,
         backend=config.backend,
     )
-    valid = sched.idx_mapping >= 0
-    safe = jnp.where(valid, sched.idx_mapping, 0)
+    valid = is_real_row(sched.idx_mapping, req.max_num_reqs)
+    safe = gather_index(sched.idx_mapping, req.max_num_reqs)
     if k:
         state_indices = inp.state_indices
         num_accepted = jnp.where(valid, req.num_accepted_tokens[safe], 1)
@@ -304,8 +306,8 @@ class Runner:
         R, k = bucket.num_reqs, c.num_speculative_tokens
         M, Z = self._sizes(bucket)
         S = c.max_num_seqs
-        cleared = np.full((S,), -1, np.int32)
-        w_rows = np.full((R,), -1, np.int32)
+        cleared = np.full((S,), PAD_ROW_ID, np.int32)
+        w_rows = np.full((R,), PAD_ROW_ID, np.int32)
         w_ids = np.zeros((R, M), np.int32)
         w_num = np.zeros((1, R), np.int32)
         w_ow = np.zeros((R,), np.bool_)
@@ -338,7 +340,7 @@ class Runner:
                 prompt_lens=[a[2] for a in plan.added], max_model_len=c.max_model_len, pad_to=U,
             )
             n = len(sc)
-            idx = np.full((R,), -1, np.int32)
+            idx = np.full((R,), PAD_ROW_ID, np.int32)
             q = np.zeros((R,), np.int32)
             nd = np.zeros((R,), np.int32)
             idx[:n] = [s.req.row for s in sc]

@@ -7,10 +7,19 @@ from kvjax.state.block_tables import (
     dummy_slot_mappings as dummy_slot_mappings,
     expand_to_kernel_blocks as expand_to_kernel_blocks,
 )
+from kvjax.state.padding import (
+    PAD_ROW_ID as PAD_ROW_ID,
+    gather_index as gather_index,
+    is_real_row as is_real_row,
+    is_real_slot as is_real_slot,
+    scatter_index as scatter_index,
+    token_rows as token_rows,
+)
 from kvjax.state.request_state import (
     NewRequests as NewRequests,
     RequestRows as RequestRows,
     RequestState as RequestState,
+    step_progress as step_progress,
 )
 from kvjax.state.step_batch import (
     ScheduledBatch as ScheduledBatch,
@@ -35,9 +44,16 @@ __all__ = [
     "dummy_block_tables",
     "dummy_slot_mappings",
     "expand_to_kernel_blocks",
+    "PAD_ROW_ID",
+    "gather_index",
+    "is_real_row",
+    "is_real_slot",
+    "scatter_index",
+    "token_rows",
     "NewRequests",
     "RequestRows",
     "RequestState",
+    "step_progress",
     "ScheduledBatch",
     "StepBatch",
     "build_step_batch",

@@ -28,8 +28,9 @@ import numpy as np
 from flax import struct
 
 from pallas_kernels import contract as validation
-from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
+from kvjax.state.padding import gather_index, is_real_row, scatter_index, token_rows
 
 
 @struct.dataclass
@@ -111,10 +112,8 @@ class BlockTables:
         num_new = jnp.asarray(num_new, jnp.int32)
         block_ids = tuple(jnp.asarray(b, jnp.int32) for b in block_ids)
         self._validate_write(rows, block_ids, num_new, overwrite)
-        R = self.max_num_reqs
-        valid = (rows >= 0) & (rows < R)
-        dest = jnp.where(valid, rows, R)  # out of range -> dropped
-        safe = jnp.where(valid, rows, 0)  # gather index only, masked by `valid`
+        dest = scatter_index(rows, self.max_num_reqs)
+        safe = gather_index(rows, self.max_num_reqs)
         new_tables, new_counts = [], []
         for g, spec in enumerate(self.specs):
             table, r = self.tables[g], spec.blocks_per_kv_block
@@ -242,8 +241,8 @@ class BlockTables:
         validation.check_values_in_range("idx_mapping", idx, 0, self.max_num_reqs, allow=(-1,))
         if first_positions is not None:
             validation.check_shape("first_positions", first_positions, idx.shape)
-        valid = (idx >= 0) & (idx < self.max_num_reqs)
-        safe = jnp.where(valid, idx, 0)  # gather index only, masked by `valid`
+        valid = is_real_row(idx, self.max_num_reqs)
+        safe = gather_index(idx, self.max_num_reqs)
         out = []
         for g, spec in enumerate(self.specs):
             rows = self.tables[g][safe]
@@ -282,6 +281,7 @@ class BlockTables:
 def expand_to_kernel_blocks(block_ids: jax.Array, blocks_per_kv_block: int) -> jax.Array:
     """``[..., M]`` logical ids -> ``[..., M*r]`` kernel ids ``b*r + k``, ``k < r``."""
     r = blocks_per_kv_block
+    block_ids = jnp.asarray(block_ids)
     if r == 1:
         return block_ids
     k = jnp.arange(r, dtype=block_ids.dtype)
@@ -340,11 +340,10 @@ def _slot_mapping_and_faults(block_table, idx_mapping, qsl, positions, block_siz
     t = jnp.arange(T, dtype=jnp.int32)
     qsl = qsl.astype(jnp.int32)
     num_real = qsl[R]
-    b = jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)  # batch row of t
-    b_safe = jnp.minimum(b, max(R - 1, 0))  # gather index only
+    b = token_rows(qsl, T)
     real = (t < num_real) & (t < P) & (b < R)
-    row = idx_mapping.astype(jnp.int32)[b_safe] if R else jnp.full((T,), -1, jnp.int32)
-    row_ok = (row >= 0) & (row < max_reqs)
+    row = idx_mapping.astype(jnp.int32)[gather_index(b, R)] if R else jnp.full((T,), PAD_ROW_ID, jnp.int32)
+    row_ok = is_real_row(row, max_reqs)
     pos = positions[jnp.minimum(t, max(P - 1, 0))].astype(jnp.int32) if P else jnp.zeros((T,), jnp.int32)
     col = pos // block_size
     col_ok = (pos >= 0) & (col < width)
@@ -394,7 +393,7 @@ def _validate_slot_mapping_inputs(block_table, idx_mapping, qsl, positions, bloc
         f = np.asarray(faults)
         if f.any():
             t = int(np.argmax(f))
-            b = int(np.searchsorted(q[1:], t, side="right"))
+            b = int(token_rows(q, t + 1)[t])
             row = int(np.asarray(idx_mapping)[b])
             pos = int(np.asarray(positions)[t])
             width = block_table.shape[1]

@@ -16,13 +16,14 @@ from jax.experimental import checkify
 from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
 from kvjax.state.block_tables import BlockTables, _slot_mapping_and_faults
+from kvjax.state.padding import is_real_slot
 from kvjax.state.step_batch import StepBatch
 
 
 def _duplicate_real_slots(slots: jax.Array) -> jax.Array:
     """True if two non-PAD entries of ``slots`` ``[T]`` are equal."""
     big = jnp.iinfo(jnp.int32).max
-    s = jnp.sort(jnp.where(slots >= 0, slots, big))
+    s = jnp.sort(jnp.where(is_real_slot(slots), slots, big))
     return jnp.any((s[1:] == s[:-1]) & (s[1:] != big))
 
 
@@ -36,7 +37,7 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
     reach; table entries are never negative; logits rows point at real tokens.
     """
     pad_tok = ~batch.token_valid
-    pad_req = batch.idx_mapping < 0
+    pad_req = ~batch.row_valid
     out = {
         "pad_token_slot_not_PAD": jnp.any(pad_tok[None, :] & (batch.slot_mappings != PAD_SLOT_ID)),
         "pad_token_id_or_position_nonzero": jnp.any(
@@ -57,7 +58,7 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
         neg_table.append(jnp.any(tbl < 0))
         slots = batch.slot_mappings[g]
         dup.append(_duplicate_real_slots(slots))
-        null_slot.append(jnp.any((slots >= 0) & (slots // spec.kernel_block_size == NULL_BLOCK_ID)))
+        null_slot.append(jnp.any(is_real_slot(slots) & (slots // spec.kernel_block_size == NULL_BLOCK_ID)))
     out["pad_row_table_not_NULL"] = jnp.any(jnp.stack(pad_row_table))
     out["negative_block_table_entry"] = jnp.any(jnp.stack(neg_table))
     out["two_tokens_share_a_slot"] = jnp.any(jnp.stack(dup))

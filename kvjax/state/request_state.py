@@ -20,6 +20,8 @@ import numpy as np
 from flax import struct
 
 from pallas_kernels import contract as validation
+from kvjax.constants import PAD_ROW_ID
+from kvjax.state.padding import gather_index, is_real_row, scatter_index
 
 
 @struct.dataclass
@@ -101,9 +103,7 @@ class RequestState:
         Entries with ``row == -1`` are ignored. Jit-able.
         """
         new.validate(self)
-        R = self.max_num_reqs
-        valid = (new.rows >= 0) & (new.rows < R)
-        dest = jnp.where(valid, new.rows, R)  # out of range -> dropped
+        dest = scatter_index(new.rows, self.max_num_reqs)
 
         def put(field, values):
             return field.at[dest].set(values.astype(field.dtype), mode="drop")
@@ -161,7 +161,7 @@ class RequestState:
         rows = jnp.asarray(rows, jnp.int32)
         validation.check_rank("rows", rows, 1)
         validation.check_values_in_range("rows", rows, 0, self.max_num_reqs, allow=(-1,))
-        dest = jnp.where(rows >= 0, rows, self.max_num_reqs)
+        dest = scatter_index(rows, self.max_num_reqs)
         empty = RequestState.create(1, self.max_model_len, self.num_speculative_tokens)
         return jax.tree.map(
             lambda f, e: f.at[dest].set(jnp.broadcast_to(e[0], (rows.shape[0],) + e.shape[1:]), mode="drop"),
@@ -173,7 +173,7 @@ class RequestState:
         """Write proposed drafts ``[R_padded, num_speculative_tokens]`` for the batch rows."""
         idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
         validation.check_shape("drafts", drafts, (idx_mapping.shape[0], self.num_speculative_tokens))
-        dest = jnp.where(idx_mapping >= 0, idx_mapping, self.max_num_reqs)
+        dest = scatter_index(idx_mapping, self.max_num_reqs)
         return self.replace(
             draft_tokens=self.draft_tokens.at[dest].set(jnp.asarray(drafts, jnp.int32), mode="drop")
         )
@@ -185,24 +185,19 @@ class RequestState:
         sampled: jax.Array,
         num_sampled: jax.Array,
     ) -> "RequestState":
-        """Apply a step's sampled and accepted tokens (rule 25).
+        """Apply a step's sampled and accepted tokens.
 
         Args:
-          idx_mapping: int32 ``[R_padded]``; ``-1`` rows are skipped.
+          idx_mapping: int32 ``[R_padded]``; padding rows (``PAD_ROW_ID``) are skipped.
           query_lens: int32 ``[R_padded]`` tokens scheduled for each batch row.
           sampled: int32 ``[R_padded, S]`` sampled tokens, accepted ones first.
           num_sampled: int32 ``[R_padded]`` accepted count (``<= S``); forced to 0
             for a mid-prefill chunk (``seq_len < prefill_len``).
 
-        Per real row ``s = idx_mapping[b]`` with ``seq_len = num_computed + qlen``:
-
-        * mid-prefill chunk (``seq_len < prefill_len``): ``num_computed += qlen``, nothing sampled;
-        * otherwise ``num_rejected = num_logits - num_sampled`` with
-          ``num_logits = 1 + num_drafts`` where ``num_drafts = qlen - 1`` for a
-          decode window (``num_computed >= prefill_len``) and 0 for the chunk that
-          finishes prefill; ``num_computed += qlen - num_rejected``; the sampled
-          tokens are appended at ``total_len``; ``last_sampled`` = the last one;
-          ``num_accepted_tokens = max(num_sampled, 1)``.
+        Per real row ``s = idx_mapping[b]``: ``num_computed`` and the kept sample count
+        follow :func:`step_progress`; the kept tokens are appended at ``total_len`` (up
+        to ``max_model_len``); ``last_sampled`` = the last one;
+        ``num_accepted_tokens = max(kept, 1)``.
         """
         idx = jnp.asarray(idx_mapping, jnp.int32)
         qlen = jnp.asarray(query_lens, jnp.int32)
@@ -216,16 +211,11 @@ class RequestState:
         validation.check_values_in_range("idx_mapping", idx, 0, self.max_num_reqs, allow=(-1,))
         validation.check_values_in_range("num_sampled", n_s, 0, sampled.shape[1] + 1)
         R, L, S = self.max_num_reqs, self.max_model_len, sampled.shape[1]
-        valid = (idx >= 0) & (idx < R)
-        s = jnp.where(valid, idx, 0)  # gather index only
+        valid = is_real_row(idx, R)
+        s = gather_index(idx, R)
         nc, pl, tl = self.num_computed_tokens[s], self.prefill_len[s], self.total_len[s]
-        seq_len = nc + qlen
-        mid_prefill = seq_len < pl
-        n_s = jnp.where(mid_prefill, 0, n_s)
-        num_drafts = jnp.where(nc >= pl, jnp.maximum(qlen - 1, 0), 0)
-        num_rejected = jnp.where(mid_prefill, 0, 1 + num_drafts - n_s)
-        new_nc = nc + qlen - num_rejected
-        dest = jnp.where(valid, idx, R)
+        n_s, new_nc = step_progress(nc, pl, qlen, n_s, xp=jnp)
+        dest = scatter_index(idx, R)
         # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_s.
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
         tok_col = tl[:, None] + j
@@ -235,7 +225,7 @@ class RequestState:
         ].set(sampled, mode="drop")
         last = jnp.take_along_axis(sampled, jnp.clip(n_s - 1, 0, S - 1)[:, None], axis=1)[:, 0]
         has_sample = valid & (n_s > 0)
-        last_dest = jnp.where(has_sample, idx, R)
+        last_dest = jnp.where(has_sample, idx, R)  # drop: no sample or padding
         return self.replace(
             all_token_ids=all_ids,
             total_len=self.total_len.at[dest].set(tl + n_s, mode="drop"),
@@ -245,6 +235,28 @@ class RequestState:
                 jnp.maximum(n_s, 1), mode="drop"
             ),
         )
+
+
+def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):
+    """How one step moves a request: the rule :meth:`RequestState.post_update` applies on
+    the device and the host schedulers apply to their own copies (one owner).
+
+    ``xp`` is the array module (``numpy`` on the host, ``jax.numpy`` on the device);
+    arguments are ints or int arrays of one shape. With ``seq_len = num_computed + query_len``:
+
+    * mid-prefill chunk (``seq_len < prefill_len``): nothing is sampled;
+    * otherwise ``num_drafts = query_len - 1`` for a decode window
+      (``num_computed >= prefill_len``), 0 for the chunk that finishes prefill, and the
+      ``1 + num_drafts - num_sampled`` rejected positions are not computed.
+
+    Returns ``(num_sampled_kept, new_num_computed)``; the kept sampled tokens are
+    appended to the request.
+    """
+    mid_prefill = num_computed + query_len < prefill_len
+    kept = xp.where(mid_prefill, 0, num_sampled)
+    num_drafts = xp.where(num_computed >= prefill_len, xp.maximum(query_len - 1, 0), 0)
+    num_rejected = xp.where(mid_prefill, 0, 1 + num_drafts - kept)
+    return kept, num_computed + query_len - num_rejected
 
 
 @struct.dataclass
@@ -307,7 +319,7 @@ class NewRequests:
                 out[:n] = values
             return out
 
-        r = np.full((U,), -1, np.int32)
+        r = np.full((U,), PAD_ROW_ID, np.int32)
         r[:n] = rows
         lens = col([len(t) for t in token_ids], 0, np.int32)
         return cls(

@@ -24,7 +24,9 @@ from flax import struct
 
 from pallas_kernels import combine_sampled_and_draft_tokens
 from pallas_kernels import contract as validation
+from kvjax.constants import PAD_ROW_ID
 from kvjax.state.block_tables import BlockTables
+from kvjax.state.padding import gather_index, is_real_row, token_rows
 from kvjax.state.request_state import RequestState
 
 
@@ -53,7 +55,7 @@ class ScheduledBatch:
             raise ValueError(
                 f"num_scheduled_tokens must have one entry per row ({n}), got {len(num_scheduled_tokens)}"
             )
-        idx = np.full((pad_to,), -1, np.int32)
+        idx = np.full((pad_to,), PAD_ROW_ID, np.int32)
         q = np.zeros((pad_to,), np.int32)
         d = np.zeros((pad_to,), np.int32)
         idx[:n], q[:n] = rows, num_scheduled_tokens
@@ -87,6 +89,7 @@ class StepBatch:
       cu_num_logits: int32 ``[R + 1]``.
       num_tokens, num_reqs, num_logits: int32 scalars, the real counts.
       num_tokens_padded, num_reqs_padded, num_logits_padded: the bucket (meta).
+      max_num_reqs: request rows of the state the batch was built from (meta).
     """
 
     input_ids: jax.Array
@@ -107,6 +110,12 @@ class StepBatch:
     num_tokens_padded: int = struct.field(pytree_node=False)
     num_reqs_padded: int = struct.field(pytree_node=False)
     num_logits_padded: int = struct.field(pytree_node=False)
+    max_num_reqs: int = struct.field(pytree_node=False)
+
+    @property
+    def row_valid(self) -> jax.Array:
+        """bool ``[R]``: real (non-padding) batch rows."""
+        return is_real_row(self.idx_mapping, self.max_num_reqs)
 
     @property
     def token_valid(self) -> jax.Array:
@@ -116,9 +125,7 @@ class StepBatch:
     @property
     def request_of_token(self) -> jax.Array:
         """int32 ``[T]`` batch row of each token (``R`` for pad tokens)."""
-        t = jnp.arange(self.num_tokens_padded, dtype=jnp.int32)
-        b = jnp.searchsorted(self.query_start_loc[1:], t, side="right").astype(jnp.int32)
-        return jnp.where(self.token_valid, b, self.num_reqs_padded)
+        return token_rows(self.query_start_loc, self.num_tokens_padded)
 
 
 def build_step_batch(
@@ -156,8 +163,8 @@ def build_step_batch(
     L = num_logits_padded
     validate_schedule(requests, sched, num_tokens_padded=T, num_logits_padded=L)
 
-    valid = idx >= 0
-    s = jnp.where(valid, idx, 0)  # gather index only, masked by `valid`
+    valid = is_real_row(idx, requests.max_num_reqs)
+    s = gather_index(idx, requests.max_num_reqs)
     qlen = jnp.where(valid, jnp.asarray(sched.num_scheduled_tokens, jnp.int32), 0)
     ndraft = jnp.where(valid, jnp.asarray(sched.num_draft_tokens, jnp.int32), 0)
     zero = jnp.zeros((1,), jnp.int32)
@@ -169,7 +176,7 @@ def build_step_batch(
 
     t = jnp.arange(T, dtype=jnp.int32)
     real = t < num_tokens
-    b = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32), R - 1)
+    b = gather_index(token_rows(qsl, T), R)  # masked by `real`
     positions = jnp.where(real, nc[b] + t - qsl[b], 0)
     from_prompt = real & (positions < prefill_len[b])
     Lmax = requests.max_model_len
@@ -214,6 +221,7 @@ def build_step_batch(
         num_tokens_padded=T,
         num_reqs_padded=R,
         num_logits_padded=L,
+        max_num_reqs=requests.max_num_reqs,
     )
 
 

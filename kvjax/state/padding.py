@@ -1,0 +1,49 @@
+"""The padding rules of a step, each in one place.
+
+* Rows: a batch row whose ``idx_mapping`` entry is ``PAD_ROW_ID`` (-1) is
+  padding. Under ``jit`` any entry outside ``[0, num_rows)`` is padding too
+  (concrete inputs are rejected before, see ``check_values_in_range``). A
+  padding row has no tokens, no logits, a NULL block-table row and no state
+  slot. -1 is never used as an index: gathers read row 0 and are masked by
+  :func:`is_real_row`; scatters send padding to ``num_rows`` with ``mode="drop"``.
+* Tokens: token ``t`` belongs to the batch row ``b`` with
+  ``query_start_loc[b] <= t < query_start_loc[b + 1]``; tokens from
+  ``query_start_loc[R]`` on belong to no row (:func:`token_rows` gives ``R``).
+* Slots: a slot is a write only when it is ``>= 0`` (:func:`is_real_slot`);
+  ``PAD_SLOT_ID`` and every other negative value write nothing.
+
+Every function works on numpy arrays and on JAX arrays or tracers alike.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kvjax.constants import PAD_ROW_ID as PAD_ROW_ID
+
+
+def is_real_row(idx, num_rows: int):
+    """bool, same shape as ``idx``: the entry names a request row in ``[0, num_rows)``."""
+    return (idx >= 0) & (idx < num_rows)
+
+
+def gather_index(idx, num_rows: int):
+    """``idx`` with padding entries replaced by row 0: a gather index whose result is masked."""
+    return jnp.where(is_real_row(idx, num_rows), idx, 0)
+
+
+def scatter_index(idx, num_rows: int):
+    """``idx`` with padding entries replaced by ``num_rows``: for ``.at[...].set(mode="drop")``."""
+    return jnp.where(is_real_row(idx, num_rows), idx, num_rows)
+
+
+def token_rows(query_start_loc, num_tokens_padded: int):
+    """int32 ``[T]``: the batch row of each token, ``R`` for tokens past ``query_start_loc[R]``."""
+    t = jnp.arange(num_tokens_padded, dtype=jnp.int32)
+    qsl = jnp.asarray(query_start_loc)
+    return jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
+
+
+def is_real_slot(slots):
+    """bool, same shape as ``slots``: the slot is a write (``>= 0``; ``PAD_SLOT_ID`` is not)."""
+    return slots >= 0
