@@ -61,8 +61,14 @@ def env_forces_interpret() -> bool:
 
 
 def platform() -> str:
-    """The default JAX backend's platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
-    p = jax.default_backend()
+    """The platform being traced for: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+
+    That of the abstract mesh's device when one is set (e.g. by
+    :func:`pallas_kernels.tpu_target.lowering`, to lower for a TPU from a CPU),
+    else the default JAX backend's.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    p = jax.default_backend() if device is None else device.platform
     return "gpu" if p in ("cuda", "rocm", "gpu") else p
 
 

@@ -26,6 +26,11 @@ local default device otherwise. Lowering a TPU kernel on a CPU or GPU host
   :func:`resolve`-d target (normally the default) as what Mosaic assumes for
   the local device kind. This is the fallback for a bare ``jax.export`` with no
   target given; an explicit target (1, 2) always takes precedence.
+
+Inside :func:`lowering` the ops also treat the platform as a TPU
+(:func:`pallas_kernels._backend.platform` reads the abstract mesh's device), so
+``backend="auto"``/``"pallas"``/``"pallas_tpu"`` pick the compiled Mosaic kernels,
+not the interpreter: the whole serving step lowers for TPU as it would run there.
 """
 
 from __future__ import annotations

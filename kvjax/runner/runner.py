@@ -361,15 +361,25 @@ class Runner:
 
     # --------------------------------------------------------- compiling
 
-    def _lower(self, bucket: Bucket):
+    def jitted_step(self, bucket: Bucket):
+        """``(fn, args, spec)``: ``bucket``'s jitted step (state donated), example args, layout.
+
+        ``fn.lower(*args)`` under ``jax.default_matmul_precision(config.matmul_precision)``
+        is what :meth:`precompile` compiles; ``jax.export`` lowers the same ``fn`` for
+        another platform (``args`` are concrete: map them to ``jax.ShapeDtypeStruct``).
+        """
         buf, spec = pack(self.pack(None, bucket))
         fn = jax.jit(
             functools.partial(step_fn, config=self.config, bucket=bucket, spec=spec),
             donate_argnums=(1,),
             compiler_options=self.compiler_options,
         )
+        return fn, (self.params, self.state, buf), spec
+
+    def _lower(self, bucket: Bucket):
+        fn, args, spec = self.jitted_step(bucket)
         with jax.default_matmul_precision(self.config.matmul_precision):
-            return fn.lower(self.params, self.state, buf), spec
+            return fn.lower(*args), spec
 
     def precompile(self, *, workers: int = 1) -> tuple[int, float]:
         """Compile the step of every bucket; returns ``(executables built, seconds)``."""

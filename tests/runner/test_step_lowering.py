@@ -1,0 +1,48 @@
+"""The whole bucketed step of the demo model lowers for TPU on this CPU, every bucket.
+
+The step is the one :class:`~kvjax.runner.Runner` compiles (``Runner.jitted_step``:
+``step_fn`` jitted with the device state donated), exported for TPU through
+``pallas_kernels.tpu_target.export`` with ``backend="pallas_tpu"``: the exported
+module must hold the Mosaic kernels (KV write, block zeroing, token combine, SSM and
+conv updates) and keep the state donated. A mesh-sharded step is not lowered here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import pytest
+
+from kvjax.runner.runner import Runner, RunnerConfig
+from pallas_kernels import tpu_target
+
+CONFIGS = {
+    "plain": RunnerConfig(backend="pallas_tpu", max_num_batched_tokens=8, max_num_seqs=4),
+    "spec-fp8": RunnerConfig(backend="pallas_tpu", num_speculative_tokens=1, kv_cache_dtype="fp8",
+                             max_num_batched_tokens=8, max_num_seqs=2),
+}
+# Named Mosaic kernels every step runs (the Mamba updates are unnamed "kernel"s).
+NAMED = {"zero_blocks_tpu", "kv_write_tpu", "combine_sampled_and_draft_tokens_tpu"}
+KERNELS_PER_STEP = 6  # KV write, zeroing of KV and of states, combine, conv, SSM
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_bucket_lowers_for_tpu(name):
+    config = CONFIGS[name]
+    runner = Runner(config)
+    num_state_leaves = len(jax.tree.leaves(runner.state))
+    assert len(runner.buckets.buckets) >= 2
+    for bucket in runner.buckets.buckets:
+        fn, args, _ = runner.jitted_step(bucket)
+        with jax.default_matmul_precision(config.matmul_precision):
+            text = tpu_target.export(fn, *_abstract(args)).mlir_module()
+        kernels = re.findall(r'kernel_name = "([^"]*)"', text)
+        assert text.count("stablehlo.custom_call @tpu_custom_call") == KERNELS_PER_STEP, bucket
+        assert NAMED <= set(kernels), (bucket, kernels)
+        # The donated state: every leaf aliases an output of the step.
+        assert text.count("tf.aliasing_output") == num_state_leaves, bucket
