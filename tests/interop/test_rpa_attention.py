@@ -1,0 +1,192 @@
+"""write_kv_pages + rpa_metadata checked against JAX's own ragged paged attention.
+
+A random step (prefill, prefill chunk over cached history, decodes, padded rows,
+padded tokens) is written with ``write_kv_pages`` into a cache whose null page
+and unallocated pages are NaN (allocated pages zeroed with ``zero_blocks``, as
+kvjax does for fresh blocks), described with ``rpa_metadata``, and attended by
+JAX's ``ref_ragged_paged_attention`` and by its TPU kernel in TPU interpret
+mode. Both are compared with a dense float64 attention computed here from the
+K/V arrays themselves (never read back from the cache). The cache is compared
+bit for bit with the NaN cache plus exactly the written rows.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
+
+from kvjax.interop import rpa_metadata, rpa_slot_mapping
+from kvjax.testing.asserts import assert_bitwise
+from kvjax.constants import PAD_SLOT_ID
+from pallas_kernels import write_kv_pages, zero_blocks
+
+FP8 = ml_dtypes.float8_e4m3fn
+HQ, HKV, PS, NP = 4, 2, 4, 16
+SM_SCALE = 0.3
+
+
+def np_fp8(x, scale):
+    y = np.clip(x.astype(np.float32) / np.float32(scale), -448.0, 448.0)
+    return y.astype(FP8)
+
+
+def make_step(seed, *, head_dim, fp8, holes=False):
+    """A random step: per batch row (kv_len, q_len) or None for a padded row."""
+    rng = np.random.default_rng(seed)
+    rows = [(int(rng.integers(3, 11)), None) for _ in range(4)]
+    # A full prefill, a chunk over cached history, two decodes.
+    rows = [(rows[0][0], rows[0][0]), (rows[1][0] + 2, 3), (rows[2][0], 1), (rows[3][0], 1)]
+    rows = [rows[0], None, rows[1], rows[2], None, rows[3]] if holes else rows + [None, None]
+    width = 4
+    free = list(rng.permutation(np.arange(1, NP)))
+    table = np.zeros((len(rows), width), np.int32)
+    seq_lens, idx, qsl = [], [], [0]
+    for b, r in enumerate(rows):
+        if r is None:
+            seq_lens.append(0), idx.append(-1), qsl.append(qsl[-1])
+            table[b] = rng.integers(0, NP, width)  # stale ids in a padded row
+            continue
+        kv_len, q_len = r
+        n_pages = -(-kv_len // PS)
+        table[b, :n_pages] = [free.pop() for _ in range(n_pages)]
+        seq_lens.append(kv_len), idx.append(b), qsl.append(qsl[-1] + q_len)
+    num_tokens = qsl[-1] + 3  # 3 padded tokens
+    k_all = [rng.standard_normal((r[0], HKV, head_dim)).astype(np.float32) if r else None for r in rows]
+    v_all = [rng.standard_normal((r[0], HKV, head_dim)).astype(np.float32) if r else None for r in rows]
+    q = rng.standard_normal((num_tokens, HQ, head_dim)).astype(np.float32)
+    q[qsl[-1]:] = np.nan  # padded query tokens carry garbage
+    return dict(
+        rows=rows, table=table, seq_lens=np.asarray(seq_lens, np.int32),
+        idx=np.asarray(idx, np.int32), qsl=np.asarray(qsl, np.int32),
+        k_all=k_all, v_all=v_all, q=q, num_tokens=num_tokens, head_dim=head_dim,
+        scales=(0.05, 0.04) if fp8 else None,
+    )
+
+
+def fill_cache(step):
+    """NaN cache, allocated pages zeroed, history then this step written with write_kv_pages.
+
+    Returns ``(kv_pages, expected_pages, metadata)``.
+    """
+    d, scales = step["head_dim"], step["scales"]
+    dtype = FP8 if scales else np.float32
+    pages = np.full((NP, PS, 2 * HKV, d), np.nan, np.float32).astype(dtype)
+    allocated = np.unique(step["table"][step["idx"] >= 0])
+    allocated = allocated[allocated > 0]
+    (pages_dev,) = zero_blocks([pages], allocated.astype(np.int32))
+    want = pages.copy()
+    want[allocated] = 0
+    fp8_args = ("fp8", scales[0], scales[1]) if scales else ()
+
+    # History (tokens cached before this step): one write per sequence, slots by hand.
+    for b, r in enumerate(step["rows"]):
+        if r is None or r[0] == r[1]:
+            continue
+        n_hist = r[0] - r[1]
+        pos = np.arange(n_hist)
+        slots = (step["table"][b, pos // PS] * PS + pos % PS).astype(np.int32)
+        pages_dev = write_kv_pages(step["k_all"][b][:n_hist], step["v_all"][b][:n_hist], pages_dev,
+                                   slots, *fp8_args, backend="reference")
+
+    m = rpa_metadata(step["qsl"], step["seq_lens"], step["table"], step["idx"], page_size=PS)
+    T = step["num_tokens"]
+    slot_mapping = rpa_slot_mapping(m, page_size=PS, num_tokens=T)
+    key = np.full((T, HKV, d), np.nan, np.float32)  # padded tokens: NaN garbage
+    value = np.full((T, HKV, d), np.nan, np.float32)
+    for b, r in enumerate(step["rows"]):
+        if r is None:
+            continue
+        t0, t1 = step["qsl"][b], step["qsl"][b + 1]
+        key[t0:t1] = step["k_all"][b][r[0] - r[1]:]
+        value[t0:t1] = step["v_all"][b][r[0] - r[1]:]
+    pages_dev = write_kv_pages(key, value, pages_dev, slot_mapping, *fp8_args, backend="reference")
+
+    # Expected cache: every token of every sequence at its slot, nothing else.
+    for b, r in enumerate(step["rows"]):
+        if r is None:
+            continue
+        for p in range(r[0]):
+            for h in range(HKV):
+                k, v = step["k_all"][b][p, h], step["v_all"][b][p, h]
+                if scales:
+                    k, v = np_fp8(k, scales[0]), np_fp8(v, scales[1])
+                page, off = step["table"][b, p // PS], p % PS
+                want[page, off, 2 * h], want[page, off, 2 * h + 1] = k, v
+    sm = np.asarray(slot_mapping)
+    assert (sm[step["qsl"][-1]:] == PAD_SLOT_ID).all()
+    return np.asarray(pages_dev), want, m
+
+
+def dense_attention(step):
+    """float64 causal GQA attention per sequence, from the K/V arrays (fp8: dequantised)."""
+    out = []
+    g = HQ // HKV
+    for b, r in enumerate(step["rows"]):
+        if r is None:
+            continue
+        kv_len, q_len = r
+        k, v = step["k_all"][b].astype(np.float64), step["v_all"][b].astype(np.float64)
+        if step["scales"]:
+            k = np_fp8(step["k_all"][b], step["scales"][0]).astype(np.float64) * step["scales"][0]
+            v = np_fp8(step["v_all"][b], step["scales"][1]).astype(np.float64) * step["scales"][1]
+        q = step["q"][step["qsl"][b]:step["qsl"][b + 1]].astype(np.float64)
+        kh, vh = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)  # q head h -> kv head h // g
+        s = np.einsum("qhd,khd->hqk", q, kh) * SM_SCALE
+        qpos = kv_len - q_len + np.arange(q_len)
+        s = np.where(np.arange(kv_len)[None, None, :] <= qpos[None, :, None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out.append(np.einsum("hqk,khd->qhd", p, vh))
+    return np.concatenate(out)
+
+
+def run_ref(step, pages, m):
+    kw = dict(sm_scale=SM_SCALE)
+    if step["scales"]:
+        kw.update(k_scale=float(step["scales"][0]), v_scale=float(step["scales"][1]))
+    return np.asarray(jax_rpa.ref_ragged_paged_attention(step["q"], pages, *m.as_args(), **kw))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+def test_reference_rpa_matches_dense(seed, fp8):
+    step = make_step(seed, head_dim=8, fp8=fp8, holes=seed == 2)
+    pages, want, m = fill_cache(step)
+    assert_bitwise(pages, want, "kv_pages")
+    got = run_ref(step, pages, m)
+    dense = dense_attention(step)
+    assert got.shape == dense.shape
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, dense, rtol=2e-5, atol=2e-5)
+
+
+# The TPU interpreter of some JAX releases cannot run this kernel on a CPU
+# (jax 0.10.2: a reshaped VMEM ref -> "'ReshapeTransform' object has no
+# attribute 'indices'"). Those are recorded as xfail; any other error fails.
+_KNOWN_INTERPRETER_GAPS = ("ReshapeTransform",)
+
+
+def test_tpu_kernel_in_interpret_mode_matches_dense():
+    step = make_step(3, head_dim=128, fp8=False)
+    pages, want, m = fill_cache(step)
+    assert_bitwise(pages, want, "kv_pages")
+    n = int(step["qsl"][-1])
+    try:
+        with pltpu.force_tpu_interpret_mode():
+            out = jax_rpa.ragged_paged_attention(
+                step["q"], pages, *m.as_args(), sm_scale=SM_SCALE,
+                num_kv_pages_per_block=2, num_queries_per_block=8,
+            )
+            out = np.asarray(out)
+    except Exception as e:  # noqa: BLE001 - only the known interpreter gaps are tolerated
+        gap = next((line for line in str(e).splitlines() if any(g in line for g in _KNOWN_INTERPRETER_GAPS)), None)
+        if gap is not None:
+            pytest.xfail(f"this JAX's TPU interpreter cannot run ragged_paged_attention: {gap.strip()}")
+        raise
+    assert np.isfinite(out[:n]).all()
+    np.testing.assert_allclose(out[:n], dense_attention(step), rtol=1e-4, atol=1e-4)
