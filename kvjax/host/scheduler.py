@@ -55,6 +55,33 @@ class Request:
         return self.num_computed >= self.prefill_len
 
 
+class RequestTooLargeError(ValueError):
+    """A request that could not fit in the KV cache even if it ran alone."""
+
+
+def peak_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """Most tokens whose K/V a request ever holds: the prompt and every output but the
+    last (the last is sampled, never fed back), below ``max_model_len``; drafts stay
+    within the same bound."""
+    return max(num_prompt_tokens, min(num_prompt_tokens + max_tokens - 1, max_model_len - 1))
+
+
+def check_request_fits(
+    req: "Request", specs: tuple[KVGroupSpec, ...], *, num_blocks: int, max_model_len: int
+) -> None:
+    """The capacity rule: raise :class:`RequestTooLargeError` when ``req`` alone needs more
+    KV blocks than the cache has (``num_blocks - 1``: block 0 is reserved)."""
+    n = peak_tokens(len(req.prompt), req.max_tokens, max_model_len)
+    need = sum(s.blocks_to_add(n, 0) for s in specs)
+    if need > num_blocks - 1:
+        cap = f" ({(num_blocks - 1) * specs[0].block_size} tokens)" if len(specs) == 1 else ""
+        raise RequestTooLargeError(
+            f"request {req.req_id!r} needs {n} tokens of KV cache ({len(req.prompt)} prompt + "
+            f"{n - len(req.prompt)} generated), {need} blocks, but the cache holds "
+            f"{num_blocks - 1} blocks{cap}; raise num_blocks or lower the prompt or max_tokens"
+        )
+
+
 @dataclasses.dataclass
 class ScheduledRequest:
     req: Request
@@ -141,7 +168,13 @@ class Scheduler:
 
     # -------------------------------------------------------------- requests
 
+    def check_fits(self, req: Request) -> None:
+        """Raise :class:`RequestTooLargeError` if ``req`` could never fit in this cache."""
+        check_request_fits(req, self.specs, num_blocks=self.pool.num_blocks, max_model_len=self.max_model_len)
+
     def add_request(self, req: Request) -> None:
+        """Queue ``req``; :class:`RequestTooLargeError` if it could never run (it would hang)."""
+        self.check_fits(req)
         self.waiting.append(req)
 
     @property
@@ -182,18 +215,20 @@ class Scheduler:
         return True
 
     def _grow(self, req: Request, upto_tokens: int, block_writes) -> bool:
-        """Give ``req`` blocks for ``upto_tokens`` tokens; preempt others if needed."""
+        """Give ``req`` blocks for ``upto_tokens`` tokens, preempting the newest running
+        requests while blocks are short; ``False`` when ``req`` itself was preempted."""
         need = [s.blocks_to_add(upto_tokens, len(req.blocks[g])) for g, s in enumerate(self.specs)]
         if not any(need):
             return True
         while sum(need) > self.pool.num_free:
-            victims = [r for r in self.running if r is not req]
-            if not victims:
-                return False
-            victim = victims[-1]  # newest first
+            # The newest running request yields, even when it is the one asking: older
+            # requests are never preempted by newer ones, so the oldest always advances.
+            victim = self.running[-1]
             victim_row = victim.row
             self._preempt(victim)
             block_writes.pop(victim_row, None)
+            if victim is req:
+                return False
         ids_per_group = []
         for g, n in enumerate(need):
             try:
