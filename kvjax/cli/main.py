@@ -46,12 +46,15 @@ def _demo(args, parser) -> int:
             token_sizes=args.token_sizes,
         )
         config.bucket_spec  # validates token sizes
+        fits = config.make_scheduler().check_fits
         if args.workload:
-            requests = load_workload(args.workload, vocab_size=model.vocab_size, max_model_len=config.max_model_len)
+            requests = load_workload(args.workload, vocab_size=model.vocab_size, max_model_len=config.max_model_len,
+                                     check_fits=fits)
         else:
             data = generate_workload(args.requests, args.seed, max_model_len=config.max_model_len,
                                      vocab_size=model.vocab_size)
-            requests = validate_workload(data, vocab_size=model.vocab_size, max_model_len=config.max_model_len)
+            requests = validate_workload(data, vocab_size=model.vocab_size, max_model_len=config.max_model_len,
+                                         check_fits=fits)
     except ValueError as e:  # WorkloadError and config errors: before any compile
         print(f"error: {e}", file=sys.stderr)
         return 2

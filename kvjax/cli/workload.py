@@ -20,8 +20,12 @@ class WorkloadError(ValueError):
     """A workload file or entry is malformed."""
 
 
-def validate_workload(data, *, vocab_size: int, max_model_len: int) -> list[Request]:
-    """Requests from a parsed workload, or :class:`WorkloadError` naming the problem."""
+def validate_workload(data, *, vocab_size: int, max_model_len: int, check_fits=None) -> list[Request]:
+    """Requests from a parsed workload, or :class:`WorkloadError` naming the problem.
+
+    ``check_fits``: optional ``Request -> None`` raising ``ValueError`` for a request the
+    cache can never hold (the scheduler's capacity rule, ``Scheduler.check_fits``).
+    """
     if not isinstance(data, dict) or not isinstance(data.get("requests"), list):
         raise WorkloadError('a workload must be a JSON object with a "requests" list')
     if not data["requests"]:
@@ -60,12 +64,18 @@ def validate_workload(data, *, vocab_size: int, max_model_len: int) -> list[Requ
         unknown = set(r) - {"id", "prompt", "max_tokens", "arrival_step"}
         if unknown:
             raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
-        out.append(Request(rid, list(prompt), mt, arrival))
+        req = Request(rid, list(prompt), mt, arrival)
+        if check_fits is not None:
+            try:
+                check_fits(req)
+            except ValueError as e:
+                raise WorkloadError(str(e)) from None
+        out.append(req)
     return out
 
 
-def load_workload(path: str, *, vocab_size: int, max_model_len: int) -> list[Request]:
-    """Read and validate a workload file."""
+def load_workload(path: str, *, vocab_size: int, max_model_len: int, check_fits=None) -> list[Request]:
+    """Read and validate a workload file (``check_fits`` as in :func:`validate_workload`)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -73,7 +83,7 @@ def load_workload(path: str, *, vocab_size: int, max_model_len: int) -> list[Req
         raise WorkloadError(f"cannot read workload {path!r}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise WorkloadError(f"workload {path!r} is not valid JSON: {e}") from None
-    return validate_workload(data, vocab_size=vocab_size, max_model_len=max_model_len)
+    return validate_workload(data, vocab_size=vocab_size, max_model_len=max_model_len, check_fits=check_fits)
 
 
 def generate_workload(num_requests: int, seed: int, *, max_model_len: int, vocab_size: int = 256) -> dict:

@@ -1,5 +1,6 @@
 """The host scheduler without a model: progress, preemption policy, capacity rule, validation."""
 
+import json
 import random
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from kvjax.host.scheduler import Request, RequestTooLargeError, peak_tokens
-from kvjax.runner import RunnerConfig
+from kvjax.runner import Runner, RunnerConfig
 
 
 def drive(sched, max_steps: int, seed: int = 0) -> int:
@@ -128,3 +129,25 @@ def test_peak_tokens_is_capped_below_max_model_len():
     assert peak_tokens(5, 1, 32) == 5  # one output, never fed back
     assert peak_tokens(5, 100, 32) == 31
     assert peak_tokens(40, 3, 32) == 40  # a prompt longer than the window still needs its blocks
+
+
+@pytest.mark.parametrize("with_file", [False, True])
+def test_cli_rejects_a_request_larger_than_the_cache_before_compiling(tmp_path, monkeypatch, capsys, with_file):
+    # `demo --num-blocks 3 --block-size 8` used to hang: the generated requests need more
+    # than the 2 usable blocks.
+    from kvjax.cli import main as cli
+
+    def boom(*a, **k):
+        raise AssertionError("compiled before validating the workload")
+
+    monkeypatch.setattr(Runner, "precompile", boom)
+    args = ["demo", "--num-blocks", "3", "--block-size", "8"]
+    if with_file:
+        path = tmp_path / "w.json"
+        path.write_text(json.dumps({"requests": [{"id": "long", "prompt": list(range(1, 15)), "max_tokens": 5}]}))
+        args += ["--workload", str(path)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "needs" in err and "the cache holds 2 blocks (16 tokens)" in err
+    if with_file:
+        assert "request 'long' needs 18 tokens" in err
