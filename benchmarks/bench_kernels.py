@@ -88,6 +88,7 @@ from pallas_kernels.kv_write import (  # noqa: E402
 )
 from pallas_kernels.mamba import selective_state_update  # noqa: E402
 from pallas_kernels.token_combine import combine_sampled_and_draft_tokens  # noqa: E402
+from _trace import jax_device_us, torch_device_us  # noqa: E402  (benchmarks/_trace.py)
 
 try:
     import torch
@@ -155,6 +156,8 @@ class Results:
         log(f"ROW {row['op']:34s} {row['size']:24s} {row['dtype']:9s} {row['implementation']:22s} "
             f"{row['median_us']:10.2f} us  {row['effective_TBps']:6.3f} TB/s"
             + (f"  {100 * frac:5.1f}% of copy" if frac is not None else "")
+            + (f"  device {row['device_us_per_call']:.2f} us/call ({row['kernels_per_call']:.2f} kernels)"
+               if row.get("device_us_per_call") is not None else "")
             + ("" if row.get("matches_reference", True) else "  MISMATCH")
             + ("" if row.get("in_place", True) else "  NOT-IN-PLACE"))
 
@@ -310,6 +313,14 @@ def time_torch(fn_k: Callable[[int], None], n_sets: int, budget_s: float):
     return samples
 
 
+def device_time(measure: Callable[[], dict]) -> dict:
+    """``{"device_us_per_call", "kernels_per_call"}`` from a profiler, or the error."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001
+        return {"device_time_error": f"{type(e).__name__}: {e}"[:300]}
+
+
 # --------------------------------------------------------------------------
 # helpers: bit views, JAX <-> torch, comparisons
 # --------------------------------------------------------------------------
@@ -462,10 +473,20 @@ def run_case(meta: dict, impls: list[Impl], carry, sets, *, mains: Callable,
                 err = max(float(_rel_err(a, b)) for a, b in zip(mains(carry), ref))
                 match = err <= tol
             samples, carry = time_jax(exe, carry, sets, budget_s)
+            dev = {}
+            if GPU and im.name == "pallas" and not sweep:  # device kernel time (profiler)
+                box = [carry]
+
+                def once():
+                    box[0] = exe(box[0], sets)
+                    return box[0]
+
+                dev = device_time(lambda: jax_device_us(once, 2, CALLS))
+                carry = box[0]
             RES.add(make_row(op, size, dtype, im.name, samples, nbytes, ceiling=ceiling,
                              in_place=in_place, temp_bytes=temp, same_buffers=same,
                              matches_reference=match, compared_with=ref_name,
-                             rel_err=err, **meta.get("extra", {})), sweep=sweep)
+                             rel_err=err, **dev, **meta.get("extra", {})), sweep=sweep)
         except Exception as e:  # noqa: BLE001
             RES.error(f"run {op} {size} {dtype} {im.name}", e)
     for impl_name, case in (("torch", torch_case), ("vllm_triton", vllm_case if VLLM else None)):
@@ -476,10 +497,13 @@ def run_case(meta: dict, impls: list[Impl], carry, sets, *, mains: Callable,
         try:
             tc = case["setup"](ref)
             samples = time_torch(tc["fn"], tc["n_sets"], budget_s)
+            dev = {}
+            if TORCH_GPU and impl_name == "vllm_triton":
+                dev = device_time(lambda: torch_device_us(lambda i: tc["fn"](i % tc["n_sets"]), CALLS))
             match, err = tc["check"]() if ref is not None else (None, None)
             RES.add(make_row(op, size, dtype, impl_name, samples, nbytes, ceiling=ceiling,
                              matches_reference=match, compared_with=ref_name, rel_err=err,
-                             note=tc.get("note", ""), **meta.get("extra", {})))
+                             note=tc.get("note", ""), **dev, **meta.get("extra", {})))
             del tc
         except Exception as e:  # noqa: BLE001
             RES.error(f"{impl_name} {op} {size} {dtype}", e)

@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -47,6 +44,7 @@ from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.runner import Runner, RunnerConfig  # noqa: E402
 from kvjax.runner.packing import pack  # noqa: E402
 from pallas_kernels.kv_write import reshape_and_cache_flash  # noqa: E402
+from _trace import trace_device  # noqa: E402  (benchmarks/_trace.py)
 
 CALLS = 50
 N_SETS = 5
@@ -84,64 +82,6 @@ def op_names(text: str) -> dict:
         out[m.group(1)] = m.group(2)
         out[re.sub(r"[.\-]", "_", m.group(1))] = m.group(2)
     return out
-
-
-def trace_device(run, n: int) -> dict:
-    """Device kernels and memcpys of ``n`` calls of ``run()`` (profiler trace, CUPTI)."""
-    jax.block_until_ready(run())
-    d = tempfile.mkdtemp(prefix="kvjax-prof-")
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        out = None
-        for _ in range(n):
-            out = run()
-        jax.block_until_ready(out)
-    files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-    if not files:
-        return {"error": f"no perfetto trace under {d}"}
-    doc = json.load(gzip.open(files[0]))
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    pname, tname = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pname[e["pid"]] = e["args"].get("name", "")
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            tname[(e["pid"], e["tid"])] = e["args"].get("name", "")
-    gpu_pids = {p for p, nm in pname.items() if "GPU" in nm or "gpu" in nm}
-    derived = ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")
-    kernels, copies = [], []
-    threads = collections.Counter()
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
-            continue
-        th = tname.get((e["pid"], e.get("tid")), "")
-        threads[th] += 1
-        if any(th.startswith(x) for x in derived):
-            continue
-        name = e.get("name", "")
-        args = e.get("args", {}) or {}
-        item = (name, float(e.get("dur", 0.0)), float(e.get("ts", 0.0)), args.get("hlo_op", ""))
-        (copies if "emcpy" in name or "emset" in name else kernels).append(item)
-    kernels.sort(key=lambda k: k[2])
-    busy = sum(k[1] for k in kernels)
-    span = (kernels[-1][2] + kernels[-1][1] - kernels[0][2]) if kernels else 0.0
-    by_name = collections.defaultdict(lambda: [0, 0.0])
-    for name, dur, _, hlo in kernels:
-        key = hlo or name
-        by_name[key][0] += 1
-        by_name[key][1] += dur
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
-    return {
-        "calls": n,
-        "kernels_per_call": len(kernels) / n,
-        "memcpys_per_call": len(copies) / n,
-        "memcpy_names": sorted(collections.Counter(c[0] for c in copies).items())[:10],
-        "device_busy_us_per_call": busy / n,
-        "first_to_last_kernel_us_per_call": span / n,
-        "top_kernels": [{"name": k, "count_per_call": v[0] / n, "us_per_call": v[1] / n}
-                        for k, v in top],
-        "device_threads": dict(threads),
-        "_kernels": kernels,
-    }
 
 
 # --------------------------------------------------------------------------
@@ -301,16 +241,19 @@ def main() -> int:
     ap.add_argument("--kv-T", default="1,16,256")
     ap.add_argument("--step-n", default="8,64,256")
     ap.add_argument("--chunk-scan", default="associative", choices=("associative", "sequential"))
+    ap.add_argument("--no-adapt-chunk", action="store_true", help="Mamba prefill chunks of chunk_size always")
     ap.add_argument("--hlo-dir", default="", help="write each case's optimised HLO here")
     ap.add_argument("--compiler-options", default="", help='JSON, e.g. {"xla_gpu_graph_min_graph_size": 1}')
     args = ap.parse_args()
     global COMPILER_OPTIONS
     COMPILER_OPTIONS = json.loads(args.compiler_options) if args.compiler_options else None
     mamba_scan_mod._CHUNK_STATE_SCAN = args.chunk_scan
+    mamba_scan_mod._ADAPT_CHUNK = not args.no_adapt_chunk
     res = {"tag": args.tag, "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
            "device": getattr(jax.devices()[0], "device_kind", str(jax.devices()[0])),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "compiler_options": COMPILER_OPTIONS,
            "chunk_scan": args.chunk_scan,
+           "adapt_chunk": not args.no_adapt_chunk,
            "cases": [], "errors": []}
 
     def save():

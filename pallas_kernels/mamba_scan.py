@@ -141,6 +141,24 @@ def _chunk_states(s_loc, lam, first, h_first):
     return s_in, s_out
 
 
+def _chunk_len(chunk_size: int, T: int, R: int) -> int:
+    """Tokens per chunk: ``chunk_size``, or fewer when the batch has many short requests.
+
+    The chunk table is static: ``ceil(T / Q) + R`` chunks of ``Q`` tokens (each request may
+    end in a partial chunk), so the padded work grows as ``T + R * Q``. A decode-heavy batch
+    (``T`` close to ``R``) with ``Q = 128`` pads every token to a chunk of 128; hence ``Q``
+    is the power of two covering ``T / R`` tokens, at least ``_MIN_CHUNK``, at most
+    ``chunk_size``. Long prefills (``T / R >= chunk_size``) keep ``chunk_size``.
+    """
+    if not _ADAPT_CHUNK:
+        return chunk_size
+    per_request = -(-T // max(R, 1))
+    return int(min(chunk_size, max(_MIN_CHUNK, 1 << max(per_request - 1, 0).bit_length())))
+
+
+_MIN_CHUNK = 16
+_ADAPT_CHUNK = True  # benchmark knob (benchmarks/profile_gpu.py --no-adapt-chunk)
+
 # Benchmark knob (benchmarks/profile_gpu.py): "associative" (default) or "sequential".
 _CHUNK_STATE_SCAN = "associative"
 
@@ -153,7 +171,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
     L = state.shape[0]
-    Q = chunk_size
+    Q = _chunk_len(chunk_size, T, R)
     if R == 0 or T == 0:
         return jnp.zeros(x.shape, x.dtype), state
     goh = jnp.arange(H) // (H // G)
@@ -262,7 +280,8 @@ def selective_scan_varlen(
       form's O(Q) extra flops per token, hence the token scan on CPU.
 
     Args:
-      chunk_size: tokens per chunk of the chunked form (static).
+      chunk_size: most tokens per chunk of the chunked form (static); batches of many
+        short requests use fewer (see ``_chunk_len``).
       backend, interpret: ``"reference"`` selects the token scan; anything else the
         chunked form (``interpret`` is validated but unused: there is no kernel).
 

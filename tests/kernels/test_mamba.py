@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import mamba
+from pallas_kernels.mamba_scan import _chunk_len
 from pallas_kernels.mamba import (
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -761,6 +762,25 @@ def test_scan_nan_state_does_not_reach_next_request(backend):
     close(out[5:], want[5:])
     close(new_state[[4, 1]], want_state[[4, 1]])
     assert_rows_bitwise_equal(new_state, state, [0, 3, 5])
+
+
+def test_scan_decode_heavy_batch_adapts_chunk():
+    # 12 one-token requests (and one of 3) in 15 tokens: chunk_size 128 shrinks to 16 tokens
+    # per chunk (padded work T + R * Q, not R * 128); the result is the oracle's.
+    assert _chunk_len(128, 256, 256) == 16 and _chunk_len(128, 2048, 8) == 128
+    assert _chunk_len(128, 4096, 64) == 64 and _chunk_len(4, 15, 13) == 4
+    rng = np.random.default_rng(26)
+    c = scan_case(rng, T=16, L=16)
+    qsl = np.array(list(range(13)) + [15], np.int32)
+    ci = np.arange(1, 14, dtype=np.int32)
+    his = np.arange(13) % 2 == 0
+    out, new_state = selective_scan_varlen(
+        c["x"], c["dt"], c["A"], c["B"], c["C"], jnp.asarray(c["state"]), qsl, ci, his,
+        D=c["D"], dt_bias=c["dt_bias"], z=c["z"], dt_softplus=True, backend="pallas_gpu")
+    want, want_state, written = oracle_scan(c["x"], c["dt"], c["A"], c["B"], c["C"], c["state"], qsl,
+                                            ci, his, c["D"], c["dt_bias"], c["z"], True)
+    close(np.asarray(out), want)
+    close(np.asarray(new_state)[sorted(written)], want_state[sorted(written)])
 
 
 def test_scan_validation_errors():
