@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.constants import NULL_BLOCK_ID
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
 from kvjax.state.block_tables import compute_slot_mapping
+from kvjax.state.padding import token_rows
 from pallas_kernels import contract as validation
 
 __all__ = ["RPAMetadata", "rpa_metadata", "rpa_metadata_from_batch", "rpa_positions", "rpa_slot_mapping"]
@@ -68,7 +69,7 @@ def rpa_metadata(
     query_start_loc: jax.Array,
     seq_lens: jax.Array,
     block_table: jax.Array,
-    idx_mapping: jax.Array,
+    row_valid: jax.Array,
     *,
     page_size: int,
 ) -> RPAMetadata:
@@ -80,7 +81,8 @@ def rpa_metadata(
       seq_lens: int ``[R]``, cached tokens of each row after this step.
       block_table: int ``[R, W]``, the step's block table of the group (pages,
         i.e. kernel-block ids), one row per batch row.
-      idx_mapping: int ``[R]``, ``-1`` marks a padded row (its query length must be 0).
+      row_valid: bool ``[R]``, False for a padded row (``StepBatch.row_valid``);
+        a padded row's query length must be 0.
       page_size: tokens per page (the group's kernel block size).
 
     Returns:
@@ -93,9 +95,9 @@ def rpa_metadata(
         than ``W`` columns.
     """
     _check_page_size(page_size)
-    validation.check_rank("idx_mapping", idx_mapping, 1)
-    validation.check_dtype("idx_mapping", idx_mapping, "integer")
-    r = np.shape(idx_mapping)[0]
+    validation.check_rank("row_valid", row_valid, 1)
+    validation.check_dtype("row_valid", row_valid, np.bool_)
+    r = np.shape(row_valid)[0]
     validation.check_shape("query_start_loc", query_start_loc, (r + 1,))
     validation.check_dtype("query_start_loc", query_start_loc, "integer")
     validation.check_shape("seq_lens", seq_lens, (r,))
@@ -104,10 +106,10 @@ def rpa_metadata(
     validation.check_shape("block_table", block_table, (r, None))
     validation.check_dtype("block_table", block_table, "integer")
     width = np.shape(block_table)[1]
-    _check_batch_values(query_start_loc, seq_lens, idx_mapping, page_size, width)
+    _check_batch_values(query_start_loc, seq_lens, row_valid, page_size, width)
 
     qsl = jnp.asarray(query_start_loc, jnp.int32)
-    valid = jnp.asarray(idx_mapping) >= 0
+    valid = jnp.asarray(row_valid)
     q_lens = jnp.where(valid, qsl[1:] - qsl[:-1], 0)
     kv_lens = jnp.where(valid, jnp.asarray(seq_lens, jnp.int32), 0)
     # Real rows first, each group in batch order (a stable partition).
@@ -122,24 +124,24 @@ def rpa_metadata(
     return RPAMetadata(kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
-def _check_batch_values(query_start_loc, seq_lens, idx_mapping, page_size, width) -> None:
+def _check_batch_values(query_start_loc, seq_lens, row_valid, page_size, width) -> None:
     q = validation.concrete_values(query_start_loc)
     if q is None:
         return
     if q[0] != 0:
         raise ValueError(f"query_start_loc[0] must be 0, got {q[0]}")
     validation.check_non_decreasing("query_start_loc", q)
-    idx, s = validation.concrete_values(idx_mapping), validation.concrete_values(seq_lens)
-    if idx is None or s is None:
+    valid, s = validation.concrete_values(row_valid), validation.concrete_values(seq_lens)
+    if valid is None or s is None:
         return
     q_len = np.diff(q.astype(np.int64))
-    for b in range(idx.shape[0]):
-        if idx[b] < 0 and q_len[b]:
+    for b in range(valid.shape[0]):
+        if not valid[b] and q_len[b]:
             raise ValueError(
-                f"query_start_loc must give padded rows (idx_mapping = -1) no tokens; "
+                f"query_start_loc must give padded rows (row_valid False) no tokens; "
                 f"row {b} has {q_len[b]}"
             )
-        if idx[b] >= 0 and not q_len[b] <= s[b] <= width * page_size:
+        if valid[b] and not q_len[b] <= s[b] <= width * page_size:
             raise ValueError(
                 f"seq_lens[{b}] must be in [query length {q_len[b]}, {width * page_size}] "
                 f"(block_table width {width} * page_size {page_size}), got {s[b]}"
@@ -152,7 +154,7 @@ def rpa_metadata_from_batch(batch, *, group: int = 0, page_size: int) -> RPAMeta
         batch.query_start_loc,
         batch.seq_lens,
         batch.block_tables[group],
-        batch.idx_mapping,
+        batch.row_valid,
         page_size=page_size,
     )
 
@@ -176,7 +178,7 @@ def _batch_view(m: RPAMetadata):
     real = rows < n
     cu = jnp.asarray(m.cu_q_lens, jnp.int32)
     qsl = jnp.where(jnp.arange(r + 1) <= n, cu, cu[jnp.clip(n, 0, r)])
-    return jnp.where(real, rows, -1), qsl
+    return jnp.where(real, rows, PAD_ROW_ID), qsl
 
 
 def rpa_positions(metadata: RPAMetadata, *, num_tokens: int) -> jax.Array:
@@ -189,7 +191,7 @@ def rpa_positions(metadata: RPAMetadata, *, num_tokens: int) -> jax.Array:
     idx, qsl = _batch_view(metadata)
     r = idx.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32), max(r - 1, 0))
+    seq = jnp.minimum(token_rows(qsl, num_tokens), max(r - 1, 0))  # gather index, masked
     real = t < qsl[r]
     q_len = qsl[seq + 1] - qsl[seq]
     pos = jnp.asarray(metadata.kv_lens, jnp.int32)[seq] - q_len + (t - qsl[seq])

@@ -93,7 +93,7 @@ def fill_cache(step):
         pages_dev = write_kv_pages(step["k_all"][b][:n_hist], step["v_all"][b][:n_hist], pages_dev,
                                    slots, *fp8_args, backend="reference")
 
-    m = rpa_metadata(step["qsl"], step["seq_lens"], step["table"], step["idx"], page_size=PS)
+    m = rpa_metadata(step["qsl"], step["seq_lens"], step["table"], step["idx"] >= 0, page_size=PS)
     T = step["num_tokens"]
     slot_mapping = rpa_slot_mapping(m, page_size=PS, num_tokens=T)
     key = np.full((T, HKV, d), np.nan, np.float32)  # padded tokens: NaN garbage

@@ -46,7 +46,7 @@ HOLES = dict(
     block_table=np.asarray(
         [[4, 0, 0], [8, 8, 8], [5, 6, 7], [9, 9, 9], [2, 3, 0]], np.int32
     ),
-    idx_mapping=np.asarray([2, -1, 0, -1, 1], np.int32),
+    row_valid=np.asarray([True, False, True, False, True]),
 )
 
 
@@ -66,7 +66,7 @@ def test_pages_past_kv_len_are_null():
     """A table row longer than the sequence (stale ids) keeps only cdiv(kv_len, page_size) pages."""
     m = rpa_metadata(
         np.asarray([0, 1], np.int32), np.asarray([5], np.int32),
-        np.asarray([[3, 4, 7, 9]], np.int32), np.asarray([0], np.int32), page_size=4,
+        np.asarray([[3, 4, 7, 9]], np.int32), np.asarray([True]), page_size=4,
     )
     np.testing.assert_array_equal(m.page_indices, [[3, 4, NULL_BLOCK_ID, NULL_BLOCK_ID]])
 
@@ -135,7 +135,7 @@ def test_rows_past_num_seqs_are_ignored_by_the_inverse():
     [
         (dict(query_start_loc=np.asarray([1, 3, 3, 4, 4, 6], np.int32)), r"query_start_loc\[0\] must be 0"),
         (dict(query_start_loc=np.asarray([0, 3, 2, 4, 4, 6], np.int32)), "query_start_loc must be non-decreasing"),
-        (dict(query_start_loc=np.asarray([0, 3, 4, 5, 5, 7], np.int32)), "padded rows .* no tokens; row 1 has 1"),
+        (dict(query_start_loc=np.asarray([0, 3, 4, 5, 5, 7], np.int32)), r"padded rows \(row_valid False\) no tokens; row 1 has 1"),
         (dict(seq_lens=np.asarray([2, 9, 10, 4, 7], np.int32)), r"seq_lens\[0\] must be in \[query length 3, 12\]"),
         (dict(seq_lens=np.asarray([3, 9, 13, 4, 7], np.int32)), r"seq_lens\[2\] must be in"),
         (dict(seq_lens=np.asarray([3, 9, 10, 4], np.int32)), r"seq_lens must have shape \[5\]"),
