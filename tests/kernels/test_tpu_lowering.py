@@ -12,6 +12,10 @@ jnp only, whatever the backend), so there is nothing Mosaic-specific to lower.
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -246,3 +250,28 @@ def test_explicit_target_never_asks_the_local_device(monkeypatch):
     assert MOSAIC in _export(f, args, target="v5e").mlir_module()
     assert registry == {}
     tpu_target._mosaic_tpu_info.get_tpu_info.cache_clear()
+
+
+# --------------------------------------------------------------------------
+# benchmarks/tpu_check.py: its dry run (TPU interpreter + Mosaic export)
+# --------------------------------------------------------------------------
+
+
+def _tpu_check(monkeypatch):
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("tpu_check", root / "benchmarks" / "tpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tpu_check", module)  # dataclasses look the module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tpu_check_dry_run_on_the_smallest_case(capsys, monkeypatch):
+    tpu_check = _tpu_check(monkeypatch)
+    assert tpu_check.main(["--dry-run", "--only", "reshape_and_cache_flash T=4 H=2 D=128 bs=16 bf"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS check reshape_and_cache_flash" in out and "PASS lower" in out
+    assert "2/2 checks passed" in out
+    # The timing loop (donated, chained calls) on the reference, which runs anywhere.
+    case = tpu_check.all_cases(sizes=("small",))[0]
+    assert tpu_check.time_us(case, "reference", iters=2, repeats=1) > 0
