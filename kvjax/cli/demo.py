@@ -19,6 +19,7 @@ import numpy as np
 
 from kvjax.cli.progress import Progress
 from kvjax.runner import Runner, RunnerConfig
+from kvjax.runner.serving import run_to_completion
 from kvjax.host.scheduler import Request
 
 LOGITS_ATOL = 1e-4
@@ -77,10 +78,13 @@ class ServeReport:
 
 
 def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True, progress_stream=sys.stderr,
-          runner: Runner | None = None, compile_workers: int = 2, drafter=None) -> tuple[ServeReport, Runner]:
+          runner: Runner | None = None, compile_workers: int = 2, drafter=None,
+          overlap: bool = False) -> tuple[ServeReport, Runner]:
     """Run ``requests`` to completion; returns the report and the runner (for inspection).
 
     ``drafter``: ``(tokens, k) -> drafts`` for speculative decoding (default: n-gram lookup).
+    ``overlap``: plan and dispatch each step while the previous one runs
+    (:mod:`kvjax.runner.serving`; needs ``num_speculative_tokens == 0``).
     """
     runner = runner or Runner(config, strict=strict)
     runner.precompile(workers=compile_workers)
@@ -89,16 +93,12 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
     for r in sorted(requests, key=lambda r: r.arrival_step):
         sched.add_request(r)
     bar = Progress(len(requests), progress_stream, unit="requests finished")
-    steps = 0
     t0 = time.perf_counter()
-    while sched.has_work:
-        plan = sched.schedule()
-        if plan is None:
-            continue
-        out = runner.execute(plan)
-        sched.update(plan, out.sampled, out.num_sampled, out.logits)
-        steps += 1
-        bar.update(len(sched.finished), f"step {steps}")
+
+    def progress(plan):
+        bar.update(len(sched.finished), f"step {plan.step + 1}")
+
+    steps = run_to_completion(sched, runner, overlap=overlap, on_step=progress)
     serving = time.perf_counter() - t0
     bar.close()
     results, nan_count = check_against_reference(runner, config, sched.finished)
@@ -118,7 +118,7 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
         drafts_proposed=sched.num_drafts_proposed,
         drafts_accepted=sched.num_drafts_accepted,
         all_match=all(r["matches_reference"] for r in results.values()),
-        settings=run_settings(config, strict=strict, compile_workers=compile_workers),
+        settings=run_settings(config, strict=strict, compile_workers=compile_workers, overlap=overlap),
     )
     return report, runner
 

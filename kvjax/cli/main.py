@@ -14,6 +14,7 @@ from kvjax.cli.trace import run_trace
 from kvjax.cli.workload import WorkloadError, generate_workload, load_workload, validate_workload
 from kvjax.models import TinyHybridConfig
 from kvjax.runner import RunnerConfig
+from kvjax.runner.serving import check_overlap_supported
 from kvjax.testing import difftest as dt
 from kvjax.testing.scenarios import OPS
 from pallas_kernels._backend import BACKENDS
@@ -46,6 +47,8 @@ def _demo(args, parser) -> int:
             token_sizes=args.token_sizes,
         )
         config.bucket_spec  # validates token sizes
+        if args.overlap:
+            check_overlap_supported(config.num_speculative_tokens)
         fits = config.make_scheduler().check_fits
         if args.workload:
             requests = load_workload(args.workload, vocab_size=model.vocab_size, max_model_len=config.max_model_len,
@@ -65,7 +68,7 @@ def _demo(args, parser) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     report, _ = serve(config, requests, strict=not args.no_strict,
                       progress_stream=None if args.quiet else sys.stderr,
-                      compile_workers=args.compile_workers)
+                      compile_workers=args.compile_workers, overlap=args.overlap)
     print_summary(report, config)
     if args.json:
         report.settings["workload"] = args.workload or f"generated: {args.requests} requests, seed {args.seed}"
@@ -168,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="JAX persistent compilation cache directory (reused across runs)")
     demo.add_argument("--compile-workers", type=_positive, metavar="N", default=2,
                       help="threads compiling the buckets in parallel")
+    demo.add_argument("--overlap", action="store_true",
+                      help="plan and dispatch each step while the previous one runs on the device "
+                           "(needs --num-spec-tokens 0)")
     trace = sub.add_parser("trace", help="a scheduling trace through the state functions (no model)",
                            formatter_class=fmt)
     trace.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the trace's arrivals and lengths")

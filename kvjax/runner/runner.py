@@ -160,6 +160,19 @@ class StepOutput:
     logits: np.ndarray  # float32 [L, vocab]
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingOutput:
+    """A dispatched step's outputs, still on the device (JAX dispatch is asynchronous)."""
+
+    sampled: jax.Array
+    num_sampled: jax.Array
+    logits: jax.Array
+
+    def fetch(self) -> StepOutput:
+        """Wait for the step and copy its outputs to the host."""
+        return StepOutput(np.asarray(self.sampled), np.asarray(self.num_sampled), np.asarray(self.logits))
+
+
 def _fill(arrays, ids, value, r=1):
     """Set kernel blocks ``b*r .. b*r+r-1`` for ids ``b >= 0`` of every array to ``value``."""
     ids = ids.astype(jnp.int32)
@@ -401,7 +414,7 @@ class Runner:
 
     # ------------------------------------------------------------ running
 
-    def _run(self, bucket: Bucket, inputs: StepInputs) -> StepOutput:
+    def _dispatch(self, bucket: Bucket, inputs: StepInputs) -> "PendingOutput":
         try:
             exe, spec = self.executables[bucket]
         except KeyError:
@@ -411,11 +424,18 @@ class Runner:
             raise RuntimeError(f"step inputs do not match bucket {bucket}'s layout")
         with self.guard.serving():
             self.state, (sampled, num_sampled, logits) = exe(self.params, self.state, buf)
-            return StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits))
+        return PendingOutput(sampled, num_sampled, logits)
+
+    def _run(self, bucket: Bucket, inputs: StepInputs) -> StepOutput:
+        return self._dispatch(bucket, inputs).fetch()
+
+    def dispatch(self, plan: StepPlan) -> "PendingOutput":
+        """Enqueue one scheduled step and return at once; ``.fetch()`` waits for its outputs."""
+        return self._dispatch(plan.bucket, self.pack(plan))
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one scheduled step through its bucket's executable."""
-        return self._run(plan.bucket, self.pack(plan))
+        return self.dispatch(plan).fetch()
 
     def dummy_step(self, bucket: Bucket | None = None) -> StepOutput:
         """An all-padding step through a real executable (idle DP rank, warm-up)."""

@@ -1,0 +1,72 @@
+"""The overlapped serving loop gives bitwise the lockstep loop's tokens and logits."""
+
+import random
+
+import numpy as np
+import pytest
+
+from kvjax.host.scheduler import Request
+from kvjax.runner import Runner, RunnerConfig
+from kvjax.runner import serving
+from kvjax.runner.serving import run_to_completion
+
+FAST = {"xla_backend_optimization_level": 0}
+# 13 allocatable blocks of 4 tokens for 5 requests of up to 22 tokens: preemptions happen,
+# so the overlapped loop must re-admit requests whose last token is still on the device.
+CONFIG = RunnerConfig(block_size=4, num_blocks=14, max_model_len=32, max_num_seqs=3,
+                      max_num_batched_tokens=12, token_sizes=(4, 12), poison=True)
+
+
+def _workload(seed=3):
+    rng = random.Random(seed)
+    return [Request(f"r{i}", [rng.randrange(1, 200) for _ in range(rng.randint(9, 12))],
+                    max_tokens=10, arrival_step=rng.randint(0, 3)) for i in range(5)]
+
+
+def _serve(runner, overlap):
+    runner.state = runner._initial_state()
+    sched = CONFIG.make_scheduler()
+    for r in _workload():
+        sched.add_request(r)
+    steps = run_to_completion(sched, runner, overlap=overlap)
+    done = {r.req_id: r for r in sched.finished}
+    return steps, sched.num_preemptions, done
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = Runner(CONFIG, compiler_options=FAST)
+    r.precompile()
+    return r
+
+
+def test_overlap_is_bitwise_the_lockstep_loop(runner):
+    steps_a, pre_a, a = _serve(runner, overlap=False)
+    steps_b, pre_b, b = _serve(runner, overlap=True)
+    assert pre_a > 0, "the workload must preempt (re-admission path)"
+    assert (steps_a, pre_a) == (steps_b, pre_b)
+    assert sorted(a) == sorted(b) == [f"r{i}" for i in range(5)]
+    for rid in a:
+        assert a[rid].output == b[rid].output, rid
+        assert serving.PENDING_TOKEN not in b[rid].output
+        la, lb = np.stack(a[rid].logits), np.stack(b[rid].logits)
+        assert la.shape == lb.shape and np.array_equal(la.view(np.uint32), lb.view(np.uint32)), rid
+    assert runner.guard.serving_compiles + runner.guard.serving_traces == 0
+
+
+def test_overlap_refuses_speculative_decoding():
+    with pytest.raises(ValueError, match="num_speculative_tokens == 0"):
+        serving.check_overlap_supported(2)
+
+
+def test_a_readmitted_request_waits_for_its_pending_tokens():
+    """A re-admitted request is packed with its real tokens, never with placeholders."""
+    from types import SimpleNamespace
+
+    req = Request("r", [5, 6], max_tokens=4, output=[7, serving.PENDING_TOKEN])
+    req.row = 2
+    plan = SimpleNamespace(added=[(2, req.tokens, 2)], scheduled=[SimpleNamespace(req=req)])
+    assert serving._needs_values(plan)
+    req.output[1] = 9  # what resolving the step in flight writes
+    serving._refresh_added(plan)
+    assert plan.added == [(2, [5, 6, 7, 9], 2)] and not serving._needs_values(plan)
