@@ -85,18 +85,16 @@ def jax_device_us(run, n: int, calls_per_run: int) -> dict:
 
 
 def torch_device_us(fn, calls: int) -> dict:
-    """Kernels and summed kernel time per call of ``calls`` eager calls ``fn(i)`` (torch profiler)."""
-    import torch  # optional dependency of the benchmarks
-    from torch.profiler import ProfilerActivity, profile
+    """Kernels and summed kernel time per call of ``calls`` eager calls ``fn(i)``.
 
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    Read from the same JAX profiler trace (CUPTI sees every kernel of the process): a
+    second profiler (torch's) in the process would take CUPTI from JAX's for good.
+    """
+    import torch  # optional dependency of the benchmarks
+
+    def run():
         for i in range(calls):
             fn(i)
         torch.cuda.synchronize()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-          and "emcpy" not in e.name and "emset" not in e.name]
-    return {"kernels_per_call": len(ev) / calls,
-            "device_us_per_call": sum(e.time_range.elapsed_us() for e in ev) / calls}
+
+    return jax_device_us(run, 1, calls)

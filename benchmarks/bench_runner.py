@@ -44,7 +44,7 @@ def _decode_ready(cfg: RunnerConfig, n: int):
 def host_prep_us(n: int, repeats: int = 300) -> dict:
     """Median microseconds of a steady decode step's host work: the scheduler's decision,
     and the runner's preparation (``Runner.pack`` + packing into the one transfer buffer)."""
-    cfg = RunnerConfig(max_num_seqs=n, max_num_batched_tokens=max(4 * n, 32), num_blocks=40 * n + 8,
+    cfg = RunnerConfig(max_num_seqs=n, max_num_batched_tokens=max(4 * n, 32), num_blocks=40 * n + 72,
                        max_model_len=512, token_sizes=(n, 4 * n) if n > 1 else (1, 32))
     runner = Runner.__new__(Runner)  # packing needs only the config; skip params and compile
     runner.config = cfg

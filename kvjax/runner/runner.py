@@ -271,17 +271,33 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     return DeviceState(requests=req, tables=tables, caches=caches), out
 
 
+# XLA options of the step executables on a GPU: command buffers (CUDA graphs) also around
+# custom calls (the Pallas kernels), while loops and conditionals, from a single command up,
+# so that a step runs as one graph rather than ~150 separate kernel launches (figures in
+# BENCHMARKS.md). Pass ``compiler_options={}`` to the Runner for XLA's defaults.
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
+
+def default_compiler_options() -> dict | None:
+    """:data:`GPU_COMPILER_OPTIONS` when JAX's default backend is a GPU, else None."""
+    return dict(GPU_COMPILER_OPTIONS) if jax.default_backend() == "gpu" else None
+
+
 class Runner:
     """Owns the params, the donated device state and one compiled step per bucket.
 
     Args:
       config: sizes and options.
       strict: a trace or compile at serving time raises (else a counted warning).
+      compiler_options: XLA options of the step executables (None: :func:`default_compiler_options`).
     """
 
     def __init__(self, config: RunnerConfig, *, strict: bool = True, compiler_options: dict | None = None):
         self.config = config
-        self.compiler_options = compiler_options
+        self.compiler_options = default_compiler_options() if compiler_options is None else compiler_options
         self.buckets = config.bucket_spec
         self.params = init_params(config.model, config.seed)
         self.guard = ServingGuard(strict=strict)
