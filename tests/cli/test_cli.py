@@ -91,12 +91,13 @@ def test_the_vllm_install_hint_is_printed_once(monkeypatch, capsys):
 def test_demo_json_report_records_the_settings_it_ran_with(monkeypatch, tmp_path):
     seen = {}
 
-    def fake_serve(config, requests, *, strict, progress_stream, compile_workers):
+    def fake_serve(config, requests, *, strict, progress_stream, compile_workers, overlap):
         seen["config"] = config
         report = ServeReport(requests={}, steps=0, generated_tokens=0, tokens_per_s=0.0, serving_seconds=0.0,
                              buckets=[], executables=0, compile_seconds=0.0, serving_compiles=0, nan_count=0,
                              preemptions=0, drafts_proposed=0, drafts_accepted=0, all_match=True,
-                             settings=run_settings(config, strict=strict, compile_workers=compile_workers))
+                             settings=run_settings(config, strict=strict, compile_workers=compile_workers,
+                                                   overlap=overlap))
         return report, None
 
     monkeypatch.setattr(cli, "serve", fake_serve)
