@@ -20,6 +20,7 @@ import numpy as np
 from kvjax.cli.progress import Progress
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner.serving import run_to_completion
+from kvjax.runner.memory import dense_reference_length
 from kvjax.host.scheduler import Request
 
 LOGITS_ATOL = 1e-4
@@ -125,14 +126,15 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
 
 def check_against_reference(runner: Runner, config: RunnerConfig, finished: list[Request]):
     """Per request: output tokens and logits vs the dense forward of prompt + output."""
-    L = config.max_model_len
     dense = runner.dense_reference
     results, nan_count = {}, 0
     atol = logits_tolerance(config.kv_cache_dtype)
     for r in sorted(finished, key=lambda r: r.req_id):
         seq = r.prompt + r.output
-        toks = np.zeros((L,), np.int32)
-        toks[: len(seq)] = seq  # causal model: the zero tail does not change earlier logits
+        # Padded to a power of two, not to max_model_len (the oracle is quadratic in its length);
+        # causal model: the zero tail does not change earlier logits.
+        toks = np.zeros((dense_reference_length(len(seq), config.max_model_len),), np.int32)
+        toks[: len(seq)] = seq
         ref = np.asarray(dense(jnp.asarray(toks)))[len(r.prompt) - 1: len(seq) - 1]
         got = np.stack(r.logits) if r.logits else np.zeros((0, ref.shape[1]), np.float32)
         nan_count += int(np.isnan(got).sum())

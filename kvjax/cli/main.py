@@ -15,6 +15,7 @@ from kvjax.cli.workload import WorkloadError, generate_workload, load_workload, 
 from kvjax.models import TinyHybridConfig
 from kvjax.runner import RunnerConfig
 from kvjax.runner.serving import check_overlap_supported
+from kvjax.runner.memory import available_memory, check_fits, estimate_memory
 from kvjax.testing import difftest as dt
 from kvjax.testing.scenarios import OPS
 from pallas_kernels._backend import BACKENDS
@@ -49,6 +50,8 @@ def _demo(args, parser) -> int:
         config.bucket_spec  # validates token sizes
         if args.overlap:
             check_overlap_supported(config.num_speculative_tokens)
+        available = available_memory()
+        check_fits(estimate_memory(config, longest_request=0), *available)  # before any host structure
         fits = config.make_scheduler().check_fits
         if args.workload:
             requests = load_workload(args.workload, vocab_size=model.vocab_size, max_model_len=config.max_model_len,
@@ -58,11 +61,15 @@ def _demo(args, parser) -> int:
                                      vocab_size=model.vocab_size)
             requests = validate_workload(data, vocab_size=model.vocab_size, max_model_len=config.max_model_len,
                                          check_fits=fits)
-    except ValueError as e:  # WorkloadError and config errors: before any compile
+        longest = min(config.max_model_len, max(len(r.prompt) + r.max_tokens for r in requests))
+        memory = estimate_memory(config, longest_request=longest)
+        check_fits(memory, *available)
+    except ValueError as e:  # WorkloadError, config errors, too little memory: before any compile
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"serving {len(requests)} requests on the tiny hybrid model "
-          f"({len(model.layer_types)} layers: {', '.join(model.layer_types)})", file=sys.stderr)
+          f"({len(model.layer_types)} layers: {', '.join(model.layer_types)}); estimated memory "
+          f"{memory.describe()}", file=sys.stderr)
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -460,7 +460,10 @@ class Runner:
 
     @functools.cached_property
     def dense_reference(self):
-        """Jitted ``tokens int32[max_model_len] -> logits`` of the dense oracle (same params, fp8 rule)."""
+        """Jitted ``tokens int32[n] -> logits [n, vocab]`` of the dense oracle (same params, fp8 rule).
+
+        Compiles once per length ``n``: callers pad with :func:`kvjax.runner.memory.dense_reference_length`.
+        """
 
         c = self.config
         fn = jax.jit(lambda toks: dense_forward(self.params, c.model, toks, c.kv_cache_dtype))

@@ -5,10 +5,12 @@ import argparse
 import io
 import json
 
+import numpy as np
 import pytest
 
 import kvjax.cli.main as cli
-from kvjax.cli.demo import ServeReport, run_settings
+from kvjax.cli.demo import ServeReport, check_against_reference, run_settings
+from kvjax.host.scheduler import Request
 from kvjax.cli.progress import Progress
 from kvjax.runner import RunnerConfig
 from kvjax.testing import difftest as dt
@@ -172,3 +174,20 @@ def test_difftest_progress_into_a_log_has_no_carriage_return():
     report = dt.difftest(ops=["combine_sampled_and_draft_tokens"], cases=0, backend="reference", progress=log)
     assert report.ok
     assert "\r" not in log.getvalue() and log.getvalue().rstrip().endswith("scenarios  done")
+
+
+def test_the_parity_check_pads_to_the_request_not_to_max_model_len():
+    """--max-model-len 100000 once shaped every dense-reference call [100000] (24 GB)."""
+    config = RunnerConfig(max_model_len=100_000)
+    shapes = []
+
+    class FakeRunner:
+        @staticmethod
+        def dense_reference(tokens):
+            shapes.append(tokens.shape)
+            return np.zeros((tokens.shape[0], config.model.vocab_size), np.float32)
+
+    done = Request("a", [1, 2, 3], 2)
+    done.output, done.logits = [0, 0], [np.zeros(config.model.vocab_size, np.float32)] * 2
+    results, nan_count = check_against_reference(FakeRunner(), config, [done])
+    assert shapes == [(16,)] and nan_count == 0 and results["a"]["matches_reference"]

@@ -1,0 +1,180 @@
+"""Memory a runner configuration needs, estimated before anything is compiled.
+
+:func:`estimate_memory` adds up the persistent device state (KV caches, Mamba
+states, request rows and block tables: exact sizes from ``jax.eval_shape``, no
+allocation), the temporaries of the largest bucket's step (dominated by the jnp
+paged attention, which reads every key a row's table can address, so it scales
+with ``max_model_len``), and the dense reference used for the parity check
+(quadratic in the longest request). :func:`check_fits` compares the total with
+:func:`available_memory` and raises :class:`InsufficientMemoryError` naming the
+flag to lower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from kvjax.models import init_caches
+from kvjax.runner.runner import RunnerConfig
+from kvjax.state import BlockTables, RequestState
+
+GIB = 1024**3
+# Smallest padded length of a dense-reference call (fewer compiles for short requests).
+MIN_DENSE_LENGTH = 16
+
+
+def dense_reference_length(num_tokens: int, max_model_len: int) -> int:
+    """Padded length of a dense-reference call for ``num_tokens`` tokens.
+
+    The next power of two ``>= max(num_tokens, MIN_DENSE_LENGTH)``, at most
+    ``max_model_len`` (which is always enough): the oracle is quadratic in its
+    length, so it is shaped by the request, not by ``max_model_len``; powers of
+    two keep the number of compiles logarithmic.
+    """
+    if not 0 < num_tokens <= max_model_len:
+        raise ValueError(f"num_tokens must be in [1, max_model_len={max_model_len}], got {num_tokens}")
+    return min(max_model_len, 1 << (max(num_tokens, MIN_DENSE_LENGTH) - 1).bit_length())
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a configuration needs, by part (see the module docstring)."""
+
+    kv_cache: int  # K and V of every attention layer
+    states: int  # conv and SSM state of every Mamba layer
+    rows_and_tables: int  # RequestState and BlockTables
+    step: int  # temporaries of the largest bucket's step, plus its input buffer
+    dense_reference: int  # the parity oracle on the longest request
+
+    #: each part and the flags that size it
+    FLAGS = {
+        "kv_cache": "--num-blocks / --block-size",
+        "states": "--max-num-seqs / --num-spec-tokens",
+        "rows_and_tables": "--max-num-seqs / --max-model-len",
+        "step": "--max-model-len / --max-num-batched-tokens / --token-sizes",
+        "dense_reference": "--max-model-len / the longest request",
+    }
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts().values())
+
+    def parts(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def largest(self) -> str:
+        """The part that needs the most memory."""
+        parts = self.parts()
+        return max(parts, key=parts.get)
+
+    def describe(self) -> str:
+        """``total 1.23 GiB (kv_cache 0.5 GiB, ...)``."""
+        inner = ", ".join(f"{k} {_gib(v)}" for k, v in self.parts().items())
+        return f"{_gib(self.total)} ({inner})"
+
+
+def _gib(n: int) -> str:
+    """``n`` bytes in the largest unit that keeps the number >= 1 (B, KiB, MiB, GiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def estimate_memory(config: RunnerConfig, longest_request: int | None = None) -> MemoryEstimate:
+    """Estimate the memory :class:`~kvjax.runner.Runner` needs for ``config``; allocates nothing.
+
+    Args:
+      config: the runner configuration.
+      longest_request: tokens (prompt + output) of the longest request checked
+        against the dense reference; ``None``: ``config.max_model_len``; 0: no
+        dense reference.
+    """
+    c, m = config, config.model
+    g = c.kv_group
+    caches = jax.eval_shape(lambda: init_caches(
+        m, c.num_blocks * g.blocks_per_kv_block, g.kernel_block_size, c.num_state_slots,
+        c.kv_cache_dtype, num_spec_tokens=c.num_speculative_tokens))
+    rows = jax.eval_shape(lambda: RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens))
+    tables = jax.eval_shape(lambda: BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks))
+
+    # Step: the jnp paged attention gathers, for each of T tokens, every key its row's table
+    # can address (S = table width x kernel block size >= max_model_len) as float32 (K and V,
+    # one masked copy each) and holds scores and probabilities [T, Hq, S]. XLA:CPU's
+    # memory_analysis() of the compiled step agrees within 15% (tests/runner/test_memory.py).
+    T = max(b.num_tokens for b in c.bucket_spec.buckets)
+    S = g.table_width * g.kernel_block_size
+    attention = (2 * T * S * m.num_kv_heads * m.head_dim + 3 * T * m.num_heads * S) * 4 if m.num_attn_layers else 0
+    # The new requests' token rows travel in the step's packed input buffer ([U, max_model_len]),
+    # and post_update may hold a second copy of the request rows.
+    step = attention + 4 * c.max_new_requests * c.max_model_len + _nbytes(rows)
+
+    # Dense reference: scores and probabilities [H, n, n] float32 and the [n, n] causal mask; an
+    # upper bound: XLA:CPU keeps one or two of the [H, n, n] buffers depending on n
+    # (tests/runner/test_memory.py compares with its memory_analysis()).
+    if longest_request is None:
+        longest_request = c.max_model_len
+    if longest_request:
+        n = dense_reference_length(min(longest_request, c.max_model_len), c.max_model_len)
+        dense = n * n * (2 * 4 * m.num_heads + 1) if m.num_attn_layers else 0
+    else:
+        dense = 0
+    return MemoryEstimate(kv_cache=_nbytes((caches.key, caches.value)),
+                          states=_nbytes((caches.conv_state, caches.ssm_state)),
+                          rows_and_tables=_nbytes((rows, tables)), step=step, dense_reference=dense)
+
+
+def available_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
+    """``(bytes, where)``: free memory of ``device`` (default: the first JAX device).
+
+    Accelerators: ``bytes_limit - bytes_in_use`` from ``memory_stats()``. CPU: the
+    host's ``MemAvailable`` (``/proc/meminfo``), else ``None`` (unknown).
+    """
+    device = device or jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} memory"
+        return None, f"{device.device_kind} memory"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available host RAM"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available host RAM"
+    except (ValueError, OSError, AttributeError):
+        return None, "host RAM"
+
+
+class InsufficientMemoryError(ValueError):
+    """A configuration's estimate exceeds the memory available; the message names the flag."""
+
+
+#: Share of the available memory a configuration may use: the rest is left to the runtime
+#: (XLA compiles, executables, Python).
+USABLE_FRACTION = 0.9
+
+
+def check_fits(estimate: MemoryEstimate, available: int | None, where: str = "memory") -> None:
+    """Raise :class:`InsufficientMemoryError` unless ``estimate.total <= USABLE_FRACTION * available``.
+
+    ``available=None`` (unknown) passes.
+    """
+    if available is None or estimate.total <= USABLE_FRACTION * available:
+        return
+    big = estimate.largest()
+    raise InsufficientMemoryError(
+        f"this configuration needs an estimated {estimate.describe()}, more than the "
+        f"{_gib(available)} of {where}; the largest part, {big}, is sized by "
+        f"{MemoryEstimate.FLAGS[big]}: lower one of them")

@@ -1,0 +1,92 @@
+"""The memory estimate: exact for the persistent state, close to XLA's own analysis for the step
+and the dense reference, not driven by max_model_len where it need not be, and used by the CLI
+to refuse a configuration before compiling."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kvjax.cli.main as cli
+from kvjax.models import dense_forward
+from kvjax.runner import Runner, RunnerConfig
+from kvjax.runner.memory import (GIB, InsufficientMemoryError, MemoryEstimate, check_fits,
+                                 dense_reference_length, estimate_memory)
+from kvjax.runner.packing import pack
+from kvjax.runner.runner import step_fn
+
+
+def _nbytes(tree):
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
+def test_dense_reference_length_is_a_power_of_two_of_the_request_capped_by_max_model_len():
+    assert [dense_reference_length(n, 1000) for n in (1, 16, 17, 100, 512, 513, 999, 1000)] == \
+        [16, 16, 32, 128, 512, 1000, 1000, 1000]
+    assert dense_reference_length(5, 8) == 8
+    for bad in (0, 1001):
+        with pytest.raises(ValueError, match=r"num_tokens must be in \[1, max_model_len=1000\]"):
+            dense_reference_length(bad, 1000)
+
+
+@pytest.mark.parametrize("config", [
+    RunnerConfig(max_model_len=64, num_blocks=20, token_sizes=(8, 16)),
+    RunnerConfig(max_model_len=48, num_blocks=30, block_size=4, num_speculative_tokens=2,
+                 kv_cache_dtype="fp8", max_num_seqs=3, token_sizes=(6, 12)),
+])
+def test_persistent_parts_are_exact(config):
+    state = Runner(config).state
+    e = estimate_memory(config)
+    assert e.kv_cache == _nbytes((state.caches.key, state.caches.value))
+    assert e.states == _nbytes((state.caches.conv_state, state.caches.ssm_state))
+    assert e.rows_and_tables == _nbytes((state.requests, state.tables))
+
+
+def test_step_and_dense_estimates_agree_with_xla_memory_analysis():
+    """The step at a long max_model_len (its paged attention dominates) within 15%; the dense
+    reference an upper bound (XLA keeps one or two [H, n, n] buffers)."""
+    c = RunnerConfig(max_model_len=1024, num_blocks=130, token_sizes=(32,))
+    e = estimate_memory(c, longest_request=512)
+    runner = Runner(c)
+    bucket = c.bucket_spec.buckets[0]
+    buf, spec = pack(runner.pack(None, bucket))
+    step = jax.jit(functools.partial(step_fn, config=c, bucket=bucket, spec=spec), donate_argnums=(1,))
+    temp = step.lower(runner.params, runner.state, buf).compile().memory_analysis().temp_size_in_bytes
+    assert 0.85 * e.step <= temp <= 1.15 * e.step, (temp, e.step)
+    n = dense_reference_length(512, c.max_model_len)
+    dense = jax.jit(lambda t: dense_forward(runner.params, c.model, t))
+    temp = dense.lower(jnp.zeros((n,), jnp.int32)).compile().memory_analysis().temp_size_in_bytes
+    assert 0.45 * e.dense_reference <= temp + n * n <= 1.05 * e.dense_reference, (temp, e.dense_reference)
+
+
+def test_the_dense_reference_is_sized_by_the_longest_request_not_max_model_len():
+    short = estimate_memory(RunnerConfig(max_model_len=96), longest_request=48)
+    long = estimate_memory(RunnerConfig(max_model_len=100_000), longest_request=48)
+    assert long.dense_reference == short.dense_reference
+    assert estimate_memory(RunnerConfig(max_model_len=100_000)).dense_reference > 100 * GIB
+
+
+def test_check_fits_names_the_largest_part_and_its_flags():
+    e = MemoryEstimate(kv_cache=8 * GIB, states=1, rows_and_tables=1, step=GIB, dense_reference=0)
+    check_fits(e, 20 * GIB)
+    check_fits(e, None)  # unknown: pass
+    with pytest.raises(InsufficientMemoryError, match=r"needs an estimated 9 GiB .*more than the 4 GiB of GPU "
+                                                      r"memory; the largest part, kv_cache, is sized by --num-blocks"):
+        check_fits(e, 4 * GIB, "GPU memory")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max-model-len", "100000000"], "--max-model-len"),
+    (["--num-blocks", "300000000"], "--num-blocks"),
+])
+def test_demo_refuses_a_configuration_that_cannot_fit_before_compiling(flags, named, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the demo started serving")
+
+    monkeypatch.setattr(cli, "serve", refuse)
+    monkeypatch.setattr(cli, "available_memory", lambda: (16 * GIB, "available host RAM"))
+    assert cli.main(["demo", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "needs an estimated" in err and "GiB" in err and "16 GiB of available host RAM" in err
+    assert named in err.split("is sized by", 1)[1]
