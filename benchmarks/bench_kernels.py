@@ -53,7 +53,6 @@ backend (CPU: interpret mode, torch without graphs) to check the script itself.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import gc
@@ -77,9 +76,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import pallas_kernels.block_zero as block_zero_mod  # noqa: E402
-import pallas_kernels.kv_write as kv_write_mod  # noqa: E402
-import pallas_kernels.mamba_ssu as mamba_ssu_mod  # noqa: E402
+from pallas_kernels import KVWriteConfig, SSUConfig, ZeroBlocksConfig  # noqa: E402
 from pallas_kernels.block_zero import zero_blocks  # noqa: E402
 from pallas_kernels.kv_write import (  # noqa: E402
     concat_and_cache_mla,
@@ -191,24 +188,6 @@ def make_row(op, size, dtype, impl, samples_s, nbytes, *, ceiling="copy", **extr
 # --------------------------------------------------------------------------
 # timing: JAX (50 calls in a fori_loop) and torch (50 calls in a CUDA graph)
 # --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def knobs(settings: dict):
-    """Set module attributes (kernel variants) for one trace; caches cleared around it."""
-    old = {}
-    for (mod, name), value in settings.items():
-        old[(mod, name)] = getattr(mod, name)
-        setattr(mod, name, value)
-    if settings:
-        jax.clear_caches()
-    try:
-        yield
-    finally:
-        for (mod, name), value in old.items():
-            setattr(mod, name, value)
-        if settings:
-            jax.clear_caches()
 
 
 def lower_loop(op: Callable, carry, sets):
@@ -410,7 +389,6 @@ def free():
 class Impl:
     name: str
     op: Callable  # op(carry, inputs, k, i) -> carry
-    settings: dict = dataclasses.field(default_factory=dict)
 
 
 def run_case(meta: dict, impls: list[Impl], carry, sets, *, mains: Callable,
@@ -436,8 +414,7 @@ def run_case(meta: dict, impls: list[Impl], carry, sets, *, mains: Callable,
     lowered = []
     for im in impls:
         try:
-            with knobs(im.settings):
-                lowered.append(lower_loop(im.op, shapes, sets))
+            lowered.append(lower_loop(im.op, shapes, sets))
         except Exception as e:  # noqa: BLE001
             RES.error(f"lower {op} {size} {dtype} {im.name}", e)
             lowered.append(None)
@@ -653,8 +630,13 @@ def bench_flash(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5)
                 bytes=nbytes, extra=dict(cache_bytes=2 * nb * BS * H * D * out_item, heads=H,
                                          head_size=D, input_dtype="bfloat16"))
 
-    def pallas(c, s, k, i):
-        return reshape_and_cache_flash(s[0], s[1], c[0], c[1], s[2], *extra, backend="pallas_gpu")
+    def pallas_with(cfg):
+        def op(c, s, k, i):
+            return reshape_and_cache_flash(s[0], s[1], c[0], c[1], s[2], *extra,
+                                           backend="pallas_gpu", config=cfg)
+        return op
+
+    pallas = pallas_with(KVWriteConfig())
 
     def xla(c, s, k, i):
         return reshape_and_cache_flash(s[0], s[1], c[0], c[1], s[2], *extra, backend="reference")
@@ -663,7 +645,7 @@ def bench_flash(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5)
         return flash_unique(s[0], s[1], c[0], c[1], s[2], fp8, ks, vs)
 
     if sweep_variants is not None:
-        impls = [Impl(name, pallas, st) for name, st in sweep_variants]
+        impls = [Impl(name, pallas_with(cfg)) for name, cfg in sweep_variants]
         run_case(meta, impls, (kc, vc), sets, mains=lambda c: c, sweep=True, budget_s=budget)
         return
     impls = [Impl("pallas", pallas), Impl("xla", xla), Impl("xla_unique", xla_u)]
@@ -748,8 +730,13 @@ def bench_mla(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5):
                 bytes=nbytes, extra=dict(cache_bytes=nb * BS * (L + R) * out_item,
                                          kv_lora_rank=L, pe_dim=R, input_dtype="bfloat16"))
 
-    def pallas(c, s, k, i):
-        return concat_and_cache_mla(s[0], s[1], c, s[2], *extra, backend="pallas_gpu")
+    def pallas_with(cfg):
+        def op(c, s, k, i):
+            return concat_and_cache_mla(s[0], s[1], c, s[2], *extra, backend="pallas_gpu",
+                                        config=cfg)
+        return op
+
+    pallas = pallas_with(KVWriteConfig())
 
     def xla(c, s, k, i):
         return concat_and_cache_mla(s[0], s[1], c, s[2], *extra, backend="reference")
@@ -758,7 +745,7 @@ def bench_mla(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5):
         return mla_unique(s[0], s[1], c, s[2], fp8, scale)
 
     if sweep_variants is not None:
-        run_case(meta, [Impl(name, pallas, st) for name, st in sweep_variants], cache, sets,
+        run_case(meta, [Impl(name, pallas_with(cfg)) for name, cfg in sweep_variants], cache, sets,
                  mains=lambda c: (c,), sweep=True, budget_s=budget)
         return
     impls = [Impl("pallas", pallas), Impl("xla", xla), Impl("xla_unique", xla_u)]
@@ -806,8 +793,12 @@ def bench_zero(n_ids: int, sz: dict, *, sweep_variants=None, budget=0.5):
                 bytes=nbytes, extra=dict(arrays=2 * layers, block_bytes=block_bytes,
                                          cache_bytes=2 * layers * nb * block_bytes))
 
-    def pallas(c, s, k, i):
-        return zero_blocks(c, s[0], backend="pallas_gpu")
+    def pallas_with(cfg):
+        def op(c, s, k, i):
+            return zero_blocks(c, s[0], backend="pallas_gpu", config=cfg)
+        return op
+
+    pallas = pallas_with(ZeroBlocksConfig())
 
     def xla(c, s, k, i):
         return zero_blocks(c, s[0], backend="reference")
@@ -818,7 +809,7 @@ def bench_zero(n_ids: int, sz: dict, *, sweep_variants=None, budget=0.5):
                      for a in c)
 
     if sweep_variants is not None:
-        run_case(meta, [Impl(name, pallas, st) for name, st in sweep_variants], arrays, sets,
+        run_case(meta, [Impl(name, pallas_with(cfg)) for name, cfg in sweep_variants], arrays, sets,
                  mains=lambda c: c, sweep=True, budget_s=budget, ceiling="write")
         return
     impls = [Impl("pallas", pallas), Impl("xla", xla), Impl("xla_unique", xla_u)]
@@ -904,11 +895,11 @@ def bench_ssu(batch: int, sz: dict, *, sweep_variants=None, budget=0.5):
                 bytes=nbytes, extra=dict(heads=H, dim=P, dstate=N, groups=G, null_rows=n_null,
                                          state_rows=L, input_dtype="bfloat16"))
 
-    def call(backend):
+    def call(backend, cfg=SSUConfig()):
         def op(c, s, k, i):
             st, outs = c
             y, st = selective_state_update(st, s[0], s[1], A, s[2], s[3], D, dt_bias, s[4], True,
-                                           s[5], backend=backend)
+                                           s[5], backend=backend, config=cfg)
             return st, outs[:k] + (y,) + outs[k + 1:]
         return op
 
@@ -921,7 +912,7 @@ def bench_ssu(batch: int, sz: dict, *, sweep_variants=None, budget=0.5):
         return (jnp.copy(init_state), tuple(jnp.zeros((batch, H, P), bf) for _ in range(n_sets)))
 
     if sweep_variants is not None:
-        run_case(meta, [Impl(name, call("pallas_gpu"), st) for name, st in sweep_variants],
+        run_case(meta, [Impl(name, call("pallas_gpu", cfg)) for name, cfg in sweep_variants],
                  None, sets, mains=lambda c: (c[0],), fresh=fresh, sweep=True, budget_s=budget,
                  tol=2e-4)
         return
@@ -1103,34 +1094,33 @@ def bench_combine(sz: dict, budget=0.5):
 
 
 def run_sweeps(sz, deadline):
-    kw, bz, ms = kv_write_mod, block_zero_mod, mamba_ssu_mod
-    ev = "evict_first"
+    kw, ev = KVWriteConfig, "evict_first"
     plan = [
         ("flash bf16 T=32768", lambda v: bench_flash(32768, False, sz, sweep_variants=v),
-         [("pallas", {}), ("pallas[evict_first]", {(kw, "_GPU_EVICTION"): ev}),
-          ("pallas[bt=4,evict_first]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): 4, (kw, "_GPU_EVICTION"): ev})]
-         + [(f"pallas[bt={b}]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): b}) for b in (1, 2, 4, 16)]),
+         [("pallas", kw()), ("pallas[evict_first]", kw(gpu_eviction=ev)),
+          ("pallas[bt=4,evict_first]", kw(gpu_tokens_per_program=4, gpu_eviction=ev))]
+         + [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4, 16)]),
         ("flash fp8 T=32768", lambda v: bench_flash(32768, True, sz, sweep_variants=v),
-         [(f"pallas[bt={b}]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): b}) for b in (1, 2, 4, 8)]
-         + [("pallas[bt=1,warps=8]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): 1, (kw, "_GPU_NUM_WARPS"): 8}),
-            ("pallas[bt=1,warps=2]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): 1, (kw, "_GPU_NUM_WARPS"): 2}),
-            ("pallas[bt=1,evict_first]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): 1, (kw, "_GPU_EVICTION"): ev})]),
+         [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4, 8)]
+         + [("pallas[bt=1,warps=8]", kw(gpu_tokens_per_program=1, gpu_num_warps=8)),
+            ("pallas[bt=1,warps=2]", kw(gpu_tokens_per_program=1, gpu_num_warps=2)),
+            ("pallas[bt=1,evict_first]", kw(gpu_tokens_per_program=1, gpu_eviction=ev))]),
         ("flash bf16 T=4096", lambda v: bench_flash(4096, False, sz, sweep_variants=v),
-         [("pallas", {}), ("pallas[evict_first]", {(kw, "_GPU_EVICTION"): ev})]
-         + [(f"pallas[bt={b}]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): b}) for b in (1, 2, 4, 16)]),
+         [("pallas", kw()), ("pallas[evict_first]", kw(gpu_eviction=ev))]
+         + [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4, 16)]),
         ("flash fp8 T=4096", lambda v: bench_flash(4096, True, sz, sweep_variants=v),
-         [(f"pallas[bt={b}]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): b}) for b in (1, 2, 4)]),
+         [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4)]),
         ("mla fp8 T=32768", lambda v: bench_mla(32768, True, sz, sweep_variants=v),
-         [(f"pallas[bt={b}]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): b}) for b in (1, 2, 4)]),
+         [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4)]),
         ("mla bf16 T=32768", lambda v: bench_mla(32768, False, sz, sweep_variants=v),
-         [("pallas", {}), ("pallas[evict_first]", {(kw, "_GPU_EVICTION"): ev})]),
+         [("pallas", kw()), ("pallas[evict_first]", kw(gpu_eviction=ev))]),
         ("ssu 256", lambda v: bench_ssu(256, sz, sweep_variants=v),
-         [("pallas", {}), ("pallas[evict_first]", {(ms, "_SSU_GPU_EVICTION"): ev}),
-          ("pallas[bm=64]", {(ms, "_SSU_GPU_BLOCK_M"): 64})]),
+         [("pallas", SSUConfig()), ("pallas[evict_first]", SSUConfig(gpu_eviction=ev)),
+          ("pallas[bm=64]", SSUConfig(gpu_block_m=64))]),
         ("flash bf16 T=16", lambda v: bench_flash(16, False, sz, sweep_variants=v),
-         [(f"pallas[bt={b}]", {(kw, "_GPU_TOKENS_PER_PROGRAM"): b}) for b in (1, 2, 4)]),
+         [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4)]),
         ("zero 1", lambda v: bench_zero(1, sz, sweep_variants=v),
-         [(f"pallas[tile={t}B]", {(bz, "_GPU_ZERO_TILE_BYTES"): t}) for t in (512, 2048, 4096)]),
+         [(f"pallas[tile={t}B]", ZeroBlocksConfig(gpu_tile_bytes=t)) for t in (512, 2048, 4096)]),
     ]
     for name, fn, variants in plan:
         if time.perf_counter() - START > deadline - 25:

@@ -349,8 +349,9 @@ def history_section(first: Rows | None, final: Rows):
 def sweep_section(runs):
     out = ["## Variants measured (sweeps)", "",
            "`bench_kernels.py --sweep` times variants of the kvjax kernels, chosen through the "
-           "modules' benchmark knobs (`_GPU_TOKENS_PER_PROGRAM`, `_GPU_NUM_WARPS`, `_GPU_EVICTION`, "
-           "`_GPU_ZERO_TILE_BYTES`, `_SSU_GPU_BLOCK_M`, ...). *bt*: tokens per program; *evict_first*: "
+           "kernels' static `config=` arguments (`KVWriteConfig`, `ZeroBlocksConfig`, `SSUConfig`: "
+           "`gpu_tokens_per_program`, `gpu_num_warps`, `gpu_eviction`, `gpu_tile_bytes`, "
+           "`gpu_block_m`, ...). *bt*: tokens per program; *evict_first*: "
            "that eviction policy on the row loads and stores. A name without brackets is the "
            "kernel's own rule at that run. Identical configurations differ by up to about 5% between "
            "runs (compare the rows of the same variant in different runs).", "",
@@ -532,8 +533,8 @@ def analysis_section(final: Rows, runs: dict):
         "JAX 0.11.2: a Mosaic GPU kernel no longer lowers through `pl.pallas_call` (the lowering "
         "asserts; 0.10.2 already warned \"migrate to plgpu.kernel\"), and `plgpu.kernel` takes no "
         "`input_output_aliases`, so it cannot update a donated cache in place. It was removed; the "
-        "Triton kernels stay, behind `pallas_kernels.kv_write.gpu_compiler_params` (whose docstring "
-        "records this). Porting needs JAX's Ref-based kernel API (the cache passed as a mutable "
+        "Triton kernels stay, behind `pallas_kernels._backend.gpu_compiler_params` (the "
+        "kernel design notes below record this). Porting needs JAX's Ref-based kernel API (the cache passed as a mutable "
         "Ref), before JAX removes the Triton lowering.",
         "",
         "### Measurement notes",

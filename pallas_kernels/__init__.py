@@ -16,19 +16,27 @@ the updated arrays — donate them at the enclosing ``jit`` to update in place):
 ==================================  =====================================================
 
 Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
-``"pallas_tpu"``, ``"pallas_gpu"``) and ``interpret=``; see :mod:`pallas_kernels._backend`.
+``"pallas_tpu"``, ``"pallas_gpu"``) and ``interpret=``, resolved in one place
+(:mod:`pallas_kernels._backend`); ops with GPU/TPU tuning knobs take a frozen
+``config=`` (``KVWriteConfig``, ``ZeroBlocksConfig``, ``SSUConfig``, ``ConvConfig``).
 Sentinels and argument checks: :mod:`pallas_kernels.contract`. This package imports
 nothing from ``kvjax``.
 """
 
 from pallas_kernels.contract import NULL_BLOCK_ID as NULL_BLOCK_ID, PAD_SLOT_ID as PAD_SLOT_ID
-from pallas_kernels.block_zero import zero_blocks as zero_blocks
+from pallas_kernels.block_zero import (
+    ZeroBlocksConfig as ZeroBlocksConfig,
+    zero_blocks as zero_blocks,
+)
 from pallas_kernels.kv_write import (
+    KVWriteConfig as KVWriteConfig,
     concat_and_cache_mla as concat_and_cache_mla,
     reshape_and_cache_flash as reshape_and_cache_flash,
 )
 from pallas_kernels.kv_pages import write_kv_pages as write_kv_pages
 from pallas_kernels.mamba import (
+    ConvConfig as ConvConfig,
+    SSUConfig as SSUConfig,
     causal_conv1d_update as causal_conv1d_update,
     causal_conv1d_varlen as causal_conv1d_varlen,
     selective_scan_varlen as selective_scan_varlen,
@@ -39,8 +47,12 @@ from pallas_kernels.token_combine import (
 )
 
 __all__ = [
+    "ConvConfig",
+    "KVWriteConfig",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
+    "SSUConfig",
+    "ZeroBlocksConfig",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "combine_sampled_and_draft_tokens",

@@ -1,34 +1,50 @@
 """One place that decides which implementation of a kernel runs.
 
-Every public kernel takes ``backend`` and ``interpret`` and calls
-:func:`resolve`, which returns a :class:`Choice`:
+Every op registers its implementations here (:func:`register`), one per
+*flavour*: ``"reference"`` (pure jnp, plain XLA), ``"tpu"`` (Mosaic TPU Pallas)
+and ``"gpu"`` (Pallas GPU). A public op resolves ``backend``/``interpret`` once
+(:func:`choose`), before its argument checks, and calls :func:`run`, which
+calls the registered function under one shared ``jax.jit`` whose static arguments are the op, the
+flavour, the interpret mode and the op's static keyword arguments (tuning
+configs are frozen dataclasses, so they are hashable static arguments).
 
-* ``backend="reference"``: the pure-jnp reference (plain XLA).
-* ``backend="pallas"``: the Pallas kernel for the current platform (Mosaic on
-  TPU, the GPU lowering on GPU). On a CPU there is nothing to compile for, so
-  it runs the TPU kernel in interpret mode.
-* ``backend="pallas_tpu"`` / ``"pallas_gpu"``: that flavour of the kernel,
-  whatever the platform (interpret mode on a CPU).
-* ``backend="auto"`` (default): Pallas on TPU and GPU, the reference on CPU,
-  unless the environment variable ``KVJAX_INTERPRET=1`` is set, in which case
-  the Pallas kernels run in interpret mode on CPU (the switch the test suite
-  uses to run every kernel through the interpreter).
+``backend`` means the same for every op:
+
+* ``"reference"``: the pure-jnp reference.
+* ``"pallas"``: the Pallas kernel for the current platform (Mosaic on TPU, the
+  GPU lowering on GPU). On a CPU it runs the TPU kernel in interpret mode.
+* ``"pallas_tpu"`` / ``"pallas_gpu"``: that flavour, whatever the platform
+  (interpret mode on a CPU).
+* ``"auto"`` (default): Pallas on TPU and GPU, the reference on CPU, unless
+  ``KVJAX_INTERPRET=1`` is set, in which case the Pallas kernels run in
+  interpret mode on CPU (the switch the test suite uses).
 
 ``interpret=None`` means "interpret iff the platform cannot compile this
-flavour"; ``True``/``False`` force it.
+flavour"; ``True``/``False`` force it. An op that registers no implementation
+for the resolved flavour (the varlen conv has only a reference) runs its
+reference: :func:`choose` says which implementation a call gets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
+
+with warnings.catch_warnings():  # the Triton lowering is deprecated from JAX 0.11 on
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as triton
 
 from pallas_kernels import tpu_target
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
+FLAVORS = ("reference", "tpu", "gpu")
 INTERPRET_ENV = "KVJAX_INTERPRET"
 
 Flavor = Literal["reference", "tpu", "gpu"]
@@ -46,17 +62,19 @@ class Choice:
     flavor: Flavor
     interpret: bool
 
-    def tpu_interpret_params(self):
-        """``interpret=`` argument for a TPU-flavoured ``pallas_call``."""
-        if not self.interpret:
-            return False
-        from jax.experimental.pallas import tpu as pltpu
+    def interpret_arg(self):
+        """The ``interpret=`` argument this flavour's ``pallas_call`` takes.
 
-        return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+        TPU: ``InterpretParams`` (race detection on, uninitialised memory NaN)
+        or ``False``; GPU: a bool; reference: ``False`` (no ``pallas_call``).
+        """
+        if self.flavor == "tpu" and self.interpret:
+            return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+        return self.interpret if self.flavor == "gpu" else False
 
 
 def env_forces_interpret() -> bool:
-    """True when ``KVJAX_INTERPRET`` is set to a true value (1/true/yes)."""
+    """True when ``KVJAX_INTERPRET`` is set to a true value (1/true/yes/on)."""
     return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -73,7 +91,7 @@ def platform() -> str:
 
 
 def resolve(backend: str, interpret: bool | None) -> Choice:
-    """Pick the implementation for ``backend``/``interpret`` on this platform.
+    """Pick the flavour for ``backend``/``interpret`` on this platform.
 
     Raises:
       ValueError: unknown ``backend``, or ``interpret`` not a bool/None.
@@ -100,3 +118,90 @@ def resolve(backend: str, interpret: bool | None) -> Choice:
     if flavor == "tpu" and not interpret:
         tpu_target.prepare_compiled_tpu()  # Mosaic must not ask a CPU/GPU which TPU it is
     return Choice(flavor, interpret)
+
+
+# --------------------------------------------------------------------------
+# The registry
+# --------------------------------------------------------------------------
+
+# op name -> flavour -> implementation fn(*args, interpret, **static)
+_IMPLS: dict[str, dict[str, Callable]] = {}
+
+
+def register(op: str, *flavors: Flavor):
+    """Decorator: the function is ``op``'s implementation for each of ``flavors``.
+
+    An implementation is called as ``fn(*args, interpret=..., **static)``, with
+    ``interpret`` from :meth:`Choice.interpret_arg`, inside :func:`run`'s jit.
+    Every op must register a ``"reference"``.
+    """
+    for f in flavors:
+        if f not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, got {f!r}")
+
+    def deco(fn):
+        table = _IMPLS.setdefault(op, {})
+        for f in flavors:
+            if f in table:
+                raise ValueError(f"{op} already has a {f!r} implementation")
+            table[f] = fn
+        return fn
+
+    return deco
+
+
+def flavors(op: str) -> tuple[str, ...]:
+    """The flavours ``op`` registers, in :data:`FLAVORS` order."""
+    table = _table(op)
+    return tuple(f for f in FLAVORS if f in table)
+
+
+def _table(op: str) -> dict[str, Callable]:
+    try:
+        return _IMPLS[op]
+    except KeyError:
+        raise ValueError(f"no kernel named {op!r}; registered: {sorted(_IMPLS)}") from None
+
+
+def choose(op: str, backend: str, interpret: bool | None) -> Choice:
+    """The implementation of ``op`` that ``backend``/``interpret`` select here.
+
+    :func:`resolve`'s choice, or the reference when ``op`` has no
+    implementation of that flavour.
+    """
+    choice = resolve(backend, interpret)
+    if choice.flavor not in _table(op):
+        return Choice("reference", False)
+    return choice
+
+
+def run(op: str, choice: Choice, *args, **static):
+    """Run ``op``'s implementation for ``choice`` (from :func:`choose`) under jit.
+
+    ``args`` are arrays or pytrees; ``static`` keyword arguments must be
+    hashable (ints, tuples, frozen dataclasses): they are jit static arguments.
+    """
+    if choice.flavor not in _table(op):
+        raise ValueError(f"{op} has no {choice.flavor!r} implementation (use choose())")
+    return _run(op, choice, tuple(sorted(static.items())), args)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run(op: str, choice: Choice, static: tuple, args: tuple):
+    fn = _IMPLS[op][choice.flavor]
+    return fn(*args, interpret=choice.interpret_arg(), **dict(static))
+
+
+# --------------------------------------------------------------------------
+# GPU lowering
+# --------------------------------------------------------------------------
+
+
+def gpu_compiler_params(num_warps: int = 4):
+    """``compiler_params`` of every GPU-flavoured ``pallas_call`` in ``pallas_kernels``.
+
+    The one place that picks the Pallas GPU lowering: Pallas Triton (masked
+    pointer loads/stores, and the same kernel body runs in interpret mode on a
+    CPU). BENCHMARKS.md ("Kernel design notes") records why not Mosaic GPU.
+    """
+    return triton.CompilerParams(num_warps=num_warps, num_stages=1)

@@ -26,41 +26,48 @@ Implementations:
   buffer of ``r`` kernel blocks. A padding id issues no DMA.
 * GPU (Pallas Triton): arrays viewed as ``[num_logical_blocks, r * page]`` of
   same-width unsigned ints, grid (id, column tile), masked zero stores; the id
-  range check runs in the kernel, so a call is one launch. Measured on an
-  H100: 1024 blocks x 64 arrays (2 GiB) in 698-700 us, 93% of the measured
-  write bandwidth (torch ``zero_``); 1 block x 64 arrays in 5-10 us.
+  range check runs in the kernel, so a call is one launch.
 
 Either Pallas flavour is a single ``pallas_call`` for all arrays.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import contract as validation
 from pallas_kernels import _backend
-from pallas_kernels.kv_write import gpu_compiler_params
 from pallas_kernels._xla import scatter_set
 
-__all__ = ["zero_blocks", "zero_blocks_reference"]
+__all__ = ["ZeroBlocksConfig", "zero_blocks", "zero_blocks_reference"]
 
-# Elements one GPU program zeroes per array (a power of two, as Triton needs).
-_GPU_MAX_TILE = 2048
-# GPU tiles: at most this many bytes of each array per program, and small
-# enough that a call has at least _GPU_ZERO_MIN_PROGRAMS programs where it can.
-_GPU_ZERO_MAX_TILE_BYTES = 8192
-_GPU_ZERO_MIN_TILE_BYTES = 2048  # H100, 1 block x 64 arrays: 7.1 us at 2 KiB, 8.5 at 512 B
-_GPU_ZERO_MIN_PROGRAMS = 512
-# Benchmark overrides (None: the rules above); benchmarks/bench_kernels.py sets them.
-_GPU_ZERO_TILE_BYTES: int | None = None
-_GPU_ZERO_NUM_WARPS: int | None = None
+OP_ZERO = "zero_blocks"
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBlocksConfig:
+    """Tuning knobs of the GPU zeroing kernel (a static argument; defaults suit an H100).
+
+    Attributes:
+      gpu_max_tile_bytes, gpu_min_tile_bytes: bounds on the bytes of each array
+        one program zeroes (a power of two).
+      gpu_min_programs: aim for at least this many programs per call.
+      gpu_tile_bytes, gpu_num_warps: fixed values instead of the rules.
+    """
+
+    gpu_max_tile_bytes: int = 8192
+    gpu_min_tile_bytes: int = 2048
+    gpu_min_programs: int = 512
+    gpu_tile_bytes: int | None = None
+    gpu_num_warps: int | None = None
+
+
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Same-width unsigned views for the GPU kernel: it stores integer zeros, which
 # every lowering supports for every width (float8 constants it may not).
@@ -85,7 +92,9 @@ def _uint_view(a):
 # --------------------------------------------------------------------------
 
 
-def _reference_zero(block_ids, arrays, *, r):
+@_backend.register(OP_ZERO, "reference")
+def _reference_zero(block_ids, arrays, *, r, config, interpret):
+    del config, interpret
     num_kernel_blocks = arrays[0].shape[0]
     ids = _live_ids(block_ids, num_kernel_blocks // r)
     # [N, r] kernel-block rows; padding goes to row num_kernel_blocks (dropped).
@@ -101,7 +110,9 @@ def _reference_zero(block_ids, arrays, *, r):
 # --------------------------------------------------------------------------
 
 
-def _tpu_zero(block_ids, arrays, *, r, interpret_params):
+@_backend.register(OP_ZERO, "tpu")
+def _tpu_zero(block_ids, arrays, *, r, config, interpret):
+    del config
     num_kernel_blocks = arrays[0].shape[0]
     ids = _live_ids(block_ids, num_kernel_blocks // r)
     # One zeros buffer of r kernel blocks per distinct (dtype, block shape);
@@ -151,7 +162,7 @@ def _tpu_zero(block_ids, arrays, *, r, interpret_params):
         input_output_aliases={1 + n_zeros + a: a for a in range(n_arr)},
         # Repeated ids may target one block from two steps: keep steps ordered.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=interpret_params,
+        interpret=interpret,
         name="zero_blocks_tpu",
     )
     return tuple(call(ids, *zeros, *arrays))
@@ -173,20 +184,18 @@ def _gpu_zero_views(arrays, num_logical_blocks):
     return views
 
 
-def _gpu_zero_tile_bytes(num_ids: int, row_bytes: int) -> int:
-    """Bytes of each array one program zeroes: enough programs to fill the GPU.
-
-    Aims at ``_GPU_ZERO_MIN_PROGRAMS`` programs for the call, within
-    ``[_GPU_ZERO_MIN_TILE_BYTES, _GPU_ZERO_MAX_TILE_BYTES]`` bytes (a power of two).
-    """
-    if _GPU_ZERO_TILE_BYTES is not None:  # benchmark override
-        return _GPU_ZERO_TILE_BYTES
-    want = row_bytes * num_ids // _GPU_ZERO_MIN_PROGRAMS
+def _gpu_zero_tile_bytes(num_ids: int, row_bytes: int, cfg: ZeroBlocksConfig) -> int:
+    """Bytes of each array one program zeroes: about ``cfg.gpu_min_programs``
+    programs per call, within ``[gpu_min_tile_bytes, gpu_max_tile_bytes]``."""
+    if cfg.gpu_tile_bytes is not None:
+        return cfg.gpu_tile_bytes
+    want = row_bytes * num_ids // cfg.gpu_min_programs
     tile = 1 << max(int(want), 1).bit_length() - 1
-    return int(min(_GPU_ZERO_MAX_TILE_BYTES, max(_GPU_ZERO_MIN_TILE_BYTES, tile)))
+    return int(min(cfg.gpu_max_tile_bytes, max(cfg.gpu_min_tile_bytes, tile)))
 
 
-def _gpu_zero(block_ids, arrays, *, r, interpret):
+@_backend.register(OP_ZERO, "gpu")
+def _gpu_zero(block_ids, arrays, *, r, config, interpret):
     """One program per (id, column tile); each stores zeros into every array.
 
     The id's range check runs in the kernel (one launch per call, no XLA pass
@@ -200,10 +209,10 @@ def _gpu_zero(block_ids, arrays, *, r, interpret):
     widths = [v.shape[1] for v in views]
     sizes = [np.dtype(v.dtype).itemsize for v in views]
     n = block_ids.shape[0]
-    tile_bytes = _gpu_zero_tile_bytes(n, max(w * s for w, s in zip(widths, sizes)))
+    tile_bytes = _gpu_zero_tile_bytes(n, max(w * s for w, s in zip(widths, sizes)), config)
     tiles = [int(min(tile_bytes // s, pl.next_power_of_2(w))) for w, s in zip(widths, sizes)]
     num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
-    num_warps = _GPU_ZERO_NUM_WARPS or int(min(8, max(1, tile_bytes // (32 * 16))))
+    num_warps = config.gpu_num_warps or int(min(8, max(1, tile_bytes // (32 * 16))))
 
     def kernel(ids_ref, *refs):
         # Inputs:  ids_ref int[N] (raw ids); views [num_logical_blocks, W_a] (aliased)
@@ -217,14 +226,14 @@ def _gpu_zero(block_ids, arrays, *, r, interpret):
             start = j * tile
             cols = start + jnp.arange(tile, dtype=jnp.int32)
             zeros = jnp.zeros((tile,), out.dtype)
-            plt.store(out.at[row, pl.ds(start, tile)], zeros, mask=live & (cols < width))
+            _backend.triton.store(out.at[row, pl.ds(start, tile)], zeros, mask=live & (cols < width))
 
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
         grid=(n, num_col_tiles),
         input_output_aliases={1 + a: a for a in range(len(views))},
-        compiler_params=gpu_compiler_params(num_warps),
+        compiler_params=_backend.gpu_compiler_params(num_warps),
         interpret=interpret,
         name="zero_blocks_gpu",
     )
@@ -237,18 +246,6 @@ def _gpu_zero(block_ids, arrays, *, r, interpret):
 # --------------------------------------------------------------------------
 # Dispatch and public API
 # --------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("r", "flavor", "interpret"))
-def _zero(block_ids, arrays, *, r, flavor, interpret):
-    if block_ids.shape[0] == 0 or not arrays:
-        return tuple(arrays)
-    if flavor == "reference":
-        return _reference_zero(block_ids, arrays, r=r)
-    if flavor == "tpu":
-        params = _backend.Choice("tpu", interpret).tpu_interpret_params()
-        return _tpu_zero(block_ids, arrays, r=r, interpret_params=params)
-    return _gpu_zero(block_ids, arrays, r=r, interpret=interpret)
 
 
 def _check(caches, block_ids, r):
@@ -304,6 +301,7 @@ def zero_blocks(
     kernel_blocks_per_block: int = 1,
     backend: str = "auto",
     interpret: bool | None = None,
+    config: ZeroBlocksConfig = ZeroBlocksConfig(),
 ):
     """Zero logical blocks ``block_ids`` (all ``r`` kernel sub-blocks) in every array.
 
@@ -314,6 +312,7 @@ def zero_blocks(
       block_ids: int32 (or int64) ``[N]`` logical block ids; ``< 0`` is padding.
       kernel_blocks_per_block: ``r``, kernel blocks per logical block.
       backend, interpret: see :mod:`pallas_kernels._backend`.
+      config: :class:`ZeroBlocksConfig` tuning knobs (static).
 
     Returns:
       The arrays, updated, in the same container type. Donate them to update in
@@ -324,15 +323,15 @@ def zero_blocks(
       ValueError: bad container, shapes, dtypes or ``r`` (at trace time), or a
         concrete id ``>= num_kernel_blocks // r``.
     """
-    choice = _backend.resolve(backend, interpret)
+    choice = _backend.choose(OP_ZERO, backend, interpret)
     block_ids = _check(caches, block_ids, kernel_blocks_per_block)
-    out = _zero(
-        block_ids,
-        tuple(caches),
-        r=int(kernel_blocks_per_block),
-        flavor=choice.flavor,
-        interpret=choice.interpret,
-    )
+    if not isinstance(config, ZeroBlocksConfig):
+        raise ValueError(f"config must be a ZeroBlocksConfig, got {config!r}")
+    if np.shape(block_ids)[0] == 0 or not caches:
+        out = tuple(caches)
+    else:
+        out = _backend.run(OP_ZERO, choice, block_ids, tuple(caches),
+                           r=int(kernel_blocks_per_block), config=config)
     if isinstance(caches, list):
         return list(out)
     return caches._make(out) if hasattr(caches, "_make") else type(caches)(out)

@@ -94,19 +94,19 @@ def interleave_kv(key, value):
     return jnp.stack([key, value], axis=2).reshape(t, 2 * h, d)
 
 
-@functools.partial(jax.jit, static_argnames=("flavor", "interpret"))
-def _write_pages(slot_mapping, key, value, kv_pages, scale_row, *, flavor, interpret):
+@functools.partial(jax.jit, static_argnames=("choice",))
+def _write_pages(slot_mapping, key, value, kv_pages, scale_row, *, choice):
     row_shape = kv_pages.shape[2:]
     rows = interleave_kv(key, value).reshape((key.shape[0],) + row_shape)
     scales = None if scale_row is None else (scale_row.reshape(row_shape),)
     (out,) = kv_write._write(
+        choice,
         slot_mapping,
         (rows,),
         (kv_pages,),
         scales,
         segments=_ONE_ROW,
-        flavor=flavor,
-        interpret=interpret,
+        config=kv_write.KVWriteConfig(),
     )
     return out
 
@@ -152,7 +152,7 @@ def write_kv_pages(
         concrete ``slot_mapping`` with a slot beyond the cache or a repeated
         slot, or a concrete scale that is not finite and positive.
     """
-    choice = _backend.resolve(backend, interpret)
+    choice = _backend.choose(kv_write.OP_WRITE, backend, interpret)
     slot_mapping, scale_row = _check_pages(
         key, value, kv_pages, slot_mapping, kv_cache_dtype, k_scale, v_scale
     )
@@ -162,8 +162,7 @@ def write_kv_pages(
         value,
         kv_pages,
         scale_row,
-        flavor=choice.flavor,
-        interpret=choice.interpret,
+        choice=choice,
     )
 
 

@@ -54,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import contract as validation
 from pallas_kernels.contract import PAD_SLOT_ID
@@ -63,11 +62,11 @@ from pallas_kernels._xla import scatter_set
 
 __all__ = [
     "FP8_DTYPE",
+    "KVWriteConfig",
     "FP8_MAX",
     "KV_CACHE_DTYPES",
     "concat_and_cache_mla",
     "concat_and_cache_mla_reference",
-    "gpu_compiler_params",
     "ieee_divide",
     "quantize_fp8",
     "reshape_and_cache_flash",
@@ -80,25 +79,34 @@ FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 # Accepted kv_cache_dtype strings -> storage mode.
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
-# Tokens handled by one TPU grid step. Their DMAs are all started before any is
-# waited on, so up to this many row copies per destination are in flight.
-_TPU_TOKENS_PER_STEP = 8
-# Upper bound on the columns one GPU program copies (a power of two, as Triton
-# needs); vLLM's Triton kernel uses min(2048, next_pow2(H * D)) too.
-_GPU_MAX_TILE = 2048
-# Tokens per GPU program: at most this many, and few enough that a call has at
-# least _GPU_MIN_PROGRAMS programs (4 per SM of an H100) where it can.
-_GPU_MAX_TOKENS_PER_PROGRAM = 8
-_GPU_MIN_PROGRAMS = 512
-# fp8: one token per program. Each element costs an IEEE division (div.rn.f32),
-# and with more rows per thread the registers held across the loads cut the
-# warps in flight (measured: 8 tokens per program took 1.6x as long).
-_GPU_FP8_MAX_TOKENS_PER_PROGRAM = 1
-# Benchmark overrides (None: the rules above); benchmarks/bench_kernels.py sets them.
-_GPU_TOKENS_PER_PROGRAM: int | None = None
-_GPU_NUM_WARPS: int | None = None
-_GPU_EVICTION: str | None = None  # eviction policy of the row loads and stores
+
+
+@dataclasses.dataclass(frozen=True)
+class KVWriteConfig:
+    """Tuning knobs of the write kernels (a static argument; defaults suit an H100).
+
+    Attributes:
+      tpu_tokens_per_step: tokens per TPU grid step (their DMAs overlap).
+      gpu_max_tile: most columns one GPU program copies (a power of two).
+      gpu_max_tokens_per_program: most tokens one GPU program writes.
+      gpu_min_programs: aim for at least this many GPU programs per call.
+      gpu_fp8_max_tokens_per_program: the same bound when quantising to fp8.
+      gpu_tokens_per_program, gpu_num_warps: fixed values instead of the rules.
+      gpu_eviction: eviction policy of the GPU row loads and stores (None: default).
+    """
+
+    tpu_tokens_per_step: int = 8
+    gpu_max_tile: int = 2048
+    gpu_max_tokens_per_program: int = 8
+    gpu_min_programs: int = 512
+    gpu_fp8_max_tokens_per_program: int = 1
+    gpu_tokens_per_program: int | None = None
+    gpu_num_warps: int | None = None
+    gpu_eviction: str | None = None
+
+
 _INT32_MAX = int(np.iinfo(np.int32).max)
+OP_WRITE = "kv_write"
 
 
 # --------------------------------------------------------------------------
@@ -199,7 +207,7 @@ def _ptx_div_rn(x, y):
     would move some quotients across an fp8 rounding boundary; ``div.rn.f32``
     is IEEE division, identical to XLA's and numpy's.
     """
-    [q] = plt.elementwise_inline_asm(
+    [q] = _backend.triton.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[x, jnp.broadcast_to(y, x.shape)],
         constraints="=f,f,f",
@@ -341,13 +349,15 @@ def _live_slots(slot_mapping, num_slots: int):
 # --------------------------------------------------------------------------
 
 
-def _reference_write(slot_mapping, sources, caches, segments, scales):
+@_backend.register(OP_WRITE, "reference")
+def _reference_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
     """One drop-mode scatter per cache; an invalid slot maps to row ``num_slots``.
 
     In place under donation wherever XLA scatters the cache dtype natively.
     XLA:CPU does not for bfloat16/float8: it upcasts the cache around the
     scatter (a copy XLA makes, not this code; the Pallas flavours never do).
     """
+    del config, interpret
     n = slot_mapping.shape[0]
     outs = []
     for d, cache in enumerate(caches):
@@ -372,17 +382,18 @@ def _reference_write(slot_mapping, sources, caches, segments, scales):
 # --------------------------------------------------------------------------
 
 
-def _tpu_write(slot_mapping, sources, caches, segments, scales, *, interpret_params):
+@_backend.register(OP_WRITE, "tpu")
+def _tpu_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
     """Mosaic kernel; see the module docstring. ``scales``: per-source float32 rows or None."""
     # The interpreter runs the body through XLA: exact integer division there.
     # Compiled, Mosaic lowers "/" to its own divf (exactness on hardware not
     # yet checked; clz-based long division may not lower in Mosaic).
-    divide = ieee_divide if interpret_params else jnp.divide
+    divide = ieee_divide if interpret else jnp.divide
     n = slot_mapping.shape[0]
     num_slots = caches[0].shape[0] * caches[0].shape[1]
     block_size = caches[0].shape[1]
     quantize = scales is not None
-    tokens_per_step = min(_TPU_TOKENS_PER_STEP, n)
+    tokens_per_step = min(config.tpu_tokens_per_step, n)
     num_steps = pl.cdiv(n, tokens_per_step)
     # Pad to whole steps with PAD so the kernel never reads SMEM out of range.
     slots = jnp.full((num_steps * tokens_per_step,), PAD_SLOT_ID, jnp.int32)
@@ -481,7 +492,7 @@ def _tpu_write(slot_mapping, sources, caches, segments, scales, *, interpret_par
         ),
         input_output_aliases={first_cache_arg + d: d for d in range(n_dst)},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret_params,
+        interpret=interpret,
         name="kv_write_tpu",
     )
     return tuple(call(slots, *sources, *scale_args, *caches))
@@ -490,37 +501,6 @@ def _tpu_write(slot_mapping, sources, caches, segments, scales, *, interpret_par
 # --------------------------------------------------------------------------
 # GPU: Pallas Triton lowering, several tokens per program, masked stores
 # --------------------------------------------------------------------------
-
-
-def gpu_compiler_params(num_warps: int = 4):
-    """``compiler_params`` for every GPU-flavoured kernel in ``pallas_kernels``.
-
-    The one place that picks the Pallas GPU lowering. It is Pallas Triton:
-    the write kernels are scatters of short rows, which Triton expresses
-    directly as masked pointer stores (a masked-off lane touches no memory, so
-    a PAD or out-of-range slot cannot write), and the same kernel body runs in
-    generic interpret mode on CPU for CI. Measured on an H100 (JAX 0.11.2,
-    BENCHMARKS.md) the Triton kernels run at 87-90% of the copy bandwidth for
-    large writes and 2-3 us for decode-sized ones, ahead of torch and plain XLA.
-
-    Mosaic GPU, the maintained lowering, was tried for the flash write (bulk
-    TMA loads of a block of rows into SMEM, one predicated TMA store per token)
-    and could not be measured: in JAX 0.11.2 a Mosaic GPU kernel no longer
-    lowers through ``pl.pallas_call`` (the lowering asserts; 0.10.2 only
-    warned "migrate to plgpu.kernel"), and ``plgpu.kernel`` has no
-    ``input_output_aliases``, so it cannot update a donated cache in place, the
-    one thing these kernels must do. Porting means JAX's Ref-based kernel API
-    (the cache passed as a mutable Ref); do it here, and in the ``_gpu_*``
-    kernels, before JAX removes the Triton lowering (deprecated in 0.11).
-
-    Args:
-      num_warps: warps per program (a kernel picks it from its tile size).
-    """
-    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
-
-
-def _gpu_tile(widths: Sequence[int]) -> int:
-    return int(min(_GPU_MAX_TILE, pl.next_power_of_2(max(widths))))
 
 
 def _check_gpu_int32_offsets(name: str, shape) -> None:
@@ -537,28 +517,25 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def _gpu_tokens_per_program(n: int, quantize: bool) -> int:
-    """Tokens one GPU program writes: 1 for decode-sized ``n``, up to 8 for prefill.
-
-    Enough programs to spread over the SMs (at least ``_GPU_MIN_PROGRAMS``
-    where ``n`` allows), and up to ``_GPU_MAX_TOKENS_PER_PROGRAM`` rows per
-    program (``_GPU_FP8_MAX_TOKENS_PER_PROGRAM`` when quantising) so that
-    each thread has several 16-byte loads in flight.
-    """
-    if _GPU_TOKENS_PER_PROGRAM is not None:  # benchmark override
-        return _GPU_TOKENS_PER_PROGRAM
-    most = _GPU_FP8_MAX_TOKENS_PER_PROGRAM if quantize else _GPU_MAX_TOKENS_PER_PROGRAM
-    return int(min(most, _pow2_floor(n // _GPU_MIN_PROGRAMS)))
+def _gpu_tokens_per_program(n: int, quantize: bool, cfg: KVWriteConfig) -> int:
+    """Tokens one GPU program writes: enough programs to spread over the SMs
+    (``cfg.gpu_min_programs`` where ``n`` allows), at most
+    ``cfg.gpu_max_tokens_per_program`` (``gpu_fp8_...`` when quantising)."""
+    if cfg.gpu_tokens_per_program is not None:
+        return cfg.gpu_tokens_per_program
+    most = cfg.gpu_fp8_max_tokens_per_program if quantize else cfg.gpu_max_tokens_per_program
+    return int(min(most, _pow2_floor(n // cfg.gpu_min_programs)))
 
 
-def _gpu_num_warps(tile: int, itemsize: int) -> int:
+def _gpu_num_warps(tile: int, itemsize: int, cfg: KVWriteConfig) -> int:
     """Warps that give each thread 16 bytes of a ``tile``-wide row of ``itemsize`` elements."""
-    if _GPU_NUM_WARPS is not None:  # benchmark override
-        return _GPU_NUM_WARPS
+    if cfg.gpu_num_warps is not None:
+        return cfg.gpu_num_warps
     return int(min(8, max(1, tile * itemsize // (32 * 16))))
 
 
-def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
+@_backend.register(OP_WRITE, "gpu")
+def _gpu_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
     """Pallas Triton kernel on 2-D views: sources ``[T, W_s]``, caches ``[num_slots, W_d]``.
 
     Program ``(p, j)`` writes tokens ``p * bt .. p * bt + bt - 1`` (``bt`` from
@@ -569,19 +546,11 @@ def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
     the range check runs in the kernel (no separate XLA pass over the slot
     mapping, so a call is one launch), on the mapping's own dtype.
 
-    Measured on an H100 against the first version (one token per program,
-    slots range-checked by a separate XLA op; BENCHMARKS.md): bf16 8 x 128,
-    T=16: 2.8 us vs 3.2; T=4096: 14.3-15.4 us vs 17.1 (8 tokens per
-    program; 1 token: 18.1); T=32768: 102-104 us either way (87-89% of copy
-    bandwidth). fp8 wants one token per program (see
-    ``_GPU_FP8_MAX_TOKENS_PER_PROGRAM``).
-
     fp8: the scale rows are constant along each source's last axis (per head
     for the flash layout, one scale for MLA: see ``_check_flash`` and
     ``_check_mla``), so the kernel gets one float32 per group (``[H]`` or
     ``[1]``) and gathers it per column, instead of re-reading a full float32
-    row per token (8 KiB of cache traffic per token for 8 x 128 K and V).
-    Measured: fp8 flash T=32768 80.7 -> 77.8 us, MLA fp8 T=32768 45.9 -> 26.5 us.
+    row per token.
     """
     n = slot_mapping.shape[0]
     num_slots = caches[0].shape[0] * caches[0].shape[1]
@@ -590,16 +559,17 @@ def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
     for k, c in enumerate(flat_caches):
         _check_gpu_int32_offsets(f"cache {k}", c.shape)
     widths = [s.shape[1] for s in flat_src]
-    tiles = [int(min(_GPU_MAX_TILE, pl.next_power_of_2(w))) for w in widths]
+    tiles = [int(min(config.gpu_max_tile, pl.next_power_of_2(w))) for w in widths]
     num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
     quantize = scales is not None
-    bt = _gpu_tokens_per_program(n, quantize)
-    num_warps = _gpu_num_warps(max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src))
+    bt = _gpu_tokens_per_program(n, quantize, config)
+    num_warps = _gpu_num_warps(
+        max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config)
     # Columns per scale value of each source: its last axis (D, or all of L / R).
     groups = [s.shape[-1] for s in sources]
     scale_args = [s.reshape(-1, g)[:, 0] for s, g in zip(scales, groups)] if quantize else []
     divide = ieee_divide if interpret else _ptx_div_rn
-    evict = _GPU_EVICTION
+    evict = config.gpu_eviction
     n_src, n_dst = len(sources), len(caches)
 
     def kernel(slots_ref, *refs):
@@ -626,10 +596,10 @@ def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
             in_row = cols < widths[seg.src]
             if quantize:
                 group_of_col = jax.lax.div(cols, jnp.int32(groups[seg.src]))
-                scale = plt.load(scale_refs[seg.src].at[group_of_col], mask=in_row)
+                scale = _backend.triton.load(scale_refs[seg.src].at[group_of_col], mask=in_row)
             rows = []
             for r in src_rows:
-                x = plt.load(src_refs[seg.src].at[r, pl.ds(start, tile)], mask=in_row,
+                x = _backend.triton.load(src_refs[seg.src].at[r, pl.ds(start, tile)], mask=in_row,
                              eviction_policy=evict)
                 rows.append(quantize_fp8(x, scale, divide=divide) if quantize else x)
             loaded.append((seg, start, in_row, rows))
@@ -637,7 +607,7 @@ def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
             out = out_refs[seg.dst]
             col = (0 if seg.col is None else seg.col) + start
             for x, row, ok in zip(rows, dst_rows, live):
-                plt.store(out.at[row, pl.ds(col, tiles[seg.src])], x.astype(out.dtype),
+                _backend.triton.store(out.at[row, pl.ds(col, tiles[seg.src])], x.astype(out.dtype),
                           mask=in_row & ok, eviction_policy=evict)
 
     call = pl.pallas_call(
@@ -645,7 +615,7 @@ def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
         out_shape=tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in flat_caches),
         grid=(pl.cdiv(n, bt), num_col_tiles),
         input_output_aliases={1 + n_src + len(scale_args) + d: d for d in range(n_dst)},
-        compiler_params=gpu_compiler_params(num_warps),
+        compiler_params=_backend.gpu_compiler_params(num_warps),
         interpret=interpret,
         name="kv_write_gpu",
     )
@@ -658,17 +628,14 @@ def _gpu_write(slot_mapping, sources, caches, segments, scales, *, interpret):
 # --------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("segments", "flavor", "interpret"))
-def _write(slot_mapping, sources, caches, scales, *, segments, flavor, interpret):
-    """Route to one implementation. ``scales``: tuple of float32 rows (fp8) or None."""
-    if slot_mapping.shape[0] == 0:
+def _write(choice, slot_mapping, sources, caches, scales, *, segments, config):
+    """Run the chosen implementation. ``scales``: tuple of float32 rows (fp8) or None."""
+    if not isinstance(config, KVWriteConfig):
+        raise ValueError(f"config must be a KVWriteConfig, got {config!r}")
+    if np.shape(slot_mapping)[0] == 0:
         return tuple(caches)
-    if flavor == "reference":
-        return _reference_write(slot_mapping, sources, caches, segments, scales)
-    if flavor == "tpu":
-        params = _backend.Choice("tpu", interpret).tpu_interpret_params()
-        return _tpu_write(slot_mapping, sources, caches, segments, scales, interpret_params=params)
-    return _gpu_write(slot_mapping, sources, caches, segments, scales, interpret=interpret)
+    return _backend.run(OP_WRITE, choice, slot_mapping, tuple(sources), tuple(caches), scales,
+                        segments=segments, config=config)
 
 
 def _check_flash(
@@ -740,6 +707,7 @@ def reshape_and_cache_flash(
     *,
     backend: str = "auto",
     interpret: bool | None = None,
+    config: KVWriteConfig = KVWriteConfig(),
 ):
     """Write K/V of the first ``N`` tokens into a paged flash-layout cache.
 
@@ -757,6 +725,7 @@ def reshape_and_cache_flash(
       k_scale, v_scale: fp8 only (ignored for ``"auto"``): float32 scalar, ``[1]``
         or per-head ``[H]``; stored value is ``saturate(x / scale)``.
       backend, interpret: see :mod:`pallas_kernels._backend`.
+      config: :class:`KVWriteConfig` tuning knobs (static).
 
     Returns:
       ``(key_cache, value_cache)``, updated. Donate the inputs to update in place.
@@ -766,18 +735,18 @@ def reshape_and_cache_flash(
         concrete ``slot_mapping`` with a slot beyond the cache or a repeated
         slot, or a concrete scale that is not finite and positive.
     """
-    choice = _backend.resolve(backend, interpret)
+    choice = _backend.choose(OP_WRITE, backend, interpret)
     slot_mapping, scales = _check_flash(
         key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
     )
     return _write(
+        choice,
         slot_mapping,
         (key, value),
         (key_cache, value_cache),
         scales,
         segments=_FLASH_SEGMENTS,
-        flavor=choice.flavor,
-        interpret=choice.interpret,
+        config=config,
     )
 
 
@@ -808,6 +777,7 @@ def concat_and_cache_mla(
     *,
     backend: str = "auto",
     interpret: bool | None = None,
+    config: KVWriteConfig = KVWriteConfig(),
 ):
     """Write ``concat(kv_c[t], k_pe[t])`` of the first ``N`` tokens into an MLA cache.
 
@@ -823,20 +793,21 @@ def concat_and_cache_mla(
       kv_cache_dtype: ``"auto"``, ``"fp8"`` or ``"fp8_e4m3"``.
       scale: fp8 only: one float32 scale (scalar or ``[1]``).
       backend, interpret: see :mod:`pallas_kernels._backend`.
+      config: :class:`KVWriteConfig` tuning knobs (static).
 
     Returns:
       ``kv_cache``, updated. Donate it to update in place.
     """
-    choice = _backend.resolve(backend, interpret)
+    choice = _backend.choose(OP_WRITE, backend, interpret)
     slot_mapping, scales = _check_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
     (out,) = _write(
+        choice,
         slot_mapping,
         (kv_c, k_pe),
         (kv_cache,),
         scales,
         segments=_mla_segments(kv_c.shape[1]),
-        flavor=choice.flavor,
-        interpret=choice.interpret,
+        config=config,
     )
     return out
 

@@ -21,12 +21,14 @@ written, whatever the implementation; tests poison it with NaN.
 
 from __future__ import annotations
 
-from pallas_kernels.mamba_conv import causal_conv1d_update, causal_conv1d_varlen
+from pallas_kernels.mamba_conv import ConvConfig, causal_conv1d_update, causal_conv1d_varlen
 from pallas_kernels.mamba_scan import DEFAULT_CHUNK_SIZE, selective_scan_varlen
-from pallas_kernels.mamba_ssu import selective_state_update
+from pallas_kernels.mamba_ssu import SSUConfig, selective_state_update
 
 __all__ = [
+    "ConvConfig",
     "DEFAULT_CHUNK_SIZE",
+    "SSUConfig",
     "causal_conv1d_update",
     "causal_conv1d_update_reference",
     "causal_conv1d_varlen",

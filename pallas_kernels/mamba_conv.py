@@ -3,7 +3,7 @@
 * :func:`causal_conv1d_update` — decode (and speculative / varlen decode) step;
   reference, Mosaic TPU and Pallas GPU implementations.
 * :func:`causal_conv1d_varlen` — prefill over a packed batch of requests
-  (vLLM's ``causal_conv1d_fn``); jnp only (see its docstring for why).
+  (vLLM's ``causal_conv1d_fn``); reference only.
 
 Conv-state layout, shared by both: ``conv_state [L, dim, S]`` with ``S >= width - 1``.
 The conv window is columns ``[off, off + width - 1)`` of a row (``off`` = 0 except in
@@ -22,22 +22,29 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import contract as validation
 from pallas_kernels.contract import NULL_BLOCK_ID
-from pallas_kernels._backend import Choice, resolve
-from pallas_kernels.mamba_ssu import (
-    _varlen_batch,
-    _check_float,
-    _check_index_values,
-    _check_int_arg,
-    _index_array,
-    _pow2,
-    _segments,
-    _token_segment_ids,
-    _triton,
-    _valid_index,
-)
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _backend
+from pallas_kernels import mamba_common as mc
 from pallas_kernels._xla import scatter_set
 
-__all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
+__all__ = ["ConvConfig", "causal_conv1d_update", "causal_conv1d_varlen"]
+
+OP_CONV_UPDATE = "causal_conv1d_update"
+OP_CONV_VARLEN = "causal_conv1d_varlen"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    """Tuning knobs of the GPU conv-update kernel (a static argument).
+
+    Attributes:
+      gpu_block_dim: channels per GPU program (a power of two).
+      gpu_num_warps: warps per GPU program.
+    """
+
+    gpu_block_dim: int = 128
+    gpu_num_warps: int = 4
 
 
 def _silu_flag(activation) -> bool:
@@ -80,11 +87,11 @@ class _ConvArgs:
 
 def _normalize_update(x, conv_state, weight, bias, activation, conv_state_indices,
                       num_accepted_tokens, query_start_loc, max_query_len, null_block_id):
-    null_block_id = _check_int_arg("null_block_id", null_block_id)
-    max_query_len = _check_int_arg("max_query_len", max_query_len)
+    null_block_id = mc.check_int_arg("null_block_id", null_block_id)
+    max_query_len = mc.check_int_arg("max_query_len", max_query_len)
     silu = _silu_flag(activation)
     for name, arr in (("x", x), ("conv_state", conv_state), ("weight", weight)):
-        _check_float(name, arr)
+        mc.check_float(name, arr)
     validation.check_rank("conv_state", conv_state, 3)
     L, dim, S = conv_state.shape
     validation.check_rank("weight", weight, 2)
@@ -93,7 +100,7 @@ def _normalize_update(x, conv_state, weight, bias, activation, conv_state_indice
     if W < 2:
         raise ValueError(f"weight must have width >= 2, got shape {list(weight.shape)}")
     if bias is not None:
-        _check_float("bias", bias)
+        mc.check_float("bias", bias)
         validation.check_shape("bias", bias, (dim,))
 
     varlen = query_start_loc is not None
@@ -107,7 +114,7 @@ def _normalize_update(x, conv_state, weight, bias, activation, conv_state_indice
         nb = query_start_loc.shape[0] - 1
         if nb < 0:
             raise ValueError("query_start_loc must have shape [batch+1], got [0]")
-        bos, lens = _segments(query_start_loc, nb, T, name="query_start_loc")
+        bos, lens = mc.segments(query_start_loc, nb, T, name="query_start_loc")
         if max_query_len < 1:
             v = validation.concrete_values(lens)
             if v is None:
@@ -143,14 +150,14 @@ def _normalize_update(x, conv_state, weight, bias, activation, conv_state_indice
         idx = jnp.arange(nb, dtype=jnp.int32)
         valid = jnp.ones((nb,), bool)
     else:
-        csi = _index_array("conv_state_indices", conv_state_indices, (1, 2))
+        csi = mc.index_array("conv_state_indices", conv_state_indices, (1, 2))
         if csi.shape[0] != nb:
             raise ValueError(f"conv_state_indices must have {nb} rows (one per sequence), got shape {list(csi.shape)}")
         idx = csi if csi.ndim == 1 else csi[:, 0]
-        _check_index_values("conv_state_indices", idx, L, null_block_id)
-        valid = _valid_index(idx, L, null_block_id)
+        mc.check_index_values("conv_state_indices", idx, L, null_block_id)
+        valid = mc.valid_index(idx, L, null_block_id)
     if spec:
-        na = _index_array("num_accepted_tokens", num_accepted_tokens, 1)
+        na = mc.index_array("num_accepted_tokens", num_accepted_tokens, 1)
         validation.check_shape("num_accepted_tokens", na, (nb,))
         validation.check_values_in_range("num_accepted_tokens", na, 0, S - W + 3)
         off = jnp.maximum(na - 1, 0)
@@ -185,7 +192,9 @@ def _new_columns(seq, lens, W: int, q: int, spec: bool):
     return vals, jnp.ones(pos.shape, bool)
 
 
-def _conv_update_reference(a: _ConvArgs):
+@_backend.register(OP_CONV_UPDATE, "reference")
+def _conv_update_reference(a: _ConvArgs, *, config: ConvConfig, interpret):
+    del config, interpret
     f32 = jnp.float32
     T, dim = a.x.shape
     L, _, S = a.conv_state.shape
@@ -227,7 +236,8 @@ def _conv_update_reference(a: _ConvArgs):
 # --------------------------------------------------------------------------- #
 
 
-def _conv_update_tpu(a: _ConvArgs, interpret):
+@_backend.register(OP_CONV_UPDATE, "tpu")
+def _conv_update_tpu(a: _ConvArgs, *, config: ConvConfig, interpret):
     """Mosaic kernel, grid (sequences,).
 
     ``x`` (token-major) and ``conv_state`` stay in HBM (``pl.ANY``) and are aliased to
@@ -236,8 +246,6 @@ def _conv_update_tpu(a: _ConvArgs, interpret):
     Otherwise: DMA the state row and the sequence's token rows in, compute in float32,
     DMA the token outputs and the merged state row back.
     """
-    from jax.experimental.pallas import tpu as pltpu
-
     T, dim = a.x.shape
     L, _, S = a.conv_state.shape
     W = a.weight.shape[1]
@@ -358,24 +366,10 @@ def _conv_update_tpu(a: _ConvArgs, interpret):
 # --------------------------------------------------------------------------- #
 
 
-_GPU_BLOCK_DIM = 128
-
-
-def _gpu_impl():
-    """The GPU implementation of causal_conv1d_update.
-
-    Pallas-Triton: one program per (sequence, block of channels), masked loads and
-    stores, the structure of vLLM's Triton kernel. Chosen for the same reason as
-    :func:`pallas_kernels.mamba_ssu._gpu_impl`: per-row gathers/scatters of a few
-    columns with data-dependent row indices and no tensor-core work, which Triton
-    expresses as masked pointer accesses (a masked-off lane touches no memory).
-    To switch lowering (Mosaic GPU) replace this function.
-    """
-    return _conv_update_gpu_triton
-
-
-def _conv_update_gpu_triton(a: _ConvArgs, interpret: bool):
-    pltr = _triton()
+@_backend.register(OP_CONV_UPDATE, "gpu")
+def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
+    """Pallas GPU kernel: one program per (sequence, block of channels), masked loads
+    and stores (the structure of vLLM's Triton kernel)."""
     T, dim = a.x.shape
     L, _, S = a.conv_state.shape
     W = a.weight.shape[1]
@@ -385,7 +379,7 @@ def _conv_update_gpu_triton(a: _ConvArgs, interpret: bool):
         return a.x, a.conv_state
     spec, silu = a.spec, a.silu
     has_bias = a.bias is not None
-    BD = min(_GPU_BLOCK_DIM, _pow2(dim))
+    BD = min(config.gpu_block_dim, mc.pow2(dim))
 
     inputs = [a.bos, a.lens, a.idx, a.ok.astype(jnp.int32), a.off, a.weight]
     if has_bias:
@@ -415,14 +409,14 @@ def _conv_update_gpu_triton(a: _ConvArgs, interpret: bool):
             off = off_ref[b]
 
             def load_x(t, m):
-                v = pltr.load(out_ref.at[t, dsl], mask=dmask & m, other=0.0)
+                v = _backend.triton.load(out_ref.at[t, dsl], mask=dmask & m, other=0.0)
                 return v.astype(sd).astype(f32)
 
             hist = []
             for j in range(W - 1):
                 c = off + j
                 cm = c < S
-                hist.append(pltr.load(cs_ref.at[r, dsl, jnp.where(cm, c, 0)],
+                hist.append(_backend.triton.load(cs_ref.at[r, dsl, jnp.where(cm, c, 0)],
                                       mask=dmask & cm, other=0.0).astype(f32))
             # new state columns (read x before the output loop overwrites it in place)
             news = []
@@ -445,12 +439,12 @@ def _conv_update_gpu_triton(a: _ConvArgs, interpret: bool):
                     xv = load_x(jnp.where(in_x, t0 + p - (W - 1), t0), in_x)
                     news.append((k, jnp.where(in_x, xv, v), True))
             if not interpret:  # no interpret rule; the interpreter runs sequentially anyway
-                pltr.debug_barrier()
+                _backend.triton.debug_barrier()
             for k, v, m in news:
-                pltr.store(cs_ref.at[r, dsl, jnp.int32(k)], v.astype(sd), mask=dmask & m)
-            ws = [pltr.load(w_ref.at[dsl, jnp.int32(j)], mask=dmask, other=0.0).astype(f32) for j in range(W)]
+                _backend.triton.store(cs_ref.at[r, dsl, jnp.int32(k)], v.astype(sd), mask=dmask & m)
+            ws = [_backend.triton.load(w_ref.at[dsl, jnp.int32(j)], mask=dmask, other=0.0).astype(f32) for j in range(W)]
             if has_bias:
-                bias = pltr.load(bias_ref.at[dsl], mask=dmask, other=0.0).astype(f32)
+                bias = _backend.triton.load(bias_ref.at[dsl], mask=dmask, other=0.0).astype(f32)
             else:
                 bias = jnp.zeros((BD,), f32)
 
@@ -461,7 +455,7 @@ def _conv_update_gpu_triton(a: _ConvArgs, interpret: bool):
                     acc = acc + ws[j] * win[j]
                 if silu:
                     acc = _silu(acc)
-                pltr.store(out_ref.at[t0 + i, dsl], acc.astype(out_ref.dtype), mask=dmask)
+                _backend.triton.store(out_ref.at[t0 + i, dsl], acc.astype(out_ref.dtype), mask=dmask)
                 return tuple(win[1:]) + (xi,)
 
             jax.lax.fori_loop(0, n, body, tuple(hist))
@@ -472,25 +466,17 @@ def _conv_update_gpu_triton(a: _ConvArgs, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct(a.x.shape, a.x.dtype),
                    jax.ShapeDtypeStruct(a.conv_state.shape, a.conv_state.dtype)],
         input_output_aliases={n_in - 2: 0, n_in - 1: 1},
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=_backend.gpu_compiler_params(config.gpu_num_warps),
         interpret=interpret,
     )(*inputs)
     return out, cs
-
-
-@functools.partial(jax.jit, static_argnames=("flavor", "interpret"))
-def _dispatch_update(args: _ConvArgs, *, flavor: str, interpret: bool):
-    if flavor == "reference":
-        return _conv_update_reference(args)
-    if flavor == "tpu":
-        return _conv_update_tpu(args, Choice("tpu", interpret).tpu_interpret_params())
-    return _gpu_impl()(args, interpret)
 
 
 def causal_conv1d_update(
     x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
     num_accepted_tokens=None, query_start_loc=None, max_query_len=-1,
     null_block_id=NULL_BLOCK_ID, *, backend="auto", interpret=None,
+    config: ConvConfig = ConvConfig(),
 ):
     """Depthwise causal conv1d decode step over a pool of conv states.
 
@@ -527,14 +513,19 @@ def causal_conv1d_update(
     Unlike vLLM, ``num_accepted_tokens == 0`` reads the window at offset 0 (vLLM reads
     column -1, i.e. the previous channel's memory).
 
+    ``backend``/``interpret``: see :mod:`pallas_kernels._backend`; ``config``:
+    :class:`ConvConfig` GPU tuning knobs (static).
+
     Returns:
       ``(out, conv_state)``: ``out`` shaped and typed like ``x``.
     """
+    choice = _backend.choose(OP_CONV_UPDATE, backend, interpret)
+    if not isinstance(config, ConvConfig):
+        raise ValueError(f"config must be a ConvConfig, got {config!r}")
     args, layout = _normalize_update(x, conv_state, weight, bias, activation,
                                      conv_state_indices, num_accepted_tokens,
                                      query_start_loc, max_query_len, null_block_id)
-    choice = resolve(backend, interpret)
-    out, cs = _dispatch_update(args, flavor=choice.flavor, interpret=choice.interpret)
+    out, cs = _backend.run(OP_CONV_UPDATE, choice, args, config=config)
     if layout[0] == "3d":
         _, nb, q = layout
         out = jnp.swapaxes(out.reshape(nb, q, -1), 1, 2)
@@ -546,9 +537,10 @@ def causal_conv1d_update(
 # --------------------------------------------------------------------------- #
 
 
-@functools.partial(jax.jit, static_argnames=("silu", "null_block_id"))
-def _conv_varlen_jnp(x, weight, bias, conv_states, query_start_loc, cache_indices,
-                     has_initial_state, *, silu, null_block_id):
+@_backend.register(OP_CONV_VARLEN, "reference")
+def _conv_varlen_reference(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                           has_initial_state, *, silu, null_block_id, interpret):
+    del interpret
     f32 = jnp.float32
     dim, T = x.shape
     L, _, S = conv_states.shape
@@ -559,12 +551,12 @@ def _conv_varlen_jnp(x, weight, bias, conv_states, query_start_loc, cache_indice
         return x, conv_states
     bos = query_start_loc[:-1]
     lens = query_start_loc[1:] - bos
-    ok = _valid_index(cache_indices, L, null_block_id) & (lens > 0)
+    ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
     init = ok & has_initial_state
     rows = jnp.take(conv_states, jnp.where(ok, cache_indices, L), axis=0, mode="fill", fill_value=0)
     hist = jnp.where(init[:, None, None], rows[..., :W - 1].astype(f32), 0.0)  # [R, dim, W-1]
     xt = jnp.transpose(x).astype(sd).astype(f32)  # [T, dim]
-    seg, pos, tvalid = _token_segment_ids(bos, lens, T)
+    seg, pos, tvalid = mc.token_segment_ids(bos, lens, T)
     tok_ok = tvalid & ok[seg]
     w = weight.astype(f32)
     acc = jnp.zeros((T, dim), f32) if bias is None else jnp.broadcast_to(bias.astype(f32), (T, dim))
@@ -616,20 +608,18 @@ def causal_conv1d_varlen(
       tokens at or beyond ``query_start_loc[R]`` likewise keep ``x`` (vLLM's output
       aliases ``x``).
 
-    Implementation: vectorised jnp on every backend (``backend``/``interpret`` are
-    accepted for a uniform API and validated, but select nothing). A conv has no
-    recurrence: each output is ``width`` shifted gathers and multiply-adds over all
-    tokens at once, which XLA fuses into a few memory-bound passes; a Pallas kernel
-    would only re-implement the same gathers.
+    Only a reference exists (vectorised jnp: ``width`` shifted gathers and
+    multiply-adds, which XLA fuses): every ``backend`` resolves to it through
+    :func:`pallas_kernels._backend.choose`; ``backend``/``interpret`` are validated.
 
     Returns:
       ``(out [dim, num_tokens], conv_states)``.
     """
-    null_block_id = _check_int_arg("null_block_id", null_block_id)
+    choice = _backend.choose(OP_CONV_VARLEN, backend, interpret)
+    null_block_id = mc.check_int_arg("null_block_id", null_block_id)
     silu = _silu_flag(activation)
-    resolve(backend, interpret)
     for name, arr in (("x", x), ("weight", weight), ("conv_states", conv_states)):
-        _check_float(name, arr)
+        mc.check_float(name, arr)
     validation.check_rank("x", x, 2)
     dim, T = x.shape
     validation.check_rank("weight", weight, 2)
@@ -643,9 +633,9 @@ def causal_conv1d_varlen(
     if S < W - 1:
         raise ValueError(f"conv_states must have state_len >= width-1 = {W - 1}, got shape {list(conv_states.shape)}")
     if bias is not None:
-        _check_float("bias", bias)
+        mc.check_float("bias", bias)
         validation.check_shape("bias", bias, (dim,))
-    ci, qsl, his = _varlen_batch(cache_indices, query_start_loc, has_initial_state, T, L,
+    ci, qsl, his = mc.varlen_batch(cache_indices, query_start_loc, has_initial_state, T, L,
                                  null_block_id)
-    return _conv_varlen_jnp(x, weight, bias, conv_states, qsl, ci, his,
-                            silu=silu, null_block_id=null_block_id)
+    return _backend.run(OP_CONV_VARLEN, choice, x, weight, bias, conv_states, qsl, ci, his,
+                        silu=silu, null_block_id=null_block_id)

@@ -16,28 +16,19 @@ Two jnp implementations with identical semantics:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import contract as validation
 from pallas_kernels.contract import NULL_BLOCK_ID
-from pallas_kernels._backend import resolve
-from pallas_kernels.mamba_ssu import (
-    _varlen_batch,
-    _check_float,
-    _check_int_arg,
-    _softplus,
-    _token_segment_ids,
-    _valid_index,
-)
+from pallas_kernels import _backend
+from pallas_kernels import mamba_common as mc
 from pallas_kernels._xla import scatter_set
 
 __all__ = ["selective_scan_varlen", "DEFAULT_CHUNK_SIZE"]
 
-# Picked on the H100 (benchmarks/gpu_check_mamba.py, T=2048, H=8, P=64, N=128):
-# Q=64 0.63 ms, Q=128 0.42 ms, Q=256 0.43 ms.
+OP_SCAN = "selective_scan_varlen"
+# Tokens per chunk of the chunked form (BENCHMARKS.md, "Kernel design notes").
 DEFAULT_CHUNK_SIZE = 128
 
 
@@ -45,14 +36,14 @@ def _prep(dt, dt_bias, softplus):
     dt = dt.astype(jnp.float32)
     if dt_bias is not None:
         dt = dt + dt_bias.astype(jnp.float32)
-    return _softplus(dt) if softplus else dt
+    return mc.softplus(dt) if softplus else dt
 
 
 def _skip_and_init(state, query_start_loc, cache_indices, has_initial_state, null_block_id):
     L = state.shape[0]
     bos = query_start_loc[:-1]
     lens = query_start_loc[1:] - bos
-    ok = _valid_index(cache_indices, L, null_block_id) & (lens > 0)
+    ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
     use_init = ok & has_initial_state
     h0 = jnp.take(state, jnp.where(use_init, cache_indices, L), axis=0, mode="fill", fill_value=0)
     h0 = jnp.where(use_init[:, None, None, None], h0.astype(jnp.float32), 0.0)
@@ -70,9 +61,10 @@ def _finish(y, x, D, z, mask):
     return jnp.where(mask, y, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("softplus", "null_block_id"))
+@_backend.register(OP_SCAN, "reference")
 def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                 D, dt_bias, z, *, softplus, null_block_id):
+                 D, dt_bias, z, *, softplus, null_block_id, chunk_size, interpret):
+    del chunk_size, interpret
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
@@ -82,7 +74,7 @@ def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_init
     goh = jnp.arange(H) // (H // G)
     bos, lens, ok, h0 = _skip_and_init(state, query_start_loc, cache_indices,
                                        has_initial_state, null_block_id)
-    seg, pos, tvalid = _token_segment_ids(bos, lens, T)
+    seg, pos, tvalid = mc.token_segment_ids(bos, lens, T)
     tok_ok = tvalid & ok[seg]
     dtp = _prep(dt, dt_bias, softplus)  # [T, H]
     Af = A.astype(jnp.float32)
@@ -163,9 +155,10 @@ _ADAPT_CHUNK = True  # benchmark knob (benchmarks/profile_gpu.py --no-adapt-chun
 _CHUNK_STATE_SCAN = "associative"
 
 
-@functools.partial(jax.jit, static_argnames=("softplus", "null_block_id", "chunk_size"))
+@_backend.register(OP_SCAN, "tpu", "gpu")
 def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                  D, dt_bias, z, *, softplus, null_block_id, chunk_size):
+                  D, dt_bias, z, *, softplus, null_block_id, chunk_size, interpret):
+    del interpret
     f32 = jnp.float32
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -264,37 +257,27 @@ def selective_scan_varlen(
     Concrete cache indices out of range (other than ``null_block_id``) or a bad
     ``query_start_loc`` raise ``ValueError``; shape/dtype mismatches raise at trace time.
 
-    Why jnp and not Pallas: the work is a chunked SSD scan — batched ``[Q, Q]`` and
-    ``[Q, N] x [N, P]`` matrix products plus an associative scan over chunk states —
-    which XLA already maps onto the MXU / tensor cores; the masking (fresh zero
-    starts, skipped null rows, padding) is all in the gather/scatter tables, where a
-    kernel would gain nothing. ``backend="reference"`` (and ``"auto"`` on a CPU) runs
-    the token-by-token ``lax.scan`` instead (the oracle); every other backend runs the
-    chunked form. Measured (jit-compiled, steady state, float32, 8 requests):
-
-    * H100, T=2048, H=8, P=64, N=128: token scan 16.6 ms; chunked 0.63 ms (Q=64),
-      0.42 ms (Q=128), 0.43 ms (Q=256) — hence chunked off-CPU, Q=128 by default.
-    * 2-core CPU: T=2048, H=4, P=16, N=16: token scan 3.4 ms, chunked 12 ms (Q=64);
-      T=2048, H=8, P=64, N=128: token scan 113 ms, chunked 102 ms (Q=64), 187 ms
-      (Q=128). A CPU runs the short loop iterations cheaply and pays for the chunked
-      form's O(Q) extra flops per token, hence the token scan on CPU.
+    No Pallas kernel: the ``"reference"`` flavour is a token-by-token ``lax.scan``
+    (the oracle; ``backend="auto"`` on a CPU); the ``"tpu"`` and ``"gpu"`` flavours
+    both run the chunked XLA form (matrix products XLA maps onto the MXU / tensor
+    cores). Both have identical semantics.
 
     Args:
       chunk_size: most tokens per chunk of the chunked form (static); batches of many
         short requests use fewer (see ``_chunk_len``).
-      backend, interpret: ``"reference"`` selects the token scan; anything else the
-        chunked form (``interpret`` is validated but unused: there is no kernel).
+      backend, interpret: see :mod:`pallas_kernels._backend` (``interpret`` is
+        validated but unused: there is no kernel).
 
     Returns:
       ``(out [T, H, P], state)``.
     """
-    null_block_id = _check_int_arg("null_block_id", null_block_id)
-    chunk_size = _check_int_arg("chunk_size", chunk_size)
+    choice = _backend.choose(OP_SCAN, backend, interpret)
+    null_block_id = mc.check_int_arg("null_block_id", null_block_id)
+    chunk_size = mc.check_int_arg("chunk_size", chunk_size)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    choice = resolve(backend, interpret)
     for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("state", state)):
-        _check_float(name, arr)
+        mc.check_float(name, arr)
     validation.check_rank("x", x, 3)
     T, H, P = x.shape
     validation.check_shape("dt", dt, (T, H))
@@ -310,19 +293,17 @@ def selective_scan_varlen(
     validation.check_shape("state", state, (None, H, P, N))
     L = state.shape[0]
     if D is not None:
-        _check_float("D", D)
+        mc.check_float("D", D)
         validation.check_rank("D", D, (1, 2))
         validation.check_shape("D", D, (H,) if D.ndim == 1 else (H, P))
     if dt_bias is not None:
-        _check_float("dt_bias", dt_bias)
+        mc.check_float("dt_bias", dt_bias)
         validation.check_shape("dt_bias", dt_bias, (H,))
     if z is not None:
-        _check_float("z", z)
+        mc.check_float("z", z)
         validation.check_shape("z", z, (T, H, P))
-    ci, qsl, his = _varlen_batch(cache_indices, query_start_loc, has_initial_state, T, L,
+    ci, qsl, his = mc.varlen_batch(cache_indices, query_start_loc, has_initial_state, T, L,
                                  null_block_id)
-    args = (x, dt, A, B, C, state, qsl, ci, his, D, dt_bias, z)
-    if choice.flavor == "reference":
-        return _scan_tokens(*args, softplus=bool(dt_softplus), null_block_id=null_block_id)
-    return _scan_chunked(*args, softplus=bool(dt_softplus), null_block_id=null_block_id,
-                         chunk_size=chunk_size)
+    return _backend.run(OP_SCAN, choice, x, dt, A, B, C, state, qsl, ci, his, D, dt_bias, z,
+                        softplus=bool(dt_softplus), null_block_id=null_block_id,
+                        chunk_size=chunk_size)

@@ -6,18 +6,13 @@ that share one argument normalisation (:func:`_normalize`):
 * ``_ssu_reference``: pure jnp, the CPU default and the test oracle;
 * ``_ssu_tpu``: Mosaic TPU kernel (scalar prefetch, state in HBM with manual DMA,
   aliased in place);
-* ``_ssu_gpu``: Pallas GPU kernel (see :func:`_gpu_impl` for which lowering and why).
-
-Small helpers shared with :mod:`pallas_kernels.mamba_conv` and
-:mod:`pallas_kernels.mamba_scan` live here too (``_index_array``, ``_pow2``,
-``_triton``, ``_softplus``).
+* ``_ssu_gpu``: Pallas GPU kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,107 +21,15 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import contract as validation
 from pallas_kernels.contract import NULL_BLOCK_ID
-from pallas_kernels._backend import Choice, resolve
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _backend
+from pallas_kernels import mamba_common as mc
 from pallas_kernels._xla import scatter_set
 
-__all__ = ["selective_state_update"]
+__all__ = ["SSUConfig", "selective_state_update"]
 
-
-# --------------------------------------------------------------------------- #
-# shared helpers
-# --------------------------------------------------------------------------- #
-
-
-def _pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _triton():
-    """``jax.experimental.pallas.triton`` (its import warns from JAX 0.11 on)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas import triton as pltr
-    return pltr
-
-
-def _softplus(v):
-    """vLLM's softplus: ``v`` above 20, else ``log(1 + exp(v))``."""
-    return jnp.where(v <= 20.0, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))), v)
-
-
-def _check_int_arg(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be a Python int, got {value!r}")
-    return int(value)
-
-
-def _index_array(name: str, arr, ranks) -> jax.Array:
-    """Checks an index table (integer dtype, rank) and returns it as int32."""
-    validation.check_rank(name, arr, ranks)
-    validation.check_dtype(name, arr, "integer")
-    return jnp.asarray(arr).astype(jnp.int32)
-
-
-def _check_float(name: str, arr) -> None:
-    validation.check_dtype(name, arr, "floating")
-
-
-def _check_index_values(name: str, arr, num_lines: int, null_block_id: int) -> None:
-    """Concrete indices must lie in ``[0, num_lines)`` or equal ``null_block_id``."""
-    validation.check_values_in_range(name, arr, 0, num_lines, allow=(null_block_id,))
-
-
-def _varlen_batch(cache_indices, query_start_loc, has_initial_state, num_tokens: int,
-                  num_lines: int, null_block_id: int):
-    """Checks a packed prefill batch's per-request arrays; returns them as (int32, int32, bool).
-
-    ``cache_indices [R]`` in ``[0, num_lines)`` or null, ``query_start_loc [R + 1]``
-    non-decreasing within ``[0, num_tokens]``, ``has_initial_state [R]``.
-    """
-    ci = _index_array("cache_indices", cache_indices, 1)
-    R = ci.shape[0]
-    qsl = _index_array("query_start_loc", query_start_loc, 1)
-    validation.check_shape("query_start_loc", qsl, (R + 1,))
-    validation.check_non_decreasing("query_start_loc", qsl)
-    validation.check_values_in_range("query_start_loc", qsl, 0, num_tokens + 1)
-    validation.check_rank("has_initial_state", has_initial_state, 1)
-    validation.check_shape("has_initial_state", has_initial_state, (R,))
-    _check_index_values("cache_indices", ci, num_lines, null_block_id)
-    return ci, qsl, jnp.asarray(has_initial_state).astype(bool)
-
-
-def _valid_index(idx, num_lines: int, null_block_id: int):
-    """True where ``idx`` names a real row: not null and inside ``[0, num_lines)``."""
-    return (idx != null_block_id) & (idx >= 0) & (idx < num_lines)
-
-
-def _segments(cu_seqlens, n: int, num_tokens: int, name: str = "cu_seqlens"):
-    """(bos, lens) int32 ``[n]`` from a cumulative-length array, or one token per row."""
-    if cu_seqlens is None:
-        bos = jnp.arange(n, dtype=jnp.int32)
-        return bos, jnp.ones((n,), jnp.int32)
-    cu = _index_array(name, cu_seqlens, 1)
-    validation.check_non_decreasing(name, cu)
-    validation.check_values_in_range(name, cu, 0, num_tokens + 1)
-    return cu[:-1], cu[1:] - cu[:-1]
-
-
-def _token_segment_ids(bos, lens, num_tokens: int):
-    """For each token t: (segment id, position in segment, valid).
-
-    Segments are contiguous and in order (cu_seqlens non-decreasing); a token that
-    lies in no segment (padding) is invalid.
-    """
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    eos = bos + lens
-    # segment = first b with eos[b] > t
-    seg = jnp.searchsorted(eos, t, side="right").astype(jnp.int32)
-    n = bos.shape[0]
-    seg_c = jnp.where(seg < n, seg, 0)
-    valid = (seg < n) & (t >= jnp.take(bos, seg_c, mode="clip")) & (n > 0)
-    pos = t - jnp.take(bos, seg_c, mode="clip")
-    return jnp.where(valid, seg_c, 0), jnp.where(valid, pos, 0), valid
+OP_SSU = "selective_state_update"
 
 
 # --------------------------------------------------------------------------- #
@@ -169,11 +72,11 @@ def _normalize(
     state, x, dt, A, B, C, D, dt_bias, z, dt_softplus, state_batch_indices,
     dst_state_batch_indices, null_block_id, num_accepted_tokens, cu_seqlens,
 ) -> _SSUArgs:
-    null_block_id = _check_int_arg("null_block_id", null_block_id)
+    null_block_id = mc.check_int_arg("null_block_id", null_block_id)
     validation.check_rank("state", state, (3, 4))
     has_heads = np.ndim(state) == 4
     for name, arr in (("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
-        _check_float(name, arr)
+        mc.check_float(name, arr)
     if has_heads:
         L, H, P, Ns = state.shape
         validation.check_rank("x", x, 3)
@@ -216,7 +119,7 @@ def _normalize(
     def per_head(name, arr):
         if arr is None:
             return None
-        _check_float(name, arr)
+        mc.check_float(name, arr)
         if has_heads:
             validation.check_rank(name, arr, 2)
             if arr.shape[0] != H or arr.shape[1] not in (1, P):
@@ -230,7 +133,7 @@ def _normalize(
     D = per_head("D", D)
     dt_bias = per_head("dt_bias", dt_bias)
     if z is not None:
-        _check_float("z", z)
+        mc.check_float("z", z)
         validation.check_shape("z", z, (T, H, P) if has_heads else (T, P))
         if not has_heads:
             z = z[:, None]
@@ -243,7 +146,7 @@ def _normalize(
         N = cu_seqlens.shape[0] - 1
     else:
         N = T
-    bos, lens = _segments(cu_seqlens, N, T)
+    bos, lens = mc.segments(cu_seqlens, N, T)
 
     spec = num_accepted_tokens is not None
     if state_batch_indices is None:
@@ -260,7 +163,7 @@ def _normalize(
         return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, bool(dt_softplus), bos, lens,
                         src, src_ok, dst, dst_ok, False, has_heads, varlen)
 
-    sbi = _index_array("state_batch_indices", state_batch_indices, (1, 2))
+    sbi = mc.index_array("state_batch_indices", state_batch_indices, (1, 2))
     if sbi.ndim == 1:
         sbi = sbi[:, None]
     if sbi.shape[0] < N:
@@ -269,18 +172,18 @@ def _normalize(
     if dst_state_batch_indices is None:
         dsbi = sbi
     else:
-        dsbi = _index_array("dst_state_batch_indices", dst_state_batch_indices, (1, 2))
+        dsbi = mc.index_array("dst_state_batch_indices", dst_state_batch_indices, (1, 2))
         if dsbi.ndim == 1:
             dsbi = dsbi[:, None]
         if dsbi.shape[0] < N:
             raise ValueError(f"dst_state_batch_indices must have at least N={N} rows, got shape {list(dsbi.shape)}")
         dsbi = dsbi[:N]
-    _check_index_values("state_batch_indices", sbi, L, null_block_id)
-    _check_index_values("dst_state_batch_indices", dsbi, L, null_block_id)
+    mc.check_index_values("state_batch_indices", sbi, L, null_block_id)
+    mc.check_index_values("dst_state_batch_indices", dsbi, L, null_block_id)
     W = sbi.shape[1]
 
     if spec:
-        na = _index_array("num_accepted_tokens", num_accepted_tokens, 1)
+        na = mc.index_array("num_accepted_tokens", num_accepted_tokens, 1)
         validation.check_shape("num_accepted_tokens", na, (N,))
         init_col = jnp.maximum(na - 1, 0)
         validation.check_values_in_range("num_accepted_tokens", na, 0, W + 1)
@@ -293,14 +196,14 @@ def _normalize(
         init_col = jnp.zeros((N,), jnp.int32)
     col_ok = init_col < W
     src = jnp.take_along_axis(sbi, jnp.where(col_ok, init_col, 0)[:, None], axis=1)[:, 0]
-    src_ok = col_ok & _valid_index(src, L, null_block_id)
+    src_ok = col_ok & mc.valid_index(src, L, null_block_id)
     if spec:
         dst = dsbi
-        dst_ok = src_ok[:, None] & _valid_index(dsbi, L, null_block_id)
+        dst_ok = src_ok[:, None] & mc.valid_index(dsbi, L, null_block_id)
     else:
         dcol_ok = init_col < dsbi.shape[1]
         dst = jnp.take_along_axis(dsbi, jnp.where(dcol_ok, init_col, 0)[:, None], axis=1)
-        dst_ok = (src_ok & dcol_ok)[:, None] & _valid_index(dst, L, null_block_id)
+        dst_ok = (src_ok & dcol_ok)[:, None] & mc.valid_index(dst, L, null_block_id)
     return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, bool(dt_softplus), bos, lens,
                     src, src_ok, dst, dst_ok, spec, has_heads, varlen)
 
@@ -322,7 +225,7 @@ def _step_math(h, x, dt, A, B, C, D, dt_bias, z, dt_softplus, group_of_head):
     if dt_bias is not None:
         dt = dt + dt_bias.astype(f32)
     if dt_softplus:
-        dt = _softplus(dt)
+        dt = mc.softplus(dt)
     Bh = jnp.take(B.astype(f32), group_of_head, axis=-2)  # [..., H, Ns]
     Ch = jnp.take(C.astype(f32), group_of_head, axis=-2)
     dA = jnp.exp(A.astype(f32) * dt[..., :, None])  # [..., H, P|1, Ns|1]
@@ -345,7 +248,9 @@ def _gather_initial(state, src, src_ok):
     return jnp.where(src_ok[:, None, None, None], h0, 0.0)
 
 
-def _ssu_reference(a: _SSUArgs):
+@_backend.register(OP_SSU, "reference")
+def _ssu_reference(a: _SSUArgs, *, config: SSUConfig, interpret):
+    del config, interpret
     state = a.state
     L, H, P, Ns = state.shape
     T = a.x.shape[0]
@@ -362,7 +267,7 @@ def _ssu_reference(a: _SSUArgs):
         state = scatter_set(state, tgt, h1)
         return y.astype(a.x.dtype), state
 
-    seg, pos, tvalid = _token_segment_ids(a.bos, a.lens, T)
+    seg, pos, tvalid = mc.token_segment_ids(a.bos, a.lens, T)
     Wd = a.dst.shape[1]
     zs = a.z if a.z is not None else jnp.zeros((T, 0), a.x.dtype)
 
@@ -399,7 +304,8 @@ def _row_to_col(v):
     return jnp.transpose(v)
 
 
-def _ssu_tpu(a: _SSUArgs, interpret):
+@_backend.register(OP_SSU, "tpu")
+def _ssu_tpu(a: _SSUArgs, *, config: SSUConfig, interpret):
     """Mosaic kernel, grid (heads, sequences).
 
     * Index tables (bos, lens, src, src_ok, dst, dst_ok) are scalar-prefetched to SMEM.
@@ -410,8 +316,6 @@ def _ssu_tpu(a: _SSUArgs, interpret):
       head stays resident across the sequence axis ("arbitrary"), is zeroed at the first
       sequence and written back once, so tokens outside every sequence read 0.
     """
-    from jax.experimental.pallas import tpu as pltpu
-
     state = a.state
     L, H, P, Ns = state.shape
     T = a.x.shape[0]
@@ -505,7 +409,7 @@ def _ssu_tpu(a: _SSUArgs, interpret):
             if has_bias:
                 dt_row = dt_row + bias_ref[...].astype(f32)
             if softplus:
-                dt_row = _softplus(dt_row)
+                dt_row = mc.softplus(dt_row)
             dt_col = _row_to_col(dt_row)  # [Pdt|Pb, 1]
             x_col = _row_to_col(x_row)  # [P, 1]
             dA = jnp.exp(A_ref[...].astype(f32) * dt_col)
@@ -565,51 +469,36 @@ def _ssu_tpu(a: _SSUArgs, interpret):
 # --------------------------------------------------------------------------- #
 
 
-def _gpu_impl():
-    """The GPU implementation of selective_state_update.
+@dataclasses.dataclass(frozen=True)
+class SSUConfig:
+    """Tuning knobs of the GPU kernel (a static argument; defaults suit an H100).
 
-    Pallas-Triton (``jax.experimental.pallas.triton``): one program per (sequence,
-    head, block of ``dim``) with masked loads/stores, the structure of vLLM's Triton
-    kernel with larger blocks (``_SSU_GPU_TILE_ELEMS``). Chosen because it is the
-    simplest correct lowering for a gather/scatter by row index with no tensor-core
-    work, and it measures at 90% of the H100's copy bandwidth at batch 256 (5.7x
-    torch, 2x plain XLA; BENCHMARKS.md). Mosaic GPU was not tried for this kernel:
-    in JAX 0.11.2 it no longer lowers through ``pl.pallas_call`` and ``plgpu.kernel``
-    takes no ``input_output_aliases`` (see ``pallas_kernels.kv_write.gpu_compiler_params``),
-    so updating the state pool in place needs JAX's Ref-based kernel API. Triton is
-    deprecated in JAX 0.11 (still shipped in 0.11.2); to switch lowering, replace
-    this function.
+    A program holds ``[block_m, pow2(dstate)]`` of one head's state.
+
+    Attributes:
+      gpu_tile_elems: ``block_m * pow2(dstate)`` aims at this many elements.
+      gpu_block_m: a fixed ``block_m`` instead of the rule.
+      gpu_num_warps: warps per program.
+      gpu_eviction: eviction policy of the state row loads and stores (None: default).
     """
-    return _ssu_gpu_triton
+
+    gpu_tile_elems: int = 4096
+    gpu_block_m: int | None = None
+    gpu_num_warps: int = 4
+    gpu_eviction: str | None = None
 
 
-def _ssu_gpu(a: _SSUArgs, interpret: bool):
-    return _gpu_impl()(a, interpret)
-
-
-# GPU tiles: a program holds [BM, dstate] of one head's state, BM * pow2(dstate)
-# close to this many float32 elements (16 KiB), so each thread of 4 warps keeps
-# 32 elements (eight 16-byte loads) in flight. vLLM's BLOCK_SIZE_M (4 at dstate
-# 128), which the first version used, gives half a million 2 KiB programs at
-# batch 256. Measured on an H100 (benchmarks/bench_kernels.py, 128 heads x 64 x
-# 128, fp32 state, batch 256): BM=4 920 us (70% of copy bandwidth), 8: 783,
-# 16: 724, 32: 714 (90%), 64: 709-711; batch 1: 13 us vs 14.7 for BM=4.
-_SSU_GPU_TILE_ELEMS = 4096
-# Benchmark overrides (None: the rules here); benchmarks/bench_kernels.py sets them.
-_SSU_GPU_BLOCK_M: int | None = None
-_SSU_GPU_NUM_WARPS: int | None = None
-_SSU_GPU_EVICTION: str | None = None  # eviction policy of the state row loads and stores
-
-
-def _ssu_gpu_tile(P: int, Ns: int) -> tuple[int, int]:
+def _ssu_gpu_tile(P: int, Ns: int, cfg: SSUConfig) -> tuple[int, int]:
     """(BM, num_warps) for the GPU kernel."""
-    bm = _SSU_GPU_BLOCK_M or max(1, _SSU_GPU_TILE_ELEMS // _pow2(Ns))
-    bm = min(bm, _pow2(P))
-    return bm, _SSU_GPU_NUM_WARPS or 4
+    bm = cfg.gpu_block_m or max(1, cfg.gpu_tile_elems // mc.pow2(Ns))
+    bm = min(bm, mc.pow2(P))
+    return bm, cfg.gpu_num_warps
 
 
-def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
-    pltr = _triton()
+@_backend.register(OP_SSU, "gpu")
+def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
+    """Pallas GPU kernel: one program per (sequence, head, block of ``dim``), masked
+    loads/stores (the structure of vLLM's Triton kernel, with larger blocks)."""
     state = a.state
     L, H, P, Ns = state.shape
     T = a.x.shape[0]
@@ -619,9 +508,9 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
     Wd = a.dst.shape[1]
     if N == 0 or T == 0:
         return jnp.zeros(a.x.shape, a.x.dtype), state
-    BM, num_warps = _ssu_gpu_tile(P, Ns)
-    evict = _SSU_GPU_EVICTION
-    BN = _pow2(Ns)
+    BM, num_warps = _ssu_gpu_tile(P, Ns, config)
+    evict = config.gpu_eviction
+    BN = mc.pow2(Ns)
     Pdt = a.dt.shape[2]
     _, Pa, Na = a.A.shape
     has_D, has_bias, has_z = a.D is not None, a.dt_bias is not None, a.z is not None
@@ -673,20 +562,20 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
         def load_vec(ref, t, width):
             # row [t, h, :] of a [T, H, width] array, width in {1, P}
             if width == 1:
-                return pltr.load(ref.at[t, h, pl.ds(0, 1)]).astype(f32)
-            return pltr.load(ref.at[t, h, ds_m], mask=mask_m, other=0.0).astype(f32)
+                return _backend.triton.load(ref.at[t, h, pl.ds(0, 1)]).astype(f32)
+            return _backend.triton.load(ref.at[t, h, ds_m], mask=mask_m, other=0.0).astype(f32)
 
         def load_head_vec(ref, width):
             if width == 1:
-                return pltr.load(ref.at[h, pl.ds(0, 1)]).astype(f32)
-            return pltr.load(ref.at[h, ds_m], mask=mask_m, other=0.0).astype(f32)
+                return _backend.triton.load(ref.at[h, pl.ds(0, 1)]).astype(f32)
+            return _backend.triton.load(ref.at[h, ds_m], mask=mask_m, other=0.0).astype(f32)
 
         if Pa == 1 and Na == 1:
-            A = pltr.load(A_ref.at[h, pl.ds(0, 1), pl.ds(0, 1)]).astype(f32)
+            A = _backend.triton.load(A_ref.at[h, pl.ds(0, 1), pl.ds(0, 1)]).astype(f32)
         else:
             am = (mask_m if Pa > 1 else jnp.ones((1,), bool))[:, None] & (
                 mask_n if Na > 1 else jnp.ones((1,), bool))[None, :]
-            A = pltr.load(A_ref.at[h, ds_m if Pa > 1 else pl.ds(0, 1),
+            A = _backend.triton.load(A_ref.at[h, ds_m if Pa > 1 else pl.ds(0, 1),
                                     ds_n if Na > 1 else pl.ds(0, 1)],
                           mask=am, other=0.0).astype(f32)
         D = load_head_vec(D_ref, D_ref.shape[1]) if has_D else None
@@ -695,14 +584,14 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
         src_ok = srcok_ref[b] != 0
 
         def read_state():
-            v = pltr.load(state_ref.at[src_ref[b], h, ds_m, ds_n], mask=mask2, other=0.0,
+            v = _backend.triton.load(state_ref.at[src_ref[b], h, ds_m, ds_n], mask=mask2, other=0.0,
                           eviction_policy=evict)
             return v.astype(f32)
 
         h0 = jax.lax.cond(src_ok, read_state, lambda: jnp.zeros((BM, BN), f32))
 
         def write_state(row, val):
-            pltr.store(state_ref.at[row, h, ds_m, ds_n], val.astype(state_ref.dtype), mask=mask2,
+            _backend.triton.store(state_ref.at[row, h, ds_m, ds_n], val.astype(state_ref.dtype), mask=mask2,
                        eviction_policy=evict)
 
         t0 = bos_ref[b]
@@ -715,10 +604,10 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
             if has_bias:
                 dt = dt + bias
             if softplus:
-                dt = _softplus(dt)
+                dt = mc.softplus(dt)
             dA = jnp.exp(A * dt[:, None])
-            Bv = pltr.load(B_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
-            Cv = pltr.load(C_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
+            Bv = _backend.triton.load(B_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
+            Cv = _backend.triton.load(C_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
             hn = hc * dA + (Bv[None, :] * dt[:, None]) * x[:, None]
             if per_token:
                 @pl.when(i < Wd)
@@ -734,7 +623,7 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
             if has_z:
                 zz = load_vec(z_ref, t, P)
                 y = y * (zz * jax.nn.sigmoid(zz))
-            pltr.store(out_ref.at[t, h, ds_m], y.astype(out_ref.dtype), mask=mask_m)
+            _backend.triton.store(out_ref.at[t, h, ds_m], y.astype(out_ref.dtype), mask=mask_m)
             return hn
 
         # Without cu_seqlens every sequence is one token: no loop.
@@ -750,19 +639,10 @@ def _ssu_gpu_triton(a: _SSUArgs, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct(a.x.shape, a.x.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={n_in - 2: 0, n_in - 1: 1} if zero_out else {n_in - 1: 1},
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=_backend.gpu_compiler_params(num_warps),
         interpret=interpret,
     )(*inputs)
     return out, state
-
-
-@functools.partial(jax.jit, static_argnames=("flavor", "interpret"))
-def _dispatch(args: _SSUArgs, *, flavor: str, interpret: bool):
-    if flavor == "reference":
-        return _ssu_reference(args)
-    if flavor == "tpu":
-        return _ssu_tpu(args, Choice("tpu", interpret).tpu_interpret_params())
-    return _ssu_gpu(args, interpret)
 
 
 # --------------------------------------------------------------------------- #
@@ -774,6 +654,7 @@ def selective_state_update(
     state, x, dt, A, B, C, D=None, dt_bias=None, z=None, dt_softplus=False,
     state_batch_indices=None, dst_state_batch_indices=None, null_block_id=NULL_BLOCK_ID,
     num_accepted_tokens=None, cu_seqlens=None, *, backend="auto", interpret=None,
+    config: SSUConfig = SSUConfig(),
 ):
     """One SSM recurrence step per token, reading and writing a pool of states.
 
@@ -833,15 +714,18 @@ def selective_state_update(
 
     Args:
       backend, interpret: see :mod:`pallas_kernels._backend`.
+      config: :class:`SSUConfig` GPU tuning knobs (static).
 
     Returns:
       ``(out, state)``: ``out`` shaped like ``x``; the updated state pool.
     """
+    choice = _backend.choose(OP_SSU, backend, interpret)
+    if not isinstance(config, SSUConfig):
+        raise ValueError(f"config must be an SSUConfig, got {config!r}")
     args = _normalize(state, x, dt, A, B, C, D, dt_bias, z, dt_softplus,
                       state_batch_indices, dst_state_batch_indices, null_block_id,
                       num_accepted_tokens, cu_seqlens)
-    choice = resolve(backend, interpret)
-    out, new_state = _dispatch(args, flavor=choice.flavor, interpret=choice.interpret)
+    out, new_state = _backend.run(OP_SSU, choice, args, config=config)
     if not args.has_heads:
         out = out[:, 0]
         new_state = new_state.reshape(state.shape)

@@ -56,7 +56,7 @@ Implementations (picked by :func:`pallas_kernels._backend.resolve`):
   and each written id is one DMA from an SMEM staging word issued under
   ``pl.when`` (a row that writes nothing issues nothing);
   ``logits_indices`` is an SMEM output resident for the whole grid.
-* GPU (Pallas Triton, see :func:`pallas_kernels.kv_write.gpu_compiler_params`):
+* GPU (Pallas Triton, see :func:`pallas_kernels._backend.gpu_compiler_params`):
   one program per batch row; masked vector stores for the logits rows and
   the drafts, a one-lane masked store for the last sampled token;
   ``input_ids`` and a zero-filled ``logits_indices`` are aliased to the outputs.
@@ -67,18 +67,16 @@ returned ids, so a caller that donates it gets the update in place.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import contract as validation
 from pallas_kernels import _backend
-from pallas_kernels.kv_write import gpu_compiler_params
+
+OP_COMBINE = "combine_sampled_and_draft_tokens"
 
 __all__ = [
     "combine_sampled_and_draft_tokens",
@@ -131,8 +129,10 @@ def _row_terms(s_raw, cs, ce, qs, qe, seq_len, prefill_at, *, max_num_reqs, num_
 # --------------------------------------------------------------------------
 
 
+@_backend.register(OP_COMBINE, "reference")
 def _reference(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
-               num_logits, num_new):
+               num_logits, num_new, interpret):
+    del interpret
     R, T = idx.shape[0], input_ids.shape[0]
     S = drafts.shape[1]
     qe = qsl[1 : R + 1]
@@ -172,8 +172,9 @@ def _reference(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
 # --------------------------------------------------------------------------
 
 
+@_backend.register(OP_COMBINE, "tpu")
 def _tpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
-         num_logits, num_new, interpret_params):
+         num_logits, num_new, interpret):
     R, T = idx.shape[0], input_ids.shape[0]
     max_num_reqs, S = drafts.shape
     lanes = S + num_new  # ids (and logits rows) a row can write
@@ -247,7 +248,7 @@ def _tpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
         input_output_aliases={len(prefetch): 0},
         # logits_indices is zeroed by step 0 and accumulated by later steps.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=interpret_params,
+        interpret=interpret,
         name="combine_sampled_and_draft_tokens_tpu",
     )
     return call(*prefetch, input_ids)
@@ -258,6 +259,7 @@ def _tpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
 # --------------------------------------------------------------------------
 
 
+@_backend.register(OP_COMBINE, "gpu")
 def _gpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
          num_logits, num_new, interpret):
     R, T = idx.shape[0], input_ids.shape[0]
@@ -284,15 +286,15 @@ def _gpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
         base = jnp.where(ok, start, 0)
         first_logit = jnp.where(ok, cu_ref[b], 0)
         lane = jnp.arange(lanes, dtype=jnp.int32)
-        plt.store(li_ref.at[pl.ds(first_logit, lanes)], base + lane, mask=ok & (lane < nl))
+        _backend.triton.store(li_ref.at[pl.ds(first_logit, lanes)], base + lane, mask=ok & (lane < nl))
         if num_new:
             one = jnp.arange(1, dtype=jnp.int32)
-            token = plt.load(last_ref.at[pl.ds(s, 1)])
-            plt.store(ids_ref.at[pl.ds(base, 1)], token, mask=write_last & (one == 0))
+            token = _backend.triton.load(last_ref.at[pl.ds(s, 1)])
+            _backend.triton.store(ids_ref.at[pl.ds(base, 1)], token, mask=write_last & (one == 0))
         if S:
             j = jnp.arange(draft_lanes, dtype=jnp.int32)
-            tokens = plt.load(drafts_ref.at[s, pl.ds(0, draft_lanes)], mask=j < S, other=0)
-            plt.store(
+            tokens = _backend.triton.load(drafts_ref.at[s, pl.ds(0, draft_lanes)], mask=j < S, other=0)
+            _backend.triton.store(
                 ids_ref.at[pl.ds(base + num_new, draft_lanes)],
                 tokens,
                 mask=decode & (j < nl - num_new),
@@ -306,7 +308,7 @@ def _gpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
         ),
         grid=(R,),
         input_output_aliases={7: 0, 8: 1},
-        compiler_params=gpu_compiler_params(),
+        compiler_params=_backend.gpu_compiler_params(),
         interpret=interpret,
         name="combine_sampled_and_draft_tokens_gpu",
     )
@@ -317,28 +319,6 @@ def _gpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
 # --------------------------------------------------------------------------
 # Dispatch and public API
 # --------------------------------------------------------------------------
-
-
-@functools.partial(
-    jax.jit, static_argnames=("num_logits", "num_new", "flavor", "interpret")
-)
-def _combine(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
-             num_logits, num_new, flavor, interpret):
-    i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
-    idx, qsl, seq_lens, prefill_len, cu = map(i32, (idx, qsl, seq_lens, prefill_len, cu))
-    last = i32(last).reshape(-1)
-    drafts = i32(drafts)
-    args = (input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu)
-    # Nothing to launch: no rows, no logits (then no live row is well formed
-    # with nl > 0, so nothing is written), or no tokens.
-    if idx.shape[0] == 0 or num_logits == 0 or input_ids.shape[0] == 0:
-        return input_ids, jnp.zeros((num_logits,), jnp.int32)
-    if flavor == "reference":
-        return _reference(*args, num_logits=num_logits, num_new=num_new)
-    if flavor == "tpu":
-        params = _backend.Choice("tpu", interpret).tpu_interpret_params()
-        return _tpu(*args, num_logits=num_logits, num_new=num_new, interpret_params=params)
-    return _gpu(*args, num_logits=num_logits, num_new=num_new, interpret=interpret)
 
 
 def _check(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, num_logits, num_new):
@@ -447,14 +427,19 @@ def combine_sampled_and_draft_tokens(
         an out-of-range ``idx_mapping`` value (other than -1), decreasing
         offsets, or a malformed live row.
     """
-    choice = _backend.resolve(backend, interpret)
+    choice = _backend.choose(OP_COMBINE, backend, interpret)
     _check(input_ids, idx_mapping, last_sampled_tokens, query_start_loc, seq_lens,
            prefill_len, draft_tokens, cu_num_logits, num_logits, num_new_sampled_tokens)
-    return _combine(
-        input_ids, idx_mapping, last_sampled_tokens, query_start_loc, seq_lens, prefill_len,
-        draft_tokens, cu_num_logits,
-        num_logits=int(num_logits), num_new=int(num_new_sampled_tokens),
-        flavor=choice.flavor, interpret=choice.interpret,
+    num_logits = int(num_logits)
+    # Nothing to launch: no rows, no logits (then no live row is well formed
+    # with nl > 0, so nothing is written), or no tokens.
+    if np.shape(idx_mapping)[0] == 0 or num_logits == 0 or np.shape(input_ids)[0] == 0:
+        return jnp.asarray(input_ids), jnp.zeros((num_logits,), jnp.int32)
+    i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
+    return _backend.run(
+        OP_COMBINE, choice, input_ids, i32(idx_mapping), i32(last_sampled_tokens).reshape(-1),
+        i32(query_start_loc), i32(seq_lens), i32(prefill_len), i32(draft_tokens),
+        i32(cu_num_logits), num_logits=num_logits, num_new=int(num_new_sampled_tokens),
     )
 
 
