@@ -19,6 +19,7 @@ OPS = (
     "reshape_and_cache_flash",
     "selective_scan_varlen",
     "selective_state_update",
+    "write_kv_pages",
     "zero_blocks",
 )
 CONFIGS = ("ConvConfig", "KVWriteConfig", "SSUConfig", "ZeroBlocksConfig")
@@ -35,6 +36,9 @@ def _calls():
             np.zeros((2, 2, 1, 2), f32), np.array([2], np.int32), backend="reference"),
         "concat_and_cache_mla": lambda f: f(
             one((1, 2), f32), one((1, 1), f32), np.zeros((2, 2, 3), f32),
+            np.array([2], np.int32), backend="reference"),
+        "write_kv_pages": lambda f: f(
+            one((1, 1, 2), f32), one((1, 1, 2), f32), np.zeros((2, 2, 2, 2), f32),
             np.array([2], np.int32), backend="reference"),
         "zero_blocks": lambda f: f([one((2, 2), f32)], idx, backend="reference"),
         "selective_state_update": lambda f: f(
