@@ -34,7 +34,7 @@ from kvjax.spec import KVGroupSpec, cdiv
 from pallas_kernels import zero_blocks
 from kvjax.state import (
     BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch, expand_to_kernel_blocks,
-    gather_index, is_real_row,
+    gather_index,
 )
 
 
@@ -253,8 +253,8 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
         num_tokens_padded=bucket.num_tokens, num_logits_padded=bucket.num_logits,
         backend=config.backend,
     )
-    valid = is_real_row(sched.idx_mapping, req.max_num_reqs)
-    safe = gather_index(sched.idx_mapping, req.max_num_reqs)
+    valid = batch.row_valid
+    safe = gather_index(batch.idx_mapping, req.max_num_reqs)
     if k:
         state_indices = inp.state_indices
         num_accepted = jnp.where(valid, req.num_accepted_tokens[safe], 1)
@@ -266,7 +266,8 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
         )
     ndraft = jnp.where(valid, sched.num_draft_tokens, 0)
     sampled, num_sampled = _greedy_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k)
-    req = req.post_update(sched.idx_mapping, sched.num_scheduled_tokens, sampled, num_sampled)
+    # The batch's rows: a row the bucket could not hold is padding there, and here.
+    req = req.post_update(batch.idx_mapping, jnp.diff(batch.query_start_loc), sampled, num_sampled)
     out = (sampled, num_sampled, logits)
     return DeviceState(requests=req, tables=tables, caches=caches), out
 

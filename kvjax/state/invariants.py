@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
 from kvjax.state.block_tables import BlockTables, _slot_mapping_and_faults
-from kvjax.state.padding import is_real_slot
+from kvjax.state.padding import gather_index, is_real_slot, token_rows
 from kvjax.state.step_batch import StepBatch
 
 
@@ -34,10 +34,20 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
     request rows are NULL (tables), 0 (seq_lens) and empty (query_start_loc
     repeats); query_start_loc is non-decreasing from 0; no two real tokens
     share a slot; no real slot lands in block 0; no slot is beyond the table's
-    reach; table entries are never negative; logits rows point at real tokens.
+    reach; table entries are never negative; logits rows point at real tokens of
+    their own row; a row without tokens has no logits; ``idx_mapping`` holds
+    request rows or ``PAD_ROW_ID``; the tokens fit the bucket.
     """
     pad_tok = ~batch.token_valid
     pad_req = ~batch.row_valid
+    qsl, cu = batch.query_start_loc, batch.cu_num_logits
+    R, L = batch.num_reqs_padded, batch.num_logits_padded
+    # Logits row l belongs to batch row token_rows(cu)[l] and must point into that row's query.
+    lrow = token_rows(cu, L)
+    lrow_safe = gather_index(lrow, R)
+    inside = (lrow < R) & (qsl[lrow_safe] <= batch.logits_indices) & (
+        batch.logits_indices < qsl[lrow_safe + 1]
+    )
     out = {
         "pad_token_slot_not_PAD": jnp.any(pad_tok[None, :] & (batch.slot_mappings != PAD_SLOT_ID)),
         "pad_token_id_or_position_nonzero": jnp.any(
@@ -50,6 +60,10 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
         "logits_index_not_real_token": jnp.any(
             batch.logits_valid & (batch.logits_indices >= batch.num_tokens)
         ),
+        "logits_index_outside_its_row": jnp.any(batch.logits_valid & ~inside),
+        "row_without_tokens_has_logits": jnp.any((jnp.diff(qsl) == 0) & (jnp.diff(cu) != 0)),
+        "idx_mapping_neither_row_nor_PAD": jnp.any(pad_req & (batch.idx_mapping != PAD_ROW_ID)),
+        "tokens_exceed_bucket": (qsl[R] > batch.num_tokens_padded) | (batch.num_tokens != qsl[R]),
     }
     pad_row_table, neg_table, dup, null_slot = [], [], [], []
     for g, spec in enumerate(specs):

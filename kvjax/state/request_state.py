@@ -244,6 +244,7 @@ def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):
     ``xp`` is the array module (``numpy`` on the host, ``jax.numpy`` on the device);
     arguments are ints or int arrays of one shape. With ``seq_len = num_computed + query_len``:
 
+    * a row with no tokens (``query_len <= 0``) does not move;
     * mid-prefill chunk (``seq_len < prefill_len``): nothing is sampled;
     * otherwise ``num_drafts = query_len - 1`` for a decode window
       (``num_computed >= prefill_len``), 0 for the chunk that finishes prefill, and the
@@ -252,11 +253,12 @@ def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):
     Returns ``(num_sampled_kept, new_num_computed)``; the kept sampled tokens are
     appended to the request.
     """
+    idle = query_len <= 0
     mid_prefill = num_computed + query_len < prefill_len
-    kept = xp.where(mid_prefill, 0, num_sampled)
+    kept = xp.where(mid_prefill | idle, 0, num_sampled)
     num_drafts = xp.where(num_computed >= prefill_len, xp.maximum(query_len - 1, 0), 0)
     num_rejected = xp.where(mid_prefill, 0, 1 + num_drafts - kept)
-    return kept, num_computed + query_len - num_rejected
+    return kept, xp.where(idle, num_computed, num_computed + query_len - num_rejected)
 
 
 @struct.dataclass

@@ -1,16 +1,16 @@
 """The per-step batch: every array a model step reads, padded to a bucket.
 
-:func:`build_step_batch` is the one function that applies the padding rules
-(vLLM semantics, sections 5-6 and rules 5, 6, 9, 10, 12); the runner's real
-steps, its dummy steps and its precompile all go through it.
+:func:`build_step_batch` is the one function that applies the padding rules;
+the runner's real steps, its dummy steps and its precompile all go through it.
 
 Padding, for a bucket of ``T`` tokens, ``R`` request rows and ``L`` logits:
 
 * pad tokens (``t >= num_tokens``): ``input_ids = 0``, ``positions = 0``,
   ``slot_mappings = PAD_SLOT_ID`` in every group;
-* pad request rows (``idx_mapping = -1``): query length 0 (``query_start_loc``
-  repeats the token count), ``seq_lens = 0``, block-table row all
-  ``NULL_BLOCK_ID``, no logits;
+* pad request rows (``idx_mapping = PAD_ROW_ID`` in the batch; under ``jit`` also
+  every row the schedule cannot hold, see :func:`_real_rows`): query length 0
+  (``query_start_loc`` repeats the token count), ``seq_lens = 0``, block-table
+  row all ``NULL_BLOCK_ID``, no logits;
 * logits rows past the real count: ``logits_indices = 0`` and
   ``logits_valid = False`` (their samples are never used).
 """
@@ -81,7 +81,8 @@ class StepBatch:
       num_computed_tokens: int32 ``[R]`` K/V already cached before this step.
       is_prefilling: bool ``[R]`` the row still feeds prompt tokens
         (``num_computed < prefill_len``).
-      idx_mapping: int32 ``[R]`` request row of each batch row, ``-1`` = padding.
+      idx_mapping: int32 ``[R]`` request row of each batch row, ``PAD_ROW_ID`` for
+        every padding row.
       block_tables: per group, int32 ``[R, width_g]``.
       slot_mappings: int32 ``[num_groups, T]``.
       logits_indices: int32 ``[L]`` token index of each logits row.
@@ -163,10 +164,9 @@ def build_step_batch(
     L = num_logits_padded
     validate_schedule(requests, sched, num_tokens_padded=T, num_logits_padded=L)
 
-    valid = is_real_row(idx, requests.max_num_reqs)
+    valid, qlen, ndraft = _real_rows(requests, sched, T, L)
+    idx = jnp.where(valid, idx, PAD_ROW_ID)
     s = gather_index(idx, requests.max_num_reqs)
-    qlen = jnp.where(valid, jnp.asarray(sched.num_scheduled_tokens, jnp.int32), 0)
-    ndraft = jnp.where(valid, jnp.asarray(sched.num_draft_tokens, jnp.int32), 0)
     zero = jnp.zeros((1,), jnp.int32)
     qsl = jnp.concatenate([zero, jnp.cumsum(qlen, dtype=jnp.int32)])
     num_tokens = qsl[R]
@@ -223,6 +223,26 @@ def build_step_batch(
         num_logits_padded=L,
         max_num_reqs=requests.max_num_reqs,
     )
+
+
+def _real_rows(requests: RequestState, sched: ScheduledBatch, T: int, L: int):
+    """Which batch rows are real, with their query lengths and draft counts (0 elsewhere).
+
+    A row is padding unless its ``idx_mapping`` names a request row, it has at least
+    one token and ``0 .. num_speculative_tokens`` drafts, and its tokens and logits fit
+    the bucket (a row past ``T`` tokens or ``L`` logits, and every row after it, is
+    padding). A scheduled row with 0 tokens is padding: it computes nothing and has no
+    logits. Concrete schedules that break the other rules are rejected before
+    (:func:`validate_schedule`); under ``jit`` this is the mask.
+    """
+    q = jnp.asarray(sched.num_scheduled_tokens, jnp.int32)
+    d = jnp.asarray(sched.num_draft_tokens, jnp.int32)
+    valid = is_real_row(jnp.asarray(sched.idx_mapping), requests.max_num_reqs)
+    valid &= (q > 0) & (d >= 0) & (d <= requests.num_speculative_tokens)
+    q = jnp.where(valid, q, 0)
+    nlog = jnp.where(valid, 1 + d, 0)
+    valid &= (jnp.cumsum(q) <= T) & (jnp.cumsum(nlog) <= L)  # a prefix of the rows fits
+    return valid, jnp.where(valid, q, 0), jnp.where(valid, d, 0)
 
 
 def dummy_step_batch(

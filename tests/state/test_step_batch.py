@@ -121,3 +121,49 @@ def test_invariant_checks_catch_planted_violations_eagerly_and_under_checkify():
             err.throw()
     err, _ = jax.jit(checkify.checkify(lambda x: kvjax.checkify_step_batch(x, SPECS)))(b)
     err.throw()
+
+
+JIT_BUILD = jax.jit(functools.partial(build_step_batch, num_tokens_padded=8, num_logits_padded=6))
+
+
+def assert_batches_equal(got, want):
+    for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "rows, q, d, build",
+    [
+        # Issue 10 item 5: a row past max_num_reqs used to read the last real row's tokens.
+        ([0, 4], [3, 2], [2, 0], JIT_BUILD),
+        ([0, 2**20], [3, 2], [2, 0], JIT_BUILD),
+        # T=4 holds row 0's 3 tokens only: row 2 (2 more) is padding, not a clipped row.
+        ([0, 2], [3, 2], [2, 0], jax.jit(functools.partial(build_step_batch, num_tokens_padded=4, num_logits_padded=6))),
+        # L=3 holds row 0's 3 logits only.
+        ([0, 2], [3, 2], [2, 0], jax.jit(functools.partial(build_step_batch, num_tokens_padded=8, num_logits_padded=3))),
+        # Negative counts, and more drafts than the state holds.
+        ([0, 2], [3, -2], [2, 0], JIT_BUILD),
+        ([0, 2], [3, 3], [2, 5], JIT_BUILD),
+    ],
+)
+def test_rows_the_schedule_cannot_hold_are_padding_under_jit(rows, q, d, build):
+    s, t = make_state()
+    got = build(s, t, ScheduledBatch.from_lists(rows, q, d, pad_to=4))
+    want = build(s, t, ScheduledBatch.from_lists(rows[:1], q[:1], d[:1], pad_to=4))
+    assert_batches_equal(got, want)
+    np.testing.assert_array_equal(got.idx_mapping, [0, -1, -1, -1])
+    kvjax.assert_step_batch(got, SPECS)
+
+
+def test_a_row_scheduled_with_no_tokens_is_padding():
+    # Row 2 is mid-prefill and scheduled with 0 tokens: its logits row used to be valid,
+    # pointing at row 0's token 0.
+    s, t = make_state()
+    eager = functools.partial(build_step_batch, num_tokens_padded=8, num_logits_padded=6)
+    want = eager(s, t, ScheduledBatch.from_lists([0], [3], [2], pad_to=4))
+    for build in (JIT_BUILD, eager):
+        b = build(s, t, ScheduledBatch.from_lists([0, 2], [3, 0], [2, 0], pad_to=4))
+        assert_batches_equal(b, want)
+        np.testing.assert_array_equal(b.cu_num_logits, [0, 3, 3, 3, 3])
+        np.testing.assert_array_equal(b.logits_valid, [True] * 3 + [False] * 3)
+        kvjax.assert_step_batch(b, SPECS)

@@ -1,0 +1,117 @@
+"""The invariant checker: each rule fires on the batch or table that breaks it, and only then."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import kvjax
+import kvjax.state.step_batch as step_batch_module
+from kvjax import BlockTables, KVGroupSpec, RequestState, ScheduledBatch, build_step_batch
+from kvjax.state import (
+    assert_block_tables, block_table_violations, checkify_slot_mapping_inputs, free_rows_are_empty,
+    step_batch_violations,
+)
+
+SPECS = (KVGroupSpec(block_size=4, max_num_blocks=4), KVGroupSpec(block_size=8, max_num_blocks=2, kernel_block_size=4))
+
+
+def make_state():
+    """4 rows. Row 0 decodes (2 drafts), row 2 is mid-prefill (4 of 6 computed)."""
+    s = RequestState.create(4, 16, num_speculative_tokens=2)
+    s = s.add_request(2, [11, 12, 13, 14, 15, 16], num_computed_tokens=4)
+    s = s.add_request(0, [21, 22, 23], num_computed_tokens=3)
+    s = s.set_draft_tokens(np.array([0]), np.array([[31, 32]]))
+    t = BlockTables.create(SPECS, 4, num_cache_blocks=32)
+    t = t.append_block_ids(2, [[5, 6], [7]], overwrite=True)
+    t = t.append_block_ids(0, [[9, 10], [11]], overwrite=True)
+    return s, t
+
+
+def _old_real_rows(requests, sched, T, L):
+    """The padding rule as it was before issue 10 item 5: only -1 made a row padding."""
+    q = jnp.asarray(sched.num_scheduled_tokens, jnp.int32)
+    d = jnp.asarray(sched.num_draft_tokens, jnp.int32)
+    valid = jnp.asarray(sched.idx_mapping) >= 0
+    return valid, jnp.where(valid, q, 0), jnp.where(valid, d, 0)
+
+
+def violated(batch):
+    return sorted(k for k, v in step_batch_violations(batch, SPECS).items() if bool(v))
+
+
+@pytest.mark.parametrize(
+    "rows, q, d, T, L, rules",
+    [
+        ([0, 4], [3, 2], [2, 0], 8, 6, ["idx_mapping_neither_row_nor_PAD", "pad_row_has_tokens"]),
+        ([0, 2], [3, 2], [2, 0], 4, 6, ["tokens_exceed_bucket"]),
+        ([0, 2], [3, 0], [2, 0], 8, 6, ["logits_index_outside_its_row", "row_without_tokens_has_logits"]),
+    ],
+)
+def test_the_checker_flags_each_batch_the_old_padding_rule_built(monkeypatch, rows, q, d, T, L, rules):
+    s, t = make_state()
+    sched = ScheduledBatch.from_lists(rows, q, d, pad_to=4)
+    build = functools.partial(build_step_batch, num_tokens_padded=T, num_logits_padded=L)
+    good = jax.jit(build)(s, t, sched)
+    assert violated(good) == []
+    monkeypatch.setattr(step_batch_module, "_real_rows", _old_real_rows)
+    bad = jax.jit(lambda *a: build(*a))(s, t, sched)  # a fresh function: a fresh trace
+    assert set(rules) <= set(violated(bad)), violated(bad)
+    with pytest.raises(AssertionError, match=rules[0]):
+        kvjax.assert_step_batch(bad, SPECS)
+
+
+def test_a_logits_row_pointing_into_another_row_is_flagged():
+    s, t = make_state()
+    b = build_step_batch(s, t, ScheduledBatch.from_lists([0, 2], [3, 2], [2, 0], pad_to=4),
+                         num_tokens_padded=8, num_logits_padded=6)
+    assert violated(b) == []
+    bad = b.replace(logits_indices=b.logits_indices.at[3].set(0))  # row 2's logits -> row 0's token 0
+    assert violated(bad) == ["logits_index_outside_its_row"]
+
+
+def test_block_table_rules_fire_one_at_a_time():
+    t = BlockTables.create(SPECS, 4, num_cache_blocks=32).append_block_ids(1, [[3], [4]], overwrite=True)
+    assert not any(bool(v) for v in block_table_violations(t).values())
+    assert_block_tables(t)
+    planted = {
+        "entry_past_live_length_not_NULL": t.replace(tables=(t.tables[0].at[1, 2].set(7), t.tables[1])),
+        "negative_block_table_entry": t.replace(tables=(t.tables[0].at[1, 0].set(-1), t.tables[1])),
+        "live_length_exceeds_width": t.replace(num_blocks=t.num_blocks.at[0, 1].set(5)),
+    }
+    for rule, bad in planted.items():
+        got = [k for k, v in block_table_violations(bad).items() if bool(v)]
+        assert rule in got, (rule, got)
+        with pytest.raises(AssertionError, match=rule):
+            assert_block_tables(bad)
+
+
+def test_free_rows_are_empty():
+    t = BlockTables.create(SPECS, 4).append_block_ids(1, [[3], [4]], overwrite=True)
+    assert bool(free_rows_are_empty(t, [0, 2, 3]))
+    assert bool(free_rows_are_empty(t, []))
+    assert not bool(free_rows_are_empty(t, [1]))
+    assert not bool(free_rows_are_empty(t.replace(num_blocks=t.num_blocks.at[1, 2].set(1)), [2]))
+
+
+def test_checkify_slot_mapping_inputs_reports_each_fault():
+    table = np.array([[1, 2, 0]], np.int32)  # row 0 holds blocks 1, 2; column 2 unallocated
+
+    def run(qsl, positions, T=4):
+        f = jax.jit(checkify.checkify(functools.partial(
+            checkify_slot_mapping_inputs, block_size=4, num_tokens_padded=T)))
+        err, _ = f(table, np.array([0], np.int32), np.array(qsl, np.int32), np.array(positions, np.int32))
+        return err
+
+    run([0, 2], [6, 7, 0, 0]).throw()  # block 2: fine
+    for qsl, positions, T, match in [
+        ([0, 2], [8, 9, 0, 0], 4, "NULL_BLOCK_ID"),  # column 2 is the null block
+        ([0, 2], [12, 13, 0, 0], 4, "outside the block table"),
+        ([1, 2], [6, 7, 0, 0], 4, r"query_start_loc\[0\] must be 0"),
+        ([0, 5], [6, 7, 0, 0, 0], 4, "exceeds num_tokens_padded"),
+    ]:
+        with pytest.raises(checkify.JaxRuntimeError, match=match):
+            run(qsl, positions, T).throw()
