@@ -163,6 +163,8 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> 
         f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within {logits_tolerance(config.kv_cache_dtype):g})",
         f"NaN count               {report.nan_count}",
     ]
+    if config.kv_layout != "flash":
+        lines.insert(1, f"KV layout               {config.kv_layout}")
     if config.num_speculative_tokens:
         lines.insert(-2, f"draft tokens accepted   {report.drafts_accepted}/{report.drafts_proposed}")
     print("\n".join(lines), file=out)

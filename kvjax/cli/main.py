@@ -13,6 +13,7 @@ from kvjax.cli.demo import print_summary, serve
 from kvjax.cli.trace import run_trace
 from kvjax.cli.workload import WorkloadError, generate_workload, load_workload, validate_workload
 from kvjax.models import TinyHybridConfig
+from kvjax.models.caches import KV_LAYOUTS
 from kvjax.runner import RunnerConfig
 from kvjax.runner.serving import check_overlap_supported
 from kvjax.runner.memory import available_memory, check_fits, estimate_memory
@@ -42,6 +43,7 @@ def _demo(args, parser) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_speculative_tokens=args.num_spec_tokens,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_layout=args.kv_layout,
             backend=args.backend,
             seed=args.seed,
             poison=args.poison,
@@ -157,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the workload and the weights")
     demo.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                       help="KV cache storage: auto (float32) or fp8 (float8_e4m3fn)")
+    demo.add_argument("--kv-layout", choices=KV_LAYOUTS, default="flash",
+                      help="KV cache layout: flash (vLLM's key/value caches) or rpa (JAX's ragged paged "
+                           "attention: write_kv_pages + ragged_paged_attention)")
     demo.add_argument("--num-spec-tokens", type=_non_negative, metavar="N", default=0, help="n-gram draft tokens per step")
     demo.add_argument("--num-blocks", type=_positive, metavar="N", default=96, help="KV blocks incl. the null block")
     demo.add_argument("--block-size", type=_positive, metavar="N", default=8, help="tokens per KV block")

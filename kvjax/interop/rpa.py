@@ -36,7 +36,14 @@ from kvjax.state.block_tables import compute_slot_mapping
 from kvjax.state.padding import token_rows
 from pallas_kernels import contract as validation
 
-__all__ = ["RPAMetadata", "rpa_metadata", "rpa_metadata_from_batch", "rpa_positions", "rpa_slot_mapping"]
+__all__ = [
+    "RPAMetadata",
+    "rpa_batch_view",
+    "rpa_metadata",
+    "rpa_metadata_from_batch",
+    "rpa_positions",
+    "rpa_slot_mapping",
+]
 
 
 @struct.dataclass
@@ -170,8 +177,12 @@ def _check_metadata(m: RPAMetadata) -> None:
     validation.check_values_in_range("num_seqs", m.num_seqs, 0, r + 1)
 
 
-def _batch_view(m: RPAMetadata):
-    """``(idx_mapping, query_start_loc)`` of the real rows; rows past ``num_seqs`` padded."""
+def rpa_batch_view(m: RPAMetadata):
+    """The metadata as a kvjax batch: ``(idx_mapping, query_start_loc)``.
+
+    Row ``i < num_seqs`` is request row ``i``; rows past ``num_seqs`` are
+    ``PAD_ROW_ID`` with no tokens (``query_start_loc`` repeats ``cu_q_lens[num_seqs]``).
+    """
     r = m.kv_lens.shape[0]
     rows = jnp.arange(r, dtype=jnp.int32)
     n = jnp.asarray(m.num_seqs, jnp.int32)[0]
@@ -188,7 +199,7 @@ def rpa_positions(metadata: RPAMetadata, *, num_tokens: int) -> jax.Array:
     ``kv_lens[i] - q_len_i + k`` (the queries are the last ``q_len_i`` tokens).
     """
     _check_metadata(metadata)
-    idx, qsl = _batch_view(metadata)
+    idx, qsl = rpa_batch_view(metadata)
     r = idx.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.minimum(token_rows(qsl, num_tokens), max(r - 1, 0))  # gather index, masked
@@ -209,7 +220,7 @@ def rpa_slot_mapping(metadata: RPAMetadata, *, page_size: int, num_tokens: int) 
     """
     _check_page_size(page_size)
     positions = rpa_positions(metadata, num_tokens=num_tokens)
-    idx, qsl = _batch_view(metadata)
+    idx, qsl = rpa_batch_view(metadata)
     return compute_slot_mapping(
         jnp.asarray(metadata.page_indices, jnp.int32),
         idx,

@@ -13,9 +13,17 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
+
+from kvjax.interop.rpa import RPAMetadata, rpa_batch_view, rpa_metadata, rpa_positions
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
+from kvjax.state.padding import token_rows
+from pallas_kernels import _backend
+from pallas_kernels.kv_pages import write_kv_pages
 from pallas_kernels.kv_write import reshape_and_cache_flash
 
 # Score of a masked key: finite, so max() and exp() stay NaN-free even for a
@@ -64,7 +72,6 @@ def paged_attention(
     T, Hq, D = q.shape
     R, W = block_table.shape
     _, bs, Hkv, _ = key_cache.shape
-    G = Hq // Hkv
     S = W * bs
     real = token_row < R
     row = jnp.where(real, token_row, 0)  # gather index only, masked by `real`
@@ -80,18 +87,90 @@ def paged_attention(
         kv = cache[blocks].reshape(T, S, Hkv, D).astype(jnp.float32)
         if scale is not None:
             kv = kv * jnp.float32(scale)
-        return jnp.where(visible[:, :, None, None], kv, 0.0)
+        return kv
 
-    k = read(key_cache, k_scale)
-    v = read(value_cache, v_scale)
+    return masked_attention(
+        q, read(key_cache, k_scale), read(value_cache, v_scale), visible,
+        lambda s: s / jnp.sqrt(jnp.float32(D)),
+    )
+
+
+def masked_attention(q, k, v, visible, scale_scores) -> jax.Array:
+    """Softmax attention of each token over its own gathered keys, masked on values.
+
+    Args:
+      q: ``[T, Hq, D]``; k, v: float32 ``[T, S, Hkv, D]`` (token ``t``'s keys);
+        ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads kv head ``h // (Hq // Hkv)``).
+      visible: bool ``[T, S]``; invisible K/V entries are replaced by 0 before any
+        product and their scores by :data:`MASK_VALUE`, so NaN there never reaches
+        the output; a token that sees nothing gets 0.
+      scale_scores: float32 ``q . k`` scores -> scaled scores (``s / sqrt(D)``, ``s * sm_scale``).
+
+    Returns:
+      float32 ``[T, Hq, D]``.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    k = jnp.where(visible[:, :, None, None], k, 0.0)
+    v = jnp.where(visible[:, :, None, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(T, Hkv, G, D)
-    s = jnp.einsum("thgd,tshd->thgs", qg, k) / jnp.sqrt(jnp.float32(D))
+    s = scale_scores(jnp.einsum("thgd,tshd->thgs", qg, k))
     vis = visible[:, None, None, :]
     s = jnp.where(vis, s, MASK_VALUE)
     p = jnp.where(vis, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("thgs,tshd->thgd", p, v) / jnp.where(denom > 0, denom, 1.0)
     return o.reshape(T, Hq, D)
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D] (or the packed rank 5)
+    metadata: RPAMetadata,
+    *,
+    sm_scale: float = 1.0,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> jax.Array:
+    """JAX's ``ref_ragged_paged_attention`` semantics with static shapes (jit-able, any backend).
+
+    Query token ``cu_q_lens[i] + k`` of real sequence ``i < num_seqs`` sees the
+    first ``kv_lens[i] - q_len_i + k + 1`` tokens of its pages (K at even combined
+    heads, V at odd). fp8 pages are dequantised as ``float32(stored) * scale``
+    cast to ``q.dtype``. Masking is on values (:func:`masked_attention`): NaN in
+    page tails, unlisted pages or the null page never reaches an output.
+
+    Returns:
+      ``[T, Hq, D]`` in ``q.dtype``; rows of tokens past ``cu_q_lens[num_seqs]`` are 0
+      (JAX's reference returns only the real rows).
+    """
+    T, Hq, D = q.shape
+    num_pages, page_size = kv_pages.shape[:2]
+    kv_pages = kv_pages.reshape(num_pages, page_size, -1, D)
+    combined = kv_pages.shape[2]
+    R, W = metadata.page_indices.shape
+    S = W * page_size
+    positions = rpa_positions(metadata, num_tokens=T)
+    _, qsl = rpa_batch_view(metadata)
+    real = jnp.arange(T) < qsl[R]
+    row = jnp.minimum(token_rows(qsl, T), R - 1)  # gather index, masked by `real`
+    kv_len = jnp.asarray(metadata.kv_lens, jnp.int32)[row]
+    j = jnp.arange(S, dtype=jnp.int32)
+    visible = real[:, None] & (j[None, :] <= positions[:, None]) & (j[None, :] < kv_len[:, None])
+    pages = jnp.asarray(metadata.page_indices, jnp.int32)[row]  # [T, W]
+    kv = kv_pages[pages].reshape(T, S, combined, D)
+
+    def split(x, scale):
+        x = x.astype(jnp.float32)
+        if scale is not None:
+            x = (x * jnp.float32(scale)).astype(q.dtype)
+        return x.astype(jnp.float32)
+
+    k, v = split(kv[:, :, 0::2], k_scale), split(kv[:, :, 1::2], v_scale)
+    return masked_attention(
+        q, k, v, visible, lambda s: s * jnp.float32(sm_scale)
+    ).astype(q.dtype)
 
 
 def _dense_init(key, shape, dtype=jnp.float32):
@@ -124,11 +203,17 @@ class AttentionLayer(nn.Module):
         x: jax.Array,  # [T, d] float32
         ctx: StepContext,
         key_cache: jax.Array,
-        value_cache: jax.Array,
+        value_cache: jax.Array | None,
         kv_cache_dtype: str,
         backend: str,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Write this step's K/V (pad slots write nothing), then attend. Returns ``(x, K, V)``."""
+        kv_layout: str = "flash",
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Write this step's K/V (pad slots write nothing), then attend. Returns ``(x, K, V)``.
+
+        ``kv_layout="rpa"``: ``key_cache`` is the combined ``kv_pages`` of
+        :func:`pallas_kernels.write_kv_pages` and ``value_cache`` is None (returned
+        as None); attention is :func:`rpa_attention`.
+        """
         c = self.config
         T = x.shape[0]
         h = rms_norm(x, self.norm, c.rms_eps)
@@ -140,27 +225,70 @@ class AttentionLayer(nn.Module):
         fp8 = kv_cache_dtype != "auto"
         k_scale = c.k_scale if fp8 else None
         v_scale = c.v_scale if fp8 else None
-        key_cache, value_cache = reshape_and_cache_flash(
-            k,
-            v,
-            key_cache,
-            value_cache,
-            ctx.slot_mapping,
-            kv_cache_dtype,
+        scales = (
             None if k_scale is None else jnp.float32(k_scale),
             None if v_scale is None else jnp.float32(v_scale),
-            backend=backend,
         )
-        o = paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            ctx.block_table,
-            ctx.seq_lens,
-            ctx.positions,
-            ctx.token_row,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        if kv_layout == "rpa":
+            key_cache = write_kv_pages(
+                k, v, key_cache, ctx.slot_mapping, kv_cache_dtype, *scales, backend=backend
+            )
+            o = rpa_attention(
+                q, key_cache, ctx, backend=backend, k_scale=k_scale, v_scale=v_scale
+            ).astype(jnp.float32)
+        else:
+            key_cache, value_cache = reshape_and_cache_flash(
+                k, v, key_cache, value_cache, ctx.slot_mapping, kv_cache_dtype, *scales,
+                backend=backend,
+            )
+            o = paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                ctx.block_table,
+                ctx.seq_lens,
+                ctx.positions,
+                ctx.token_row,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         out = o.reshape(T, -1) @ self.wo
         return x + jnp.where(ctx.token_real[:, None], out, 0.0), key_cache, value_cache
+
+
+def rpa_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    ctx: StepContext,
+    *,
+    backend: str,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> jax.Array:
+    """Attention through the ragged-paged-attention layout, described by :func:`rpa_metadata`.
+
+    Runs JAX's ``ragged_paged_attention`` kernel where ``backend`` resolves to the
+    TPU flavour (compiled on a TPU; TPU interpret mode when asked on another
+    platform), else :func:`ragged_paged_attention_xla`. Rows of pad tokens are
+    unspecified (the caller masks them).
+    """
+    page_size = kv_pages.shape[1]
+    real_rows = ctx.prefill_row | ctx.decode_row
+    m = rpa_metadata(
+        ctx.query_start_loc, ctx.seq_lens, ctx.block_table, real_rows, page_size=page_size
+    )
+    sm_scale = 1.0 / float(np.sqrt(q.shape[-1]))
+    choice = _backend.resolve(backend, None)
+    if choice.flavor != "tpu":
+        return ragged_paged_attention_xla(
+            q, kv_pages, m, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
+        )
+    kw = dict(
+        sm_scale=sm_scale,
+        k_scale=None if k_scale is None else float(k_scale),
+        v_scale=None if v_scale is None else float(v_scale),
+    )
+    if not choice.interpret:
+        return jax_rpa.ragged_paged_attention(q, kv_pages, *m.as_args(), **kw)
+    with pltpu.force_tpu_interpret_mode():
+        return jax_rpa.ragged_paged_attention(q, kv_pages, *m.as_args(), **kw)

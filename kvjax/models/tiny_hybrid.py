@@ -67,9 +67,13 @@ class TinyHybrid(nn.Module):
         ia = im = 0
         for layer, kind in zip(self.layers, c.layer_types):
             if kind == "attn":
-                x, keys[ia], values[ia] = layer(
-                    x, ctx, keys[ia], values[ia], caches.kv_cache_dtype, backend
+                rpa = caches.kv_layout == "rpa"
+                x, keys[ia], v = layer(
+                    x, ctx, keys[ia], None if rpa else values[ia], caches.kv_cache_dtype,
+                    backend, kv_layout=caches.kv_layout,
                 )
+                if not rpa:
+                    values[ia] = v
                 ia += 1
             else:
                 x, convs[im], ssms[im] = layer(x, ctx, convs[im], ssms[im], backend)

@@ -29,6 +29,7 @@ from kvjax.runner.compile_guard import ServingGuard
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
 from kvjax.runner.packing import PackSpec, pack, unpack
 from kvjax.models import HybridCaches, TinyHybridConfig, dense_forward, forward_step, init_caches, init_params
+from kvjax.models.caches import check_kv_layout
 from kvjax.host.scheduler import Scheduler, StepPlan
 from kvjax.spec import KVGroupSpec, cdiv
 from pallas_kernels import zero_blocks
@@ -57,6 +58,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 32
     num_speculative_tokens: int = 0
     kv_cache_dtype: str = "auto"
+    kv_layout: str = "flash"
     backend: str = "auto"
     seed: int = 0
     poison: bool = False
@@ -75,6 +77,7 @@ class RunnerConfig:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        check_kv_layout(self.kv_layout)
         if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one decode window "
@@ -239,8 +242,7 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     kv = list(zero_blocks(kv, inp.zero_blocks, kernel_blocks_per_block=r, backend=config.backend))
     if states:
         states = list(zero_blocks(states, inp.zero_slots, backend=config.backend))
-    caches = caches.replace(
-        key=tuple(kv[0::2]), value=tuple(kv[1::2]),
+    caches = caches.replace_kv_arrays(kv).replace(
         conv_state=tuple(states[0::2]), ssm_state=tuple(states[1::2]),
     )
 
@@ -312,6 +314,7 @@ class Runner:
         caches = init_caches(
             c.model, c.num_blocks * g.blocks_per_kv_block, g.kernel_block_size,
             c.num_state_slots, c.kv_cache_dtype, num_spec_tokens=c.num_speculative_tokens,
+            kv_layout=c.kv_layout,
         )
         if c.poison:  # every block and slot starts as garbage: only zeroed memory may be read
             caches = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), caches)

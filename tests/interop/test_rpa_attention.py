@@ -12,8 +12,9 @@ bit for bit with the NaN cache plus exactly the written rows.
 
 from __future__ import annotations
 
-import zlib
+import functools
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 
 from kvjax.interop import rpa_metadata, rpa_slot_mapping
+from kvjax.models.attention import ragged_paged_attention_xla
 from kvjax.testing.asserts import assert_bitwise
 from kvjax.constants import PAD_SLOT_ID
 from pallas_kernels import write_kv_pages, zero_blocks
@@ -68,7 +70,7 @@ def make_step(seed, *, head_dim, fp8, holes=False):
     )
 
 
-def fill_cache(step):
+def fill_cache(step, zero_fresh=True):
     """NaN cache, allocated pages zeroed, history then this step written with write_kv_pages.
 
     Returns ``(kv_pages, expected_pages, metadata)``.
@@ -78,9 +80,11 @@ def fill_cache(step):
     pages = np.full((NP, PS, 2 * HKV, d), np.nan, np.float32).astype(dtype)
     allocated = np.unique(step["table"][step["idx"] >= 0])
     allocated = allocated[allocated > 0]
-    (pages_dev,) = zero_blocks([pages], allocated.astype(np.int32))
     want = pages.copy()
-    want[allocated] = 0
+    pages_dev = pages
+    if zero_fresh:  # kvjax zeroes fresh blocks; without it, page tails stay NaN
+        (pages_dev,) = zero_blocks([pages], allocated.astype(np.int32))
+        want[allocated] = 0
     fp8_args = ("fp8", scales[0], scales[1]) if scales else ()
 
     # History (tokens cached before this step): one write per sequence, slots by hand.
@@ -163,6 +167,28 @@ def test_reference_rpa_matches_dense(seed, fp8):
     assert got.shape == dense.shape
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, dense, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+def test_xla_rpa_matches_jax_reference_with_nan_page_tails(seed, fp8):
+    """kvjax's jit-able ragged_paged_attention_xla == JAX's reference; padded rows 0.
+
+    Pages are not zeroed here, so the unwritten tail of every page is NaN: the
+    masking on values keeps it out (JAX's reference slices it away).
+    """
+    step = make_step(seed, head_dim=8, fp8=fp8, holes=seed == 2)
+    pages, want, m = fill_cache(step, zero_fresh=False)
+    assert_bitwise(pages, want, "kv_pages")
+    kw = dict(sm_scale=SM_SCALE)
+    if fp8:
+        kw.update(k_scale=step["scales"][0], v_scale=step["scales"][1])
+    got = np.asarray(jax.jit(functools.partial(ragged_paged_attention_xla, **kw))(step["q"], pages, m))
+    n = int(step["qsl"][-1])
+    assert np.isfinite(got).all()
+    assert not got[n:].any()
+    np.testing.assert_allclose(got[:n], run_ref(step, pages, m), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[:n], dense_attention(step), rtol=2e-5, atol=2e-5)
 
 
 # The TPU interpreter of some JAX releases cannot run this kernel on a CPU

@@ -98,7 +98,7 @@ class Sim:
     the tokens at positions ``0 .. p`` the step saw (cached tokens + its query window).
     """
 
-    def __init__(self, params, *, kv_cache_dtype="auto", num_spec=0, poisoned=False):
+    def __init__(self, params, *, kv_cache_dtype="auto", num_spec=0, poisoned=False, kv_layout="flash"):
         self.params = params
         self.num_spec = num_spec
         self.requests = RequestState.create(MAX_NUM_REQS, MAX_MODEL_LEN, num_spec)
@@ -114,7 +114,7 @@ class Sim:
         self.records: list[tuple[str, list[int], np.ndarray]] = []
         caches = init_caches(
             CONFIG, NUM_BLOCKS, BLOCK_SIZE, NUM_STATE_SLOTS, kv_cache_dtype,
-            num_spec_tokens=num_spec,
+            num_spec_tokens=num_spec, kv_layout=kv_layout,
         )
         self.caches = poison(caches) if poisoned else caches
 
@@ -354,6 +354,18 @@ def test_fp8_kv_cache_matches_dense_with_fp8_round_trip(params):
     ref_auto = dense_logits(params, sim.tokens("a"))
     ref_fp8 = dense_logits(params, sim.tokens("a"), "fp8")
     assert np.abs(ref_auto - ref_fp8).max() > 10 * TOL  # the fp8 path is really exercised
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_rpa_kv_layout_matches_dense_with_poison(params, kv_cache_dtype):
+    """kv_layout="rpa": write_kv_pages + ragged paged attention, every KV byte NaN at start."""
+    sim = run_scenario(params, kv_cache_dtype=kv_cache_dtype, kv_layout="rpa", poisoned=True)
+    assert sim.check_against_dense(kv_cache_dtype) == 12
+    assert sim.caches.value == () and len(sim.caches.key) == CONFIG.num_attn_layers
+    unused_blocks = sorted(set(range(NUM_BLOCKS)) - sim.used_blocks)
+    for pages in sim.caches.key:
+        assert pages.shape == (NUM_BLOCKS, BLOCK_SIZE, 2 * CONFIG.num_kv_heads, CONFIG.head_dim)
+        assert np.isnan(np.asarray(pages, np.float32)[unused_blocks]).all()  # never written
 
 
 def test_speculative_decode_matches_dense(params):
