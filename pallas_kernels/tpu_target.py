@@ -40,6 +40,7 @@ import dataclasses
 import os
 
 import jax
+import numpy as np
 
 try:  # Mosaic's table of device kinds (private; see prepare_compiled_tpu)
     from jax._src.pallas.mosaic import tpu_info as _mosaic_tpu_info
@@ -51,10 +52,12 @@ __all__ = [
     "TARGETS",
     "TARGET_ENV",
     "TpuTarget",
+    "check_vmem",
     "export",
     "lowering",
     "prepare_compiled_tpu",
     "resolve",
+    "vmem_buffer_bytes",
 ]
 
 TARGET_ENV = "KVJAX_TPU_TARGET"
@@ -71,8 +74,10 @@ class TpuTarget:
       generation: 5, 6, 7.
       num_cores: TensorCores behind one JAX device (2 for v5p megacore).
       vmem_bytes: VMEM capacity per TensorCore.
-      scoped_vmem_bytes: VMEM a kernel may use without raising Mosaic's
-        ``vmem_limit_bytes`` (Mosaic's default scoped limit).
+      scoped_vmem_bytes: VMEM one kernel may use without raising Mosaic's
+        ``vmem_limit_bytes``: the default scoped limit as kvjax assumes it (16 MiB
+        on v5e/v5p, 32 MiB on v6e/v7; not yet confirmed on a chip).
+        :func:`check_vmem` holds kernels to it.
       smem_bytes: SMEM per TensorCore (scalar prefetch and SMEM scratch live here).
       hbm_bytes: HBM of one JAX device.
       hbm_bytes_per_s: peak HBM bandwidth of one JAX device.
@@ -116,8 +121,7 @@ _KIND_ALIASES = {
 
 # The target when nothing says otherwise: v6e (Trillium), the generation kvjax's
 # serving shapes are sized for. Its scoped VMEM (32 MiB) is not the smallest
-# (v5e/v5p: 16 MiB); kernels that stage through VMEM size their blocks from
-# the resolved target's ``scoped_vmem_bytes``.
+# (v5e/v5p: 16 MiB): set KVJAX_TPU_TARGET to check shapes for another chip.
 DEFAULT_TARGET = "v6e"
 
 
@@ -227,3 +231,44 @@ def prepare_compiled_tpu() -> TpuTarget:
     if changed and cache_clear is not None:
         cache_clear()  # Mosaic caches its answer: drop one for a previous fallback
     return target
+
+
+# --------------------------------------------------------------------------
+# VMEM budget of a kernel
+# --------------------------------------------------------------------------
+
+
+def vmem_buffer_bytes(shape, dtype) -> int:
+    """Bytes one VMEM buffer of ``shape`` takes: last two dims padded to whole tiles.
+
+    A tile is 128 lanes by ``8 * packing`` sublanes (``packing = 4 // itemsize``:
+    16 rows for 16-bit, 32 for 8-bit dtypes); a rank-1 buffer is one row.
+    Generous where Mosaic may pack tighter, so a buffer is never under-counted.
+    """
+    dims = (1,) * max(0, 2 - len(shape)) + tuple(int(d) for d in shape)
+    itemsize = np.dtype(dtype).itemsize
+    rows = 8 * max(1, 4 // itemsize)
+    *lead, r, c = dims
+    return int(np.prod(lead, dtype=np.int64)) * (-(-r // rows) * rows) * (-(-c // 128) * 128) * itemsize
+
+
+def check_vmem(op: str, buffers, *, hint: str, target: TpuTarget | str | None = None) -> None:
+    """Raise ``ValueError`` when ``buffers`` exceed the target's scoped VMEM.
+
+    Args:
+      op: the public op, for the message.
+      buffers: ``(name, shape, dtype, copies)`` per VMEM buffer of one grid step
+        (``copies`` 2 for pipelined blocks, which Pallas double-buffers; 1 for scratch).
+      hint: which argument to shrink.
+      target: as for :func:`resolve`.
+    """
+    t = resolve(target)
+    sizes = [(name, copies * vmem_buffer_bytes(shape, dtype)) for name, shape, dtype, copies in buffers]
+    need = sum(b for _, b in sizes)
+    if need > t.scoped_vmem_bytes:
+        top = ", ".join(f"{name} {b / _MiB:.1f}" for name, b in sorted(sizes, key=lambda x: -x[1])[:4])
+        raise ValueError(
+            f"{op}: the TPU kernel needs about {need / _MiB:.1f} MiB of VMEM per grid step "
+            f"({top} MiB, ...), more than the {t.name} scoped VMEM limit of "
+            f"{t.scoped_vmem_bytes // _MiB} MiB; {hint}"
+        )

@@ -275,3 +275,17 @@ def test_tpu_check_dry_run_on_the_smallest_case(capsys, monkeypatch):
     # The timing loop (donated, chained calls) on the reference, which runs anywhere.
     case = tpu_check.all_cases(sizes=("small",))[0]
     assert tpu_check.time_us(case, "reference", iters=2, repeats=1) > 0
+
+
+def test_vmem_budget():
+    MiB = 1 << 20
+    assert tpu_target.vmem_buffer_bytes((8192, 64), BF16) == 8192 * 128 * 2  # lanes pad to 128
+    assert tpu_target.vmem_buffer_bytes((5,), F32) == 8 * 128 * 4  # one row, one tile
+    assert tpu_target.vmem_buffer_bytes((2, 33, 130), FP8) == 2 * 64 * 256  # 32-row fp8 tiles
+    fits = [("x", (4096, 128), F32, 2)]  # 4 MiB
+    tpu_target.check_vmem("op", fits, hint="h", target="v5e")
+    over = fits * 5  # 20 MiB: over v5e's 16 MiB, under v6e's 32 MiB
+    with pytest.raises(ValueError, match=r"op: .* 20\.0 MiB .* v5e scoped VMEM limit of 16 MiB; h"):
+        tpu_target.check_vmem("op", over, hint="h", target="v5e")
+    tpu_target.check_vmem("op", over, hint="h", target="v6e")
+    assert tpu_target.TARGETS["v6e"].scoped_vmem_bytes == 32 * MiB
