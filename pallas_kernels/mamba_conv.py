@@ -26,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels import mamba_common as mc
+from pallas_kernels import tpu_target
 from pallas_kernels._xla import scatter_set
 
 __all__ = ["ConvConfig", "causal_conv1d_update", "causal_conv1d_varlen"]
@@ -257,6 +258,12 @@ def _conv_update_tpu(a: _ConvArgs, *, config: ConvConfig, interpret):
     spec, silu = a.spec, a.silu
     has_bias = a.bias is not None
     ncols = W - 2 + q if spec else W - 1
+    if not interpret:  # compiled: weights (double-buffered) and scratch must fit VMEM
+        tpu_target.check_vmem(OP_CONV_UPDATE, [
+            ("weight", (W, dim), a.weight.dtype, 2),
+            *([("bias", (1, dim), a.bias.dtype, 2)] if has_bias else []),
+            ("state rows", (dim, S), sd, 2), ("token rows", (q, dim), a.x.dtype, 2),
+        ], hint=f"dim={dim} channels with a state of {S} columns do not fit: split the channels")
 
     prefetch = (a.bos, a.lens, a.idx, a.ok.astype(jnp.int32), a.off)
     inputs = [jnp.transpose(a.weight)]  # [W, dim]

@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels import mamba_common as mc
+from pallas_kernels import tpu_target
 from pallas_kernels._xla import scatter_set
 
 __all__ = ["SSUConfig", "selective_state_update"]
@@ -333,6 +334,16 @@ def _ssu_tpu(a: _SSUArgs, *, config: SSUConfig, interpret):
     Pdt = dt_hm.shape[2]
     _, Pa, Na = a.A.shape
     has_D, has_bias, has_z = a.D is not None, a.dt_bias is not None, a.z is not None
+    if not interpret:  # compiled: one grid step's blocks (double-buffered) must fit VMEM
+        tpu_target.check_vmem(OP_SSU, [
+            ("x", (T, P), a.x.dtype, 2), ("dt", (T, Pdt), a.dt.dtype, 2),
+            ("B", (T, Ns), a.B.dtype, 2), ("C", (T, Ns), a.C.dtype, 2), ("A", (Pa, Na), a.A.dtype, 2),
+            *([("D", (1, a.D.shape[-1]), a.D.dtype, 2)] if has_D else []),
+            *([("dt_bias", (1, a.dt_bias.shape[-1]), a.dt_bias.dtype, 2)] if has_bias else []),
+            *([("z", (T, P), a.z.dtype, 2)] if has_z else []),
+            ("out", (T, P), a.x.dtype, 2), ("state", (P, Ns), state.dtype, 1),
+            ("accumulator", (P, Ns), jnp.float32, 1),
+        ], hint=f"the kernel holds all {T} tokens of a head in VMEM: pass fewer tokens per call")
 
     prefetch = (a.bos, a.lens, a.src, a.src_ok.astype(jnp.int32),
                 a.dst.reshape(-1), a.dst_ok.astype(jnp.int32).reshape(-1))

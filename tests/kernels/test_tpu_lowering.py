@@ -289,3 +289,14 @@ def test_vmem_budget():
         tpu_target.check_vmem("op", over, hint="h", target="v5e")
     tpu_target.check_vmem("op", over, hint="h", target="v6e")
     assert tpu_target.TARGETS["v6e"].scoped_vmem_bytes == 32 * MiB
+
+
+@pytest.mark.parametrize("name, f_args", [
+    ("ssu", _ssu(8192, 1, 64, 128, 1, F32, BF16)),  # ~24 MiB: all tokens of a head per block
+    ("conv", _conv(4, 16384, 4, 3, F32)),  # ~18 MiB: [dim, S] state rows pad S to 128 lanes
+])
+def test_shapes_beyond_the_targets_vmem_are_rejected_before_lowering(name, f_args):
+    f, args = f_args
+    with pytest.raises(ValueError, match=r"needs about .* MiB of VMEM .* v5e scoped VMEM limit"):
+        _export(f, args, target="v5e")
+    assert MOSAIC in _export(f, args, target="v6e").mlir_module()  # 32 MiB: fits
