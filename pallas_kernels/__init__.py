@@ -19,7 +19,9 @@ Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
 ``"pallas_tpu"``, ``"pallas_gpu"``) and ``interpret=``, resolved in one place
 (:mod:`pallas_kernels._backend`); ops with GPU/TPU tuning knobs take a frozen
 ``config=`` (``KVWriteConfig``, ``ZeroBlocksConfig``, ``SSUConfig``, ``ConvConfig``).
-Sentinels and argument checks: :mod:`pallas_kernels.contract`. This package imports
+Sentinels and argument checks: :mod:`pallas_kernels.contract`. Which TPU the
+Mosaic kernels are lowered for (also from a CPU/GPU host, e.g. ``jax.export``):
+:mod:`pallas_kernels.tpu_target`. This package imports
 nothing from ``kvjax``.
 """
 

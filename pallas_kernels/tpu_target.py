@@ -119,8 +119,8 @@ _KIND_ALIASES = {
     "TPU7x": "v7", "TPU7": "v7", "TPU v7": "v7",
 }  # fmt: skip
 
-# The target when nothing says otherwise: v6e (Trillium), the generation kvjax's
-# serving shapes are sized for. Its scoped VMEM (32 MiB) is not the smallest
+# The target when nothing says otherwise: v6e (Trillium), the current
+# single-TensorCore serving chip. Its scoped VMEM (32 MiB) is not the smallest
 # (v5e/v5p: 16 MiB): set KVJAX_TPU_TARGET to check shapes for another chip.
 DEFAULT_TARGET = "v6e"
 
