@@ -90,7 +90,7 @@ def token_segment_ids(bos, lens, num_tokens: int):
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     eos = bos + lens
     # segment = first b with eos[b] > t
-    seg = jnp.searchsorted(eos, t, side="right").astype(jnp.int32)
+    seg = jnp.searchsorted(eos, t, side="right", method="compare_all").astype(jnp.int32)
     n = bos.shape[0]
     seg_c = jnp.where(seg < n, seg, 0)
     valid = (seg < n) & (t >= jnp.take(bos, seg_c, mode="clip")) & (n > 0)

@@ -177,7 +177,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     coff = cend - nch
     NC = -(-T // Q) + R  # static bound on the number of chunks
     c = jnp.arange(NC)
-    rc = jnp.searchsorted(cend, c, side="right").astype(jnp.int32)
+    rc = jnp.searchsorted(cend, c, side="right", method="compare_all").astype(jnp.int32)
     c_ok = rc < R
     rc = jnp.where(c_ok, rc, 0)
     k = c - coff[rc]

@@ -41,7 +41,7 @@ def token_rows(query_start_loc, num_tokens_padded: int):
     """int32 ``[T]``: the batch row of each token, ``R`` for tokens past ``query_start_loc[R]``."""
     t = jnp.arange(num_tokens_padded, dtype=jnp.int32)
     qsl = jnp.asarray(query_start_loc)
-    return jnp.searchsorted(qsl[1:], t, side="right").astype(jnp.int32)
+    return jnp.searchsorted(qsl[1:], t, side="right", method="compare_all").astype(jnp.int32)
 
 
 def is_real_slot(slots):
