@@ -554,12 +554,191 @@ def analysis_section(final: Rows, runs: dict):
     ])
 
 
+# --------------------------------------------------------------------------
+# issue 11: vLLM's own Triton kernels, the decode step, Mosaic GPU
+# --------------------------------------------------------------------------
+
+VS_OPS = ("reshape_and_cache_flash", "selective_state_update", "combine_sampled_and_draft_tokens")
+
+
+def vs_vllm_table(rows: Rows):
+    out = ["| op | size | dtype | kvjax us | vLLM Triton us | kvjax / vLLM | kvjax device us/call "
+           "(kernels/call) | vLLM device us/call | torch us | XLA us | kvjax <= vLLM |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    wins = losses = 0
+    for op, size, dtype in rows.cases():
+        if op not in VS_OPS:
+            continue
+        p, v = rows.get(op, size, dtype, "pallas"), rows.get(op, size, dtype, "vllm_triton")
+        if not p or not v:
+            continue
+        ok = p["median_us"] <= v["median_us"]
+        wins, losses = wins + ok, losses + (not ok)
+
+        def dev(r):
+            d = r.get("device_us_per_call")
+            return "-" if d is None else f"{fmt_us(d)} ({r.get('kernels_per_call', 0):.2f})"
+
+        out.append(f"| {op} | {size} | {dtype} | {fmt_us(p['median_us'])} | {fmt_us(v['median_us'])} | "
+                   f"{p['median_us'] / v['median_us']:.2f} | {dev(p)} | {dev(v)} | "
+                   f"{fmt_us(rows.us(op, size, dtype, 'torch'))} | {fmt_us(rows.us(op, size, dtype, 'xla'))} | "
+                   f"{'yes' if ok else '**no**'} |")
+    return out, wins, losses
+
+
+def plot_vs_vllm(rows: Rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    styles = {"pallas": ("kvjax (Pallas Triton)", "C0", "o"), "vllm_triton": ("vLLM 0.33 Triton", "C4", "v"),
+              "torch": ("torch index_copy_", "C3", "D"), "xla": ("XLA scatter", "C1", "s")}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, d in zip(axes, ("bf16", "fp8")):
+        for impl, (label, color, marker) in styles.items():
+            pts = sorted((t_of(r["size"]), r["median_us"]) for r in rows.rows
+                         if r["op"] == VS_OPS[0] and r["dtype"] == d and r["implementation"] == impl)
+            if pts:
+                ax.plot([a for a, _ in pts], [b for _, b in pts], marker=marker, color=color, label=label)
+            if impl == "pallas":
+                dev = sorted((t_of(r["size"]), r["device_us_per_call"]) for r in rows.rows
+                             if r["op"] == VS_OPS[0] and r["dtype"] == d and r["implementation"] == impl
+                             and r.get("device_us_per_call"))
+                if dev:
+                    ax.plot([a for a, _ in dev], [b for _, b in dev], ls="--", marker=".", color=color,
+                            label="kvjax, device time per call (profiler)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(f"reshape_and_cache_flash, {d} cache (8 x 128, block 16)", fontsize=10)
+        ax.set_xlabel("tokens written (T)")
+        ax.set_ylabel("us per call (50 calls per executable / CUDA graph)")
+    axes[0].legend(fontsize=8, loc="upper left")
+    m = rows.doc["meta"]
+    fig.suptitle(f"KV write per call: kvjax vs vLLM vs torch vs XLA, {m['device']}, JAX {m['jax']}, {m['date']}",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def step_rows(results, date, device):
+    """(label, profile doc) for the decode-step profiles of the day, in a fixed order."""
+    base = os.path.join(results, f"{date}-{device}-profile-step-")
+    order = [("sequential-scan", "before: chunk states by lax.scan (XLA while loop), 128-token chunks, XLA flags default"),
+             ("chunk128", "associative scan, 128-token chunks, XLA flags default"),
+             ("xla-default", "associative scan, adaptive chunks, XLA flags default"),
+             ("cmdbuf-flags", "associative scan, adaptive chunks, XLA_FLAGS command buffers"),
+             ("runner-default", "final: associative scan, adaptive chunks, Runner's GPU_COMPILER_OPTIONS")]
+    return [(label, load(base + name + ".json")) for name, label in order if os.path.exists(base + name + ".json")]
+
+
+def issue11_section(results, date, device):
+    path = os.path.join(results, f"{date}-{device}-vllm.json")
+    if not os.path.exists(path):
+        return ""
+    doc = load(path)
+    rows = Rows(doc)
+    m = doc["meta"]
+    table, wins, losses = vs_vllm_table(rows)
+    png = os.path.join(results, f"{date}-{device}-vs-vllm.png")
+    have_plot = plot_vs_vllm(rows, png)
+    rel_png = os.path.relpath(png, ROOT)
+    out = [f"## Issue 11: kvjax against vLLM's own Triton kernels, and the decode step ({m['date']})", "",
+           f"{m['device']}, JAX {m['jax']}, torch {m['torch']}, triton {m.get('triton')}, vLLM "
+           f"{m.get('vllm', '-')}. One run of `bench_kernels.py --vllm .vllm_oracle --only "
+           "flash,ssu,combine` (`benchmarks/results/" + os.path.basename(path) + "`): the `vllm_triton` "
+           "rows call vLLM 0.33.0's `triton_reshape_and_cache_flash`, `combine_sampled_and_draft_tokens` "
+           "and `selective_state_update` (built from the wheel by `vllm_gpu_oracle.sh` into the "
+           "git-ignored `.vllm_oracle/`), with the inputs of the kvjax rows and torch's timing method "
+           "(50 calls in one CUDA graph, replayed between CUDA events); kvjax's rows are 50 calls in "
+           "one XLA executable, timed by the host clock over queued executions. Every vLLM row left "
+           "the same cache / state as kvjax (bitwise for the writes, fp8 bytes included; rel. error "
+           "<= 4e-7 for the SSM update). *device us/call*: summed kernel time per call from a "
+           "profiler trace (CUPTI) of the same executable / the same calls made eagerly; kvjax's "
+           "*kernels/call* counts the harness's loop counter (one small fusion per 5 calls) and, for "
+           "fp8, the two scale vectors the loop recomputes (0.4 per call).", "",
+           f"kvjax is at or under vLLM's time in {wins} of {wins + losses} rows:", ""] + table
+    out += ["", (f"![kvjax vs vLLM per call]({rel_png})" if have_plot else "(plot not rendered)"), ""]
+    # the profile behind the misses at decode sizes
+    prof_path = os.path.join(results, f"{date}-{device}-profile-call1-default.json")
+    if os.path.exists(prof_path):
+        prof = load(prof_path)
+        vll = {(r["size"], r["dtype"]): r for r in rows.rows
+               if r["op"] == VS_OPS[0] and r["implementation"] == "vllm_triton"}
+        out += ["### Where kvjax's time goes at decode sizes (profile)", "",
+                "`benchmarks/profile_gpu.py --kv` (same executables as the benchmark; results in "
+                "`" + os.path.basename(prof_path) + "`): XLA's optimised HLO has, per loop iteration of "
+                "5 calls, the 5 Pallas custom calls, the loop counter's add and, for fp8, two "
+                "`loop_broadcast_fusion`s making the per-head scale vectors; no casts, clamps or copies "
+                "around the Pallas call. Median kernel duration from the trace against vLLM's kernel:", "",
+                "| case | kvjax wall us/call | kvjax kernel us (median) | vLLM Triton us/call (CUDA graph) | vLLM kernel us/call (profiler) |",
+                "|---|---:|---:|---:|---:|"]
+        for c in prof["cases"]:
+            mt = re.match(r"reshape_and_cache_flash T=(\d+) (\w+)", c["case"])
+            if not mt:
+                continue
+            v = vll.get((f"T={mt.group(1)}", mt.group(2)), {})
+            out.append(f"| {c['case']} | {c['wall_us_per_call']:.2f} | {c['kernel_us_median']:.2f} | "
+                       f"{fmt_us(v.get('median_us', float('nan')))} | "
+                       f"{fmt_us(v.get('device_us_per_call') or float('nan'))} |")
+        out += ["", "The bf16 kernel itself is as fast as vLLM's or faster (about 1.0 vs 1.3 us at T=1, "
+                "1.4 vs 1.7 at T=256); what the wall-clock rows add is XLA's launch path: each kernel "
+                "of an XLA executable costs the host about 2 us to launch, while torch replays a "
+                "captured CUDA graph at about 1.4 us per kernel. XLA's command buffers (CUDA graphs) "
+                "did not close the gap for this loop: with custom calls and while loops in command "
+                "buffers (`run_profile.sh`'s flags) the 50-call executable ran at 2.5-2.9 us per call, "
+                "slower than with XLA's default flags (2.0-2.6). The fp8 kernel is slower than vLLM's "
+                "(1.7 vs 1.4 us at T=16): it divides by the scale with IEEE `div.rn.f32`, which the "
+                "bitwise contract with the reference needs (vLLM's Triton `/` is `div.full.f32`; it "
+                "matched here, but it is not correctly rounded). `selective_state_update` at batch "
+                "1 and `combine` run 3.0-3.4 and 1.4 kernels per call: the SSM update's index "
+                "checks and varlen tables, and combine's zero-filled logits-indices buffer, are XLA "
+                "fusions beside the Pallas kernel (vLLM: one kernel, an uninitialised output). At "
+                "large sizes kvjax wins: 88-90% of copy bandwidth at T=32768 against vLLM's 67-77%.", ""]
+    # decode step
+    steps = step_rows(results, date, device)
+    if steps:
+        out += ["### The decode step (tiny hybrid model, `profile_gpu.py --step`)", "",
+                "Per decode step of N requests (bucket N tokens): *sync*: host-synchronised wall time "
+                "(dispatch to outputs ready); *pipelined*: 40 steps enqueued back to back, wall time "
+                "per step; *enqueue*: host time to enqueue a step (equal to pipelined: the host, not "
+                "the device, limits the rate); *device*: summed kernel time per step from the "
+                "profiler, split into the model (`jax.named_scope(\"model\")` in `step_fn`) and the "
+                "runner's state work (staged writes, zeroing, batch build, combine, sampling, "
+                "post_update; *other*: kernels the trace could not attribute, the KV write and the "
+                "Mamba kernels among them).", "",
+                "| version | N | sync us | pipelined us | enqueue us | kernels | memcpys | device us | model us | runner state us | other us | runner share |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for label, d in steps:
+            for c in d["cases"]:
+                if "step" not in c["case"]:
+                    continue
+                n = re.search(r"(\d+) requests", c["case"]).group(1)
+                t, sp = c["trace"], c["device_split_us_per_step"]
+                out.append(f"| {label} | {n} | {c['sync_step_us_median']:.0f} | {c['pipelined_step_us_median']:.0f} | "
+                           f"{c['enqueue_us_per_step_median']:.0f} | {t['kernels_per_call']:.0f} | "
+                           f"{t['memcpys_per_call']:.0f} | {t['device_busy_us_per_call']:.0f} | "
+                           f"{sp.get('model', 0):.0f} | {sp.get('runner_state', 0):.0f} | "
+                           f"{sp.get('unattributed', 0):.0f} | {100 * c['runner_state_share_of_kernel_time']:.0f}% |")
+    notes = os.path.join(results, f"{date}-{device}-issue11.md")
+    if os.path.exists(notes):  # hand-written conclusions of the day's device runs
+        with open(notes) as fh:
+            out += ["", fh.read()]
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--date", default="2026-11-22")
     ap.add_argument("--device", default="h100")
     ap.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    ap.add_argument("--issue11-date", default="2026-11-23", help="date of the issue 11 runs (vLLM, step)")
     a = ap.parse_args()
     base = os.path.join(a.results, f"{a.date}-{a.device}")
     final_doc = load(base + ".json")
@@ -594,6 +773,8 @@ def main():
         "--device <device>`. The runs behind this report: `-call1` (first kernel versions and "
         "sweeps), `-call2` and `-call3` (final kernels, sweeps; `-call3` also ran the checks and "
         "the runner) and the final run (final kernels, the benchmark alone).",
+        "",
+        issue11_section(a.results, a.issue11_date, a.device),
         "",
         targets_section(final, [Rows(d) for n, d in runs.items() if n != "call1"]),
         "",

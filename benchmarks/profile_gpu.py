@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -43,6 +44,7 @@ import pallas_kernels.mamba_scan as mamba_scan_mod  # noqa: E402
 from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.runner import Runner, RunnerConfig  # noqa: E402
 from kvjax.runner.packing import pack  # noqa: E402
+from kvjax.runner.runner import step_fn  # noqa: E402
 from pallas_kernels.kv_write import reshape_and_cache_flash  # noqa: E402
 from _trace import trace_device  # noqa: E402  (benchmarks/_trace.py)
 
@@ -63,15 +65,15 @@ def log(*a):
 
 def hlo_summary(text: str) -> dict:
     """Counts in the optimised HLO text of one executable."""
-    whiles = re.findall(r"= \S+ while\(.*", text)
+    whiles = re.findall(r"^\s*\S+ = [^\n]*? while\([^\n]*", text, re.M)
     trip = [re.search(r'"known_trip_count":\{"n":"(\d+)"\}', w) for w in whiles]
     return {
-        "fusions": len(re.findall(r"= \S+ fusion\(", text)),
+        "fusions": len(re.findall(r"^\s*\S+ = [^\n]*? fusion\(", text, re.M)),
         "custom_calls": collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text)),
         "whiles": len(whiles),
         "while_known_trip_counts": [int(m.group(1)) if m else None for m in trip],
         "command_buffers": len(re.findall(r"command_buffer", text)),
-        "conditionals": len(re.findall(r"= \S+ conditional\(", text)),
+        "conditionals": len(re.findall(r"^\s*\S+ = [^\n]*? conditional\(", text, re.M)),
     }
 
 
@@ -199,6 +201,7 @@ def profile_step(n: int, steps: int = 40) -> dict:
         t2 = time.perf_counter()
         enq.append((t1 - t0) / steps)
         total.append((t2 - t0) / steps)
+    dispatch = dispatch_costs(runner, plan.bucket, buf, steps) if DISPATCH else {}
     tr = trace_device(once, 10)
     kern = tr.pop("_kernels", [])
     split = collections.Counter()
@@ -224,12 +227,58 @@ def profile_step(n: int, steps: int = 40) -> dict:
         "pipelined_step_us_median": statistics.median(total) * 1e6,
         "enqueue_us_per_step_median": statistics.median(enq) * 1e6,
         "device_split_us_per_step": {k: v / 10 for k, v in split.items()},
+        "dispatch": dispatch,
         "runner_state_share_of_kernel_time": split["runner_state"] / total_k,
         "unattributed_kernel_names": unmatched.most_common(8),
         "hlo": hlo_summary(text),
         "trace": tr,
         "_hlo_text": text,
     }
+
+
+def enqueue_us(call, steps: int) -> float:
+    """Median host time to enqueue one call of ``call()`` (``steps`` back to back, 5 rounds)."""
+    jax.block_until_ready(call())
+    out = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        r = None
+        for _ in range(steps):
+            r = call()
+        out.append((time.perf_counter() - t0) / steps)
+        jax.block_until_ready(r)
+    return statistics.median(out) * 1e6
+
+
+def dispatch_costs(runner, bucket, buf, steps: int) -> dict:
+    """Host enqueue time of the step through the Compiled object (as the Runner calls it),
+    through ``jax.jit``'s dispatch of the same function, and of an executable that takes
+    the same arguments and does almost nothing (the cost of the arguments alone)."""
+    exe, spec = runner.executables[bucket]
+    fn = jax.jit(functools.partial(step_fn, config=runner.config, bucket=bucket, spec=spec),
+                 donate_argnums=(1,), compiler_options=runner.compiler_options)
+
+    def via_compiled():
+        runner.state, outs = exe(runner.params, runner.state, buf)
+        return outs
+
+    def via_jit():
+        with jax.default_matmul_precision(runner.config.matmul_precision):
+            runner.state, outs = fn(runner.params, runner.state, buf)
+        return outs
+
+    touch = jax.jit(lambda p, s, b: (s, b[:1] + 1), donate_argnums=(1,))
+
+    def via_trivial():
+        runner.state, out = touch(runner.params, runner.state, buf)
+        return out
+
+    return {"compiled_call_us": enqueue_us(via_compiled, steps), "jit_call_us": enqueue_us(via_jit, steps),
+            "trivial_same_args_us": enqueue_us(via_trivial, steps),
+            "argument_leaves": len(jax.tree.leaves((runner.params, runner.state, buf)))}
+
+
+DISPATCH = False  # --dispatch
 
 
 def main() -> int:
@@ -241,11 +290,13 @@ def main() -> int:
     ap.add_argument("--kv-T", default="1,16,256")
     ap.add_argument("--step-n", default="8,64,256")
     ap.add_argument("--chunk-scan", default="associative", choices=("associative", "sequential"))
+    ap.add_argument("--dispatch", action="store_true", help="also time the step's host dispatch paths")
     ap.add_argument("--no-adapt-chunk", action="store_true", help="Mamba prefill chunks of chunk_size always")
     ap.add_argument("--hlo-dir", default="", help="write each case's optimised HLO here")
     ap.add_argument("--compiler-options", default="", help='JSON, e.g. {"xla_gpu_graph_min_graph_size": 1}')
     args = ap.parse_args()
-    global COMPILER_OPTIONS
+    global COMPILER_OPTIONS, DISPATCH
+    DISPATCH = args.dispatch
     COMPILER_OPTIONS = json.loads(args.compiler_options) if args.compiler_options else None
     mamba_scan_mod._CHUNK_STATE_SCAN = args.chunk_scan
     mamba_scan_mod._ADAPT_CHUNK = not args.no_adapt_chunk
