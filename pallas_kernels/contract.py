@@ -108,3 +108,29 @@ def check_non_decreasing(name: str, x) -> None:
     if (d < 0).any():
         i = int(np.argmax(d < 0))
         raise ValueError(f"{name} must be non-decreasing; got {v[i]} then {v[i + 1]} at index {i}")
+
+
+def narrow_ids(name: str, x, lo: int, hi: int, *, fill: int, allow=()) -> jax.Array:
+    """Integer ids as int32, range-checked before the narrowing (so ``2**32 + 1`` never reads 1).
+
+    Concrete ``x``: a value outside ``[lo, hi)`` and not in ``allow`` raises ``ValueError``
+    (:func:`check_values_in_range` on the original dtype). Traced ``x``: such values become
+    ``fill`` (the caller's "writes nothing" value), compared in ``x``'s own dtype. Without
+    ``JAX_ENABLE_X64`` a traced int64 is already int32 when the function sees it: pass
+    concrete arrays, or enable x64, to have wide ids checked.
+    """
+    check_dtype(name, x, "integer")
+    check_values_in_range(name, x, lo, hi, allow=allow)
+    if is_concrete(x):  # every value is in range now, so int32 holds it exactly
+        return jax.numpy.asarray(np.asarray(x).astype(np.int32))
+    x = jax.numpy.asarray(x)
+    info = jax.numpy.iinfo(x.dtype)
+    ok = jax.numpy.ones(x.shape, bool)
+    if lo > info.min:  # bounds outside the dtype hold already (and would not convert)
+        ok &= x >= lo
+    if hi <= info.max:
+        ok &= x < hi
+    for a in allow:
+        if info.min <= a <= info.max:
+            ok |= x == a
+    return jax.numpy.where(ok, x, fill).astype(jax.numpy.int32)

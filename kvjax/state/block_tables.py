@@ -30,7 +30,9 @@ from flax import struct
 from pallas_kernels import contract as validation
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
-from kvjax.state.padding import gather_index, is_real_row, scatter_index, token_rows
+from kvjax.state.padding import (
+    INT32_RANGE, gather_index, is_real_row, narrow_rows, scatter_index, single_row, token_rows,
+)
 
 
 @struct.dataclass
@@ -107,11 +109,14 @@ class BlockTables:
           overwrite: bool ``[U]``: start the row from column 0 and null its tail
             (new or re-added request); otherwise append after the live length.
         """
-        rows = jnp.asarray(rows, jnp.int32)
+        def raw(a):  # keep the caller's integer width until every range check has run
+            return a if hasattr(a, "shape") else np.asarray(a)
+
+        rows, num_new = raw(rows), raw(num_new)
+        block_ids = tuple(raw(b) for b in block_ids)
         overwrite = jnp.asarray(overwrite, jnp.bool_)
-        num_new = jnp.asarray(num_new, jnp.int32)
-        block_ids = tuple(jnp.asarray(b, jnp.int32) for b in block_ids)
         self._validate_write(rows, block_ids, num_new, overwrite)
+        rows, num_new, block_ids = self._narrow_write(rows, num_new, block_ids)
         dest = scatter_index(rows, self.max_num_reqs)
         safe = gather_index(rows, self.max_num_reqs)
         new_tables, new_counts = [], []
@@ -136,6 +141,23 @@ class BlockTables:
             new_tables.append(table.at[dest].set(row_val, mode="drop"))
             new_counts.append(self.num_blocks[g].at[dest].set(start + n_k, mode="drop"))
         return self.replace(tables=tuple(new_tables), num_blocks=jnp.stack(new_counts))
+
+    def _narrow_write(self, rows, num_new, block_ids):
+        """int32 rows, counts and ids; under ``jit`` a row with an id outside
+        ``[0, num_cache_blocks)`` (compared before narrowing) writes nothing."""
+        rows = narrow_rows("rows", rows, self.max_num_reqs)
+        width = max([b.shape[1] for b in block_ids], default=0)
+        num_new = validation.narrow_ids("num_new", num_new, 0, width + 1, fill=0)
+        hi = self.num_cache_blocks if self.num_cache_blocks is not None else INT32_RANGE[1]
+        bad_row = jnp.zeros(rows.shape, bool)
+        narrowed = []
+        for g, b in enumerate(block_ids):
+            b = b if validation.is_concrete(b) else jnp.asarray(b)
+            used = jnp.arange(b.shape[1])[None, :] < num_new[g][:, None]
+            ok = (b >= 0) & (b < hi) if b.size else jnp.ones(b.shape, bool)
+            bad_row |= jnp.any(used & ~ok, axis=1)
+            narrowed.append(jnp.where(ok, b, NULL_BLOCK_ID).astype(jnp.int32))
+        return jnp.where(bad_row, PAD_ROW_ID, rows), num_new, tuple(narrowed)
 
     def _validate_write(self, rows, block_ids, num_new, overwrite) -> None:
         U = rows.shape[0] if rows.ndim == 1 else None
@@ -172,10 +194,10 @@ class BlockTables:
                     f"PAD_SLOT_ID (-1) belongs in slot mappings; a skipped block is "
                     f"NULL_BLOCK_ID ({NULL_BLOCK_ID})"
                 )
-            if self.num_cache_blocks is not None:
-                validation.check_values_in_range(
-                    f"block_ids[{g}]", used, 0, self.num_cache_blocks
-                )
+            validation.check_values_in_range(
+                f"block_ids[{g}]", used, 0,
+                self.num_cache_blocks if self.num_cache_blocks is not None else INT32_RANGE[1],
+            )
             counts = validation.concrete_values(self.num_blocks[g])
             ov = validation.concrete_values(overwrite)
             if counts is None or ov is None:
@@ -206,17 +228,17 @@ class BlockTables:
                 f"got {len(block_ids)}"
             )
         width = max(1, max(len(b) for b in block_ids))
-        ids = [np.zeros((1, width), np.int32) for _ in block_ids]
+        ids = [np.zeros((1, width), np.int64) for _ in block_ids]  # wide: checked, then narrowed
         for g, b in enumerate(block_ids):
             ids[g][0, : len(b)] = np.asarray(b, np.int64)
         num_new = np.array([[len(b)] for b in block_ids], np.int32)
-        return self.write_rows(np.array([row], np.int32), ids, num_new, np.array([overwrite]))
+        return self.write_rows(single_row("row", row, self.max_num_reqs), ids, num_new, np.array([overwrite]))
 
     def clear_row(self, row: int) -> "BlockTables":
         """Null a whole row and reset its counts (the request left the row)."""
         empty = [np.zeros((1, 0), np.int32) for _ in self.specs]
         return self.write_rows(
-            np.array([row], np.int32), empty, np.zeros((self.num_groups, 1), np.int32), np.array([True])
+            single_row("row", row, self.max_num_reqs), empty, np.zeros((self.num_groups, 1), np.int32), np.array([True])
         )
 
     # ------------------------------------------------------------------- reads
@@ -236,9 +258,8 @@ class BlockTables:
         Returns rows that are ``NULL_BLOCK_ID`` for padded batch rows and past each
         row's live length.
         """
-        idx = jnp.asarray(idx_mapping, jnp.int32)
-        validation.check_rank("idx_mapping", idx, 1)
-        validation.check_values_in_range("idx_mapping", idx, 0, self.max_num_reqs, allow=(-1,))
+        validation.check_rank("idx_mapping", idx_mapping, 1)
+        idx = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
         if first_positions is not None:
             validation.check_shape("first_positions", first_positions, idx.shape)
         valid = is_real_row(idx, self.max_num_reqs)
@@ -319,11 +340,7 @@ def compute_slot_mapping(
       write into the null block). With concrete inputs the last two raise
       ``ValueError``; under ``jit`` use :func:`kvjax.checkify_slot_mapping_inputs`.
     """
-    block_table = jnp.asarray(block_table)
-    idx_mapping = jnp.asarray(idx_mapping)
-    query_start_loc = jnp.asarray(query_start_loc)
-    positions = jnp.asarray(positions)
-    _validate_slot_mapping_inputs(
+    block_table, idx_mapping, query_start_loc, positions = _validate_slot_mapping_inputs(
         block_table, idx_mapping, query_start_loc, positions, block_size, num_tokens_padded
     )
     slot, _ = _slot_mapping_and_faults(
@@ -360,6 +377,9 @@ def _validate_slot_mapping_inputs(block_table, idx_mapping, qsl, positions, bloc
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if not isinstance(num_tokens_padded := T, int) or num_tokens_padded < 0:
         raise ValueError(f"num_tokens_padded must be a non-negative int, got {T!r}")
+    block_table, idx_mapping, qsl, positions = (
+        a if hasattr(a, "shape") else np.asarray(a) for a in (block_table, idx_mapping, qsl, positions)
+    )
     validation.check_rank("block_table", block_table, 2)
     validation.check_dtype("block_table", block_table, "integer")
     validation.check_rank("idx_mapping", idx_mapping, 1)
@@ -368,7 +388,11 @@ def _validate_slot_mapping_inputs(block_table, idx_mapping, qsl, positions, bloc
     validation.check_dtype("query_start_loc", qsl, "integer")
     validation.check_rank("positions", positions, 1)
     validation.check_dtype("positions", positions, "integer")
-    validation.check_values_in_range("idx_mapping", idx_mapping, 0, block_table.shape[0], allow=(-1,))
+    # Range checks before narrowing to int32: a wide id must not wrap onto a valid one.
+    idx_mapping = narrow_rows("idx_mapping", idx_mapping, block_table.shape[0])
+    block_table = validation.narrow_ids("block_table", block_table, *INT32_RANGE, fill=NULL_BLOCK_ID)
+    qsl = validation.narrow_ids("query_start_loc", qsl, *INT32_RANGE, fill=0)
+    positions = validation.narrow_ids("positions", positions, *INT32_RANGE, fill=-1)
     q = validation.concrete_values(qsl)
     if q is not None:
         if q[0] != 0:
@@ -407,6 +431,7 @@ def _validate_slot_mapping_inputs(block_table, idx_mapping, qsl, positions, bloc
                 f"column {pos // block_size}, which is NULL_BLOCK_ID: the block was never "
                 f"allocated, and writing it would corrupt the null block"
             )
+    return block_table, idx_mapping, qsl, positions
 
 
 def dummy_slot_mappings(num_groups: int, num_tokens_padded: int) -> jax.Array:

@@ -18,13 +18,36 @@ Every function works on numpy arrays and on JAX arrays or tracers alike.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_kernels import contract as validation
 from kvjax.constants import PAD_ROW_ID as PAD_ROW_ID
+
+INT32_RANGE = (-(2**31), 2**31)
 
 
 def is_real_row(idx, num_rows: int):
     """bool, same shape as ``idx``: the entry names a request row in ``[0, num_rows)``."""
     return (idx >= 0) & (idx < num_rows)
+
+
+def narrow_rows(name: str, idx, num_rows: int, *, allow_pad: bool = True):
+    """Request rows as int32, range-checked before any narrowing (``2**32 + 1`` is not row 1).
+
+    Concrete: a value outside ``[0, num_rows)`` raises ``ValueError`` naming ``name``
+    (``PAD_ROW_ID`` is accepted when ``allow_pad``). Traced: such values become
+    ``PAD_ROW_ID``, so the row reads and writes nothing.
+    """
+    allow = (PAD_ROW_ID,) if allow_pad else ()
+    return validation.narrow_ids(name, idx, 0, num_rows, fill=PAD_ROW_ID, allow=allow)
+
+
+def single_row(name: str, row, num_rows: int) -> np.ndarray:
+    """``[row]`` (int64) for the one-row conveniences, which take a row, never padding:
+    ``ValueError`` unless ``0 <= row < num_rows`` (``PAD_ROW_ID`` would silently do nothing)."""
+    out = np.asarray([row], np.int64)
+    validation.check_values_in_range(name, out, 0, num_rows)
+    return out
 
 
 def gather_index(idx, num_rows: int):

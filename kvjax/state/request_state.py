@@ -21,7 +21,7 @@ from flax import struct
 
 from pallas_kernels import contract as validation
 from kvjax.constants import PAD_ROW_ID
-from kvjax.state.padding import gather_index, is_real_row, scatter_index
+from kvjax.state.padding import INT32_RANGE, gather_index, is_real_row, narrow_rows, scatter_index, single_row
 
 
 @struct.dataclass
@@ -144,6 +144,7 @@ class RequestState:
         top_k: int = 0,
     ) -> "RequestState":
         """Install one request into ``row`` (host convenience over :meth:`add_requests`)."""
+        single_row("row", row, self.max_num_reqs)
         new = NewRequests.from_lists(
             [row],
             [list(token_ids)],
@@ -158,9 +159,8 @@ class RequestState:
 
     def clear_rows(self, rows: jax.Array) -> "RequestState":
         """Reset rows to the empty state (the requests left); ``-1`` entries ignored."""
-        rows = jnp.asarray(rows, jnp.int32)
         validation.check_rank("rows", rows, 1)
-        validation.check_values_in_range("rows", rows, 0, self.max_num_reqs, allow=(-1,))
+        rows = narrow_rows("rows", rows, self.max_num_reqs)
         dest = scatter_index(rows, self.max_num_reqs)
         empty = RequestState.create(1, self.max_model_len, self.num_speculative_tokens)
         return jax.tree.map(
@@ -170,13 +170,17 @@ class RequestState:
         )
 
     def set_draft_tokens(self, idx_mapping: jax.Array, drafts: jax.Array) -> "RequestState":
-        """Write proposed drafts ``[R_padded, num_speculative_tokens]`` for the batch rows."""
-        idx_mapping = jnp.asarray(idx_mapping, jnp.int32)
+        """Write proposed drafts, integer ``[R_padded, num_speculative_tokens]``, for the batch rows.
+
+        ``idx_mapping`` entries must be rows or ``PAD_ROW_ID`` and drafts token ids
+        (``ValueError`` when concrete; under ``jit`` such rows / drafts are dropped / 0).
+        """
+        validation.check_rank("idx_mapping", idx_mapping, 1)
+        idx_mapping = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
         validation.check_shape("drafts", drafts, (idx_mapping.shape[0], self.num_speculative_tokens))
+        drafts = validation.narrow_ids("drafts", drafts, 0, INT32_RANGE[1], fill=0)
         dest = scatter_index(idx_mapping, self.max_num_reqs)
-        return self.replace(
-            draft_tokens=self.draft_tokens.at[dest].set(jnp.asarray(drafts, jnp.int32), mode="drop")
-        )
+        return self.replace(draft_tokens=self.draft_tokens.at[dest].set(drafts, mode="drop"))
 
     def post_update(
         self,
@@ -199,21 +203,23 @@ class RequestState:
         to ``max_model_len``); ``last_sampled`` = the last one;
         ``num_accepted_tokens = max(kept, 1)``.
         """
-        idx = jnp.asarray(idx_mapping, jnp.int32)
-        qlen = jnp.asarray(query_lens, jnp.int32)
+        validation.check_rank("idx_mapping", idx_mapping, 1)
+        idx = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
         sampled = jnp.asarray(sampled, jnp.int32)
-        n_s = jnp.asarray(num_sampled, jnp.int32)
         Rp = idx.shape[0]
-        validation.check_shape("query_lens", qlen, (Rp,))
+        validation.check_shape("query_lens", query_lens, (Rp,))
         validation.check_rank("sampled", sampled, 2)
         validation.check_shape("sampled", sampled, (Rp, None))
-        validation.check_shape("num_sampled", n_s, (Rp,))
-        validation.check_values_in_range("idx_mapping", idx, 0, self.max_num_reqs, allow=(-1,))
-        validation.check_values_in_range("num_sampled", n_s, 0, sampled.shape[1] + 1)
+        validation.check_shape("num_sampled", num_sampled, (Rp,))
         R, L, S = self.max_num_reqs, self.max_model_len, sampled.shape[1]
-        valid = is_real_row(idx, R)
+        n_s = validation.narrow_ids("num_sampled", num_sampled, 0, S + 1, fill=0)
+        qlen = validation.narrow_ids("query_lens", query_lens, 0, L + 1, fill=-1)
         s = gather_index(idx, R)
         nc, pl, tl = self.num_computed_tokens[s], self.prefill_len[s], self.total_len[s]
+        self._check_query_fits(idx, qlen, nc)
+        # Under jit a row whose query is negative or runs past max_model_len is skipped.
+        idx = jnp.where((qlen >= 0) & (nc + qlen <= L), idx, PAD_ROW_ID)
+        valid = is_real_row(idx, R)
         n_s, new_nc = step_progress(nc, pl, qlen, n_s, xp=jnp)
         dest = scatter_index(idx, R)
         # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_s.
@@ -235,6 +241,18 @@ class RequestState:
                 jnp.maximum(n_s, 1), mode="drop"
             ),
         )
+
+    def _check_query_fits(self, idx, qlen, nc) -> None:
+        """Concrete: every real row's query ends within ``max_model_len``."""
+        i, q, c = (validation.concrete_values(a) for a in (idx, qlen, nc))
+        if i is None or q is None or c is None:
+            return
+        for b in np.flatnonzero(i >= 0):
+            if c[b] + q[b] > self.max_model_len:
+                raise ValueError(
+                    f"query_lens[{b}]={q[b]}: request row {i[b]} has {c[b]} tokens computed, so "
+                    f"its query would end past max_model_len={self.max_model_len}"
+                )
 
 
 def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):

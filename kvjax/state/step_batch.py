@@ -26,7 +26,7 @@ from pallas_kernels import combine_sampled_and_draft_tokens
 from pallas_kernels import contract as validation
 from kvjax.constants import PAD_ROW_ID
 from kvjax.state.block_tables import BlockTables
-from kvjax.state.padding import gather_index, is_real_row, token_rows
+from kvjax.state.padding import gather_index, is_real_row, narrow_rows, token_rows
 from kvjax.state.request_state import RequestState
 
 
@@ -156,7 +156,8 @@ def build_step_batch(
       ValueError: shape errors; with concrete values, a schedule that does not
         fit the bucket or the rows (see :func:`validate_schedule`).
     """
-    idx = jnp.asarray(sched.idx_mapping, jnp.int32)
+    validation.check_rank("idx_mapping", sched.idx_mapping, 1)
+    idx = narrow_rows("idx_mapping", sched.idx_mapping, requests.max_num_reqs)
     R = idx.shape[0]
     T = num_tokens_padded
     if num_logits_padded is None:
@@ -237,7 +238,7 @@ def _real_rows(requests: RequestState, sched: ScheduledBatch, T: int, L: int):
     """
     q = jnp.asarray(sched.num_scheduled_tokens, jnp.int32)
     d = jnp.asarray(sched.num_draft_tokens, jnp.int32)
-    valid = is_real_row(jnp.asarray(sched.idx_mapping), requests.max_num_reqs)
+    valid = is_real_row(sched.idx_mapping, requests.max_num_reqs)
     valid &= (q > 0) & (d >= 0) & (d <= requests.num_speculative_tokens)
     q = jnp.where(valid, q, 0)
     nlog = jnp.where(valid, 1 + d, 0)

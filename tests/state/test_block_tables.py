@@ -80,7 +80,7 @@ def test_write_rows_batched_matches_sequential():
     "call, match",
     [
         (lambda bt: bt.append_block_ids(0, [[-1]]), r"block_ids\[0\] must not contain negative ids, got -1: PAD_SLOT_ID"),
-        (lambda bt: bt.append_block_ids(5, [[1]]), r"rows must have values in \[0, 3\)"),
+        (lambda bt: bt.append_block_ids(5, [[1]]), r"row must have values in \[0, 3\); got 5"),
         (lambda bt: bt.append_block_ids(0, [[1, 2, 3, 4, 5]]), r"would hold 5 kernel blocks, more than the table width 4"),
         (lambda bt: bt.append_block_ids(0, [[1], [2]]), r"one list per KV-cache group \(1\), got 2"),
         (lambda bt: bt.append_block_ids(0, [[10]]), r"block_ids\[0\] must have values in \[0, 10\); got 10"),

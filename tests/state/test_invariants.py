@@ -46,7 +46,7 @@ def violated(batch):
 @pytest.mark.parametrize(
     "rows, q, d, T, L, rules",
     [
-        ([0, 4], [3, 2], [2, 0], 8, 6, ["idx_mapping_neither_row_nor_PAD", "pad_row_has_tokens"]),
+        ([0, 4], [3, 2], [2, 0], 8, 6, ["pad_row_has_tokens", "pad_row_seq_len_nonzero"]),
         ([0, 2], [3, 2], [2, 0], 4, 6, ["tokens_exceed_bucket"]),
         ([0, 2], [3, 0], [2, 0], 8, 6, ["logits_index_outside_its_row", "row_without_tokens_has_logits"]),
     ],
@@ -71,6 +71,14 @@ def test_a_logits_row_pointing_into_another_row_is_flagged():
     assert violated(b) == []
     bad = b.replace(logits_indices=b.logits_indices.at[3].set(0))  # row 2's logits -> row 0's token 0
     assert violated(bad) == ["logits_index_outside_its_row"]
+
+
+def test_an_idx_mapping_entry_that_is_neither_a_row_nor_PAD_is_flagged():
+    s, t = make_state()
+    b = build_step_batch(s, t, ScheduledBatch.from_lists([0], [3], [2], pad_to=4),
+                         num_tokens_padded=8, num_logits_padded=6)
+    for v in (4, -2):
+        assert violated(b.replace(idx_mapping=b.idx_mapping.at[2].set(v))) == ["idx_mapping_neither_row_nor_PAD"]
 
 
 def test_block_table_rules_fire_one_at_a_time():

@@ -1,0 +1,143 @@
+"""Validation of the state functions: bad input is a ValueError naming the argument (concrete),
+or masked so that it writes nothing (traced); never a wrap, a clamp or a silent no-op."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvjax import BlockTables, KVGroupSpec, RequestState, compute_slot_mapping
+
+WIDE = 2**32  # an int64 id this far up used to wrap onto id - 2**32
+SPECS = (KVGroupSpec(block_size=4, max_num_blocks=3),)
+
+
+def tables():
+    t = BlockTables.create(SPECS, 3)
+    t = t.append_block_ids(0, [[7]], overwrite=True)
+    return t.append_block_ids(1, [[5, 6]], overwrite=True)
+
+
+def requests():
+    s = RequestState.create(3, 8, num_speculative_tokens=2)
+    return s.add_request(1, [4, 5, 6], num_computed_tokens=2)
+
+
+# -------------------------------------------------- ids above 2**31 (issue 10 item 3)
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: compute_slot_mapping(np.asarray(tables().tables[0]), np.array([WIDE + 1], np.int64),
+                                      np.array([0, 1]), np.array([0]), block_size=4, num_tokens_padded=2),
+         r"idx_mapping must have values in \[0, 3\) \(or -1\); got 4294967297"),
+        (lambda: compute_slot_mapping(np.array([[WIDE + 7, 0, 0]], np.int64), np.array([0]),
+                                      np.array([0, 1]), np.array([0]), block_size=4, num_tokens_padded=2),
+         r"block_table must have values in \[-2147483648, 2147483648\); got 4294967303"),
+        (lambda: compute_slot_mapping(np.asarray(tables().tables[0]), np.array([0]), np.array([0, 1]),
+                                      np.array([WIDE + 1], np.int64), block_size=4, num_tokens_padded=2),
+         r"positions must have values in"),
+        (lambda: tables().append_block_ids(0, [[WIDE + 5]]), r"block_ids\[0\] must have values in \[0, 2147483648\)"),
+        (lambda: BlockTables.create(SPECS, 3, num_cache_blocks=9).append_block_ids(0, [[WIDE + 5]]),
+         r"block_ids\[0\] must have values in \[0, 9\); got 4294967301"),
+        (lambda: tables().append_block_ids(WIDE + 1, [[5]]), r"row must have values in \[0, 3\); got 4294967297"),
+        (lambda: tables().write_rows(np.array([WIDE + 1], np.int64), [np.array([[5]])], np.array([[1]]),
+                                     np.array([False])), r"rows must have values in \[0, 3\) \(or -1\)"),
+        (lambda: tables().write_rows(np.array([2]), [np.array([[WIDE + 5]], np.int64)], np.array([[1]]),
+                                     np.array([False])), r"block_ids\[0\] must have values in"),
+        (lambda: requests().clear_rows(np.array([WIDE + 1], np.int64)), r"rows must have values in \[0, 3\)"),
+        (lambda: requests().post_update(np.array([WIDE + 1], np.int64), np.array([1]), np.array([[9]]),
+                                        np.array([1])), r"idx_mapping must have values in \[0, 3\)"),
+        (lambda: requests().set_draft_tokens(np.array([WIDE + 1], np.int64), np.array([[1, 2]])),
+         r"idx_mapping must have values in \[0, 3\)"),
+    ],
+)
+def test_wide_ids_are_rejected_before_narrowing(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+X64_SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    assert jax.config.jax_enable_x64
+    from kvjax import BlockTables, KVGroupSpec, RequestState, compute_slot_mapping
+    W = 2**32
+    t = BlockTables.create((KVGroupSpec(block_size=4, max_num_blocks=3),), 3)
+    t = t.append_block_ids(1, [[5, 6]], overwrite=True)
+    tbl = np.asarray(t.tables[0]).astype(np.int64)
+    sm = jax.jit(lambda i: compute_slot_mapping(tbl, i, np.array([0, 2]), np.array([0, 5]),
+                                                block_size=4, num_tokens_padded=3))
+    assert np.asarray(sm(np.array([1]))).tolist() == [20, 25, -1]
+    assert np.asarray(sm(np.array([W + 1]))).tolist() == [-1, -1, -1], "wide row read row 1"
+    w = jax.jit(lambda r, b: t.write_rows(r, [b], np.array([[1]]), np.array([False])))
+    before = [np.asarray(a).tolist() for a in (t.tables[0], t.num_blocks)]
+    for r, b in ((np.array([2]), np.array([[W + 5]])), (np.array([W + 1]), np.array([[7]]))):
+        u = w(r, b)
+        assert [np.asarray(a).tolist() for a in (u.tables[0], u.num_blocks)] == before, (r, b)
+    assert np.asarray(w(np.array([2]), np.array([[7]])).tables[0])[2].tolist() == [7, 0, 0]
+    s = RequestState.create(3, 8).add_request(1, [4, 5, 6])
+    c = jax.jit(lambda r: s.clear_rows(r))
+    assert int(c(np.array([W + 1])).total_len[1]) == 3, "wide row cleared row 1"
+    assert int(c(np.array([1])).total_len[1]) == 0
+    try:
+        t.append_block_ids(0, [[W + 5]])
+    except ValueError as e:
+        assert "block_ids[0] must have values" in str(e)
+    else:
+        raise AssertionError("no error")
+    print("ok")
+""")
+
+
+def test_wide_ids_under_jit_with_x64_write_nothing():
+    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", X64_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+# ------------------------------------- silent no-ops and truncations (issue 10 item 7)
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: tables().append_block_ids(-1, [[5]]), r"row must have values in \[0, 3\); got -1"),
+        (lambda: tables().clear_row(-1), r"row must have values in \[0, 3\); got -1"),
+        (lambda: requests().add_request(-1, [1, 2]), r"row must have values in \[0, 3\); got -1"),
+        (lambda: requests().set_draft_tokens(np.array([3]), np.array([[1, 2]])),
+         r"idx_mapping must have values in \[0, 3\) \(or -1\); got 3"),
+        (lambda: requests().set_draft_tokens(np.array([1]), np.array([[1.5, 2.0]])),
+         r"drafts must have dtype an integer dtype, got float64"),
+        (lambda: requests().set_draft_tokens(np.array([1]), np.array([[1, -4]])), r"drafts must have values in \[0, "),
+        (lambda: requests().post_update(np.array([1]), np.array([-1]), np.array([[9]]), np.array([0])),
+         r"query_lens must have values in \[0, 9\); got -1"),
+        (lambda: requests().post_update(np.array([1]), np.array([7]), np.array([[9]]), np.array([1])),
+         r"query_lens\[0\]=7: request row 1 has 2 tokens computed, so its query would end past max_model_len=8"),
+        (lambda: requests().post_update(np.array([1]), np.array([1]), np.array([[9]]), np.array([2])),
+         r"num_sampled must have values in \[0, 2\); got 2"),
+    ],
+)
+def test_state_functions_reject_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_post_update_under_jit_skips_a_row_whose_query_cannot_be():
+    import jax
+
+    s = requests()
+    f = jax.jit(lambda q: s.post_update(np.array([1]), q, np.array([[9]]), np.array([1])))
+    for q in (-1, 7):
+        got = f(np.array([q], np.int32))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(s)):
+            np.testing.assert_array_equal(a, b)
+    assert int(f(np.array([1], np.int32)).num_computed_tokens[1]) == 3
+
+
+def test_one_row_conveniences_accept_every_real_row():
+    t = BlockTables.create(SPECS, 3)
+    for row in range(3):
+        t = t.append_block_ids(row, [[row + 1]], overwrite=True).clear_row(row)
+    assert not np.asarray(t.num_blocks).any()
