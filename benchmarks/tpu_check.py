@@ -12,8 +12,9 @@ the reference's (the kernel divides with Mosaic's float32 division, the
 reference with exact IEEE division; the count of differing bytes is printed);
 with a dtype tolerance for the Mamba math. Caches and state pools start random
 with NaN in the null block / row 0, so a stray write shows. One PASS/FAIL line
-per case, then a TIME line per case (median per call over donated, chained
-calls; the kernel and the reference), exit status 1 if any case failed.
+per case, an in-place line (a donated call's outputs are the donated buffers:
+no cache copy), then a TIME line per case (median per call over donated, chained
+calls; the kernel and the reference); exit status 1 if any check failed.
 
 ``--dry-run`` (implied on a host without a TPU) runs the kernels through the TPU
 interpreter instead (race detector on, uninitialised memory NaN), exports each
@@ -286,6 +287,17 @@ def lowers(case: Case, target) -> str:
     return "" if "tpu_custom_call" in text else "no Mosaic kernel in the exported module"
 
 
+def in_place(case: Case, backend: str) -> str:
+    """'' when a donated call writes its outputs into the donated input buffers."""
+    fixed = tuple(jnp.asarray(f) for f in case.fixed)
+    mutable = tuple(jnp.asarray(m) for m in case.mutable)
+    before = [m.unsafe_buffer_pointer() for m in mutable]
+    step = jax.jit(lambda m, f: case.run(backend, None, m, f)[0], donate_argnums=0)
+    after = [o.unsafe_buffer_pointer() for o in jax.block_until_ready(step(mutable, fixed))]
+    moved = [i for i, (a, b) in enumerate(zip(after, before)) if a != b]
+    return f"outputs {moved} are not the donated buffers (a copy was made)" if moved else ""
+
+
 def time_us(case: Case, backend: str, iters: int = 20, repeats: int = 5) -> float:
     """Median microseconds per call over donated, chained calls."""
     fixed = tuple(jnp.asarray(f) for f in case.fixed)
@@ -317,14 +329,14 @@ def main(argv=None) -> int:
     cases = [c for c in cases if args.only in c.name]
     failed = []
     for case in cases:
-        for what, fn in (("check", lambda: check(case, interpret=dry)),
-                         ("lower", lambda: lowers(case, target) if dry else "")):
+        steps = [("check", lambda: check(case, interpret=dry))]
+        steps += [("lower", lambda: lowers(case, target))] if dry else [
+            ("in-place", lambda: in_place(case, "pallas_tpu"))]
+        for what, fn in steps:
             try:
                 msg = fn()
             except Exception as e:  # noqa: BLE001 - report and carry on
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if what == "lower" and not dry:
-                continue
             print(f"{'PASS' if not msg else 'FAIL'} {what} {case.name}{': ' + msg if msg else ''}",
                   flush=True)
             if msg:
@@ -333,7 +345,7 @@ def main(argv=None) -> int:
         for case in cases:
             kernel, ref = time_us(case, "pallas_tpu"), time_us(case, "reference")
             print(f"TIME {case.name}: kernel {kernel:.1f} us, reference {ref:.1f} us", flush=True)
-    n = len(cases) * (2 if dry else 1)
+    n = 2 * len(cases)
     print(f"\n{n - len(failed)}/{n} checks passed" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 

@@ -272,9 +272,10 @@ def test_tpu_check_dry_run_on_the_smallest_case(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "PASS check reshape_and_cache_flash" in out and "PASS lower" in out
     assert "2/2 checks passed" in out
-    # The timing loop (donated, chained calls) on the reference, which runs anywhere.
+    # The timing loop and the in-place check (donated calls) on the reference, which runs anywhere.
     case = tpu_check.all_cases(sizes=("small",))[0]
     assert tpu_check.time_us(case, "reference", iters=2, repeats=1) > 0
+    assert tpu_check.in_place(case, "reference") == ""  # XLA:CPU scatters in place too
 
 
 def test_vmem_budget():
