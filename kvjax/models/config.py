@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-LAYER_TYPES = ("attn", "mamba")
+LAYER_TYPES = ("attn", "mamba", "moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,7 +14,8 @@ class TinyHybridConfig:
     Attributes:
       vocab_size: byte-level vocabulary (256).
       d_model: residual width.
-      layer_types: one entry per layer, ``"attn"`` or ``"mamba"``.
+      layer_types: one entry per layer, ``"attn"``, ``"mamba"`` or ``"moe"`` (a
+        mixture-of-experts feed-forward block, :mod:`kvjax.models.moe`).
       num_heads, num_kv_heads, head_dim: attention (GQA: query head ``h`` reads
         KV head ``h // (num_heads // num_kv_heads)``).
       rope_theta: RoPE base (rotate-half / NeoX layout).
@@ -25,6 +26,8 @@ class TinyHybridConfig:
       rms_eps: epsilon of every RMS norm.
       kv_group: the KV-cache group (index into ``StepBatch.block_tables`` and
         ``slot_mappings``) that the attention layers use.
+      moe_num_experts, moe_top_k, moe_ffn_dim: the MoE blocks (experts, experts per
+        token, hidden width of each SwiGLU expert); unused without ``"moe"`` layers.
       k_scale, v_scale: fp8 KV-cache scales (stored = saturate(x / scale)); unused
         when the cache dtype is ``"auto"``.
     """
@@ -45,12 +48,16 @@ class TinyHybridConfig:
     kv_group: int = 0
     k_scale: float = 1.0
     v_scale: float = 1.0
+    moe_num_experts: int = 8
+    moe_top_k: int = 2
+    moe_ffn_dim: int = 32
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         for name in (
             "vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim",
             "mamba_num_heads", "mamba_head_dim", "mamba_d_state", "mamba_n_groups",
+            "moe_num_experts", "moe_top_k", "moe_ffn_dim",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -61,6 +68,10 @@ class TinyHybridConfig:
         if bad:
             raise ValueError(
                 f"TinyHybridConfig.layer_types entries must be one of {LAYER_TYPES}, got {bad[0]!r}"
+            )
+        if self.moe_top_k > self.moe_num_experts:
+            raise ValueError(
+                f"moe_top_k={self.moe_top_k} must be <= moe_num_experts={self.moe_num_experts}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -89,6 +100,10 @@ class TinyHybridConfig:
     @property
     def num_mamba_layers(self) -> int:
         return sum(t == "mamba" for t in self.layer_types)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(t == "moe" for t in self.layer_types)
 
     @property
     def d_inner(self) -> int:

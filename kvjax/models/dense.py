@@ -101,6 +101,20 @@ def _mamba(lp, c: TinyHybridConfig, x):
     return x + y @ lp["out_proj"]
 
 
+def _moe(lp, c: TinyHybridConfig, x):
+    """Every expert on every token, weighted by the top-k softmax gate (0 for unpicked experts)."""
+    h = _rms(x, lp["norm"], c.rms_eps)
+    logits = h @ lp["router"]
+    vals, picked = jax.lax.top_k(logits, c.moe_top_k)
+    weights = jax.nn.softmax(vals, axis=-1)
+    out = jnp.zeros_like(x)
+    for e in range(c.moe_num_experts):
+        gate = jnp.sum(jnp.where(picked == e, weights, 0.0), axis=-1)  # [n]
+        hidden = jax.nn.silu(h @ lp["w_gate"][e]) * (h @ lp["w_up"][e])
+        out = out + gate[:, None] * (hidden @ lp["w_down"][e])
+    return x + out
+
+
 @functools.partial(jax.jit, static_argnames=("config", "kv_cache_dtype"))
 def dense_forward(
     params: dict,
@@ -128,5 +142,10 @@ def dense_forward(
     x = p["embed"][tokens]
     for i, kind in enumerate(c.layer_types):
         lp = p[f"layer_{i}"]
-        x = _attention(lp, c, x, fp8) if kind == "attn" else _mamba(lp, c, x)
+        if kind == "attn":
+            x = _attention(lp, c, x, fp8)
+        elif kind == "moe":
+            x = _moe(lp, c, x)
+        else:
+            x = _mamba(lp, c, x)
     return _rms(x, p["final_norm"], c.rms_eps) @ p["lm_head"]

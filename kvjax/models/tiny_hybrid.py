@@ -28,22 +28,31 @@ from kvjax.models.attention import AttentionLayer, _dense_init, rms_norm
 from kvjax.models.caches import HybridCaches
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.mamba_layer import MambaLayer
+from kvjax.models.moe import MoELayer
 from kvjax.models.step_context import StepContext, make_step_context
 from kvjax.state.step_batch import StepBatch
 
 
 class TinyHybrid(nn.Module):
-    """The model as a linen module; params ``embed``, ``layer_{i}``, ``final_norm``, ``lm_head``."""
+    """The model as a linen module; params ``embed``, ``layer_{i}``, ``final_norm``, ``lm_head``.
+
+    ``expert_axis``: mesh axis the MoE experts are sharded over (inside ``shard_map``;
+    see :mod:`kvjax.models.moe`), ``None`` for unsharded experts.
+    """
 
     config: TinyHybridConfig
+    expert_axis: str | None = None
 
     def setup(self):
         c = self.config
+
+        def make(kind, name):
+            if kind == "moe":
+                return MoELayer(c, self.expert_axis, name=name)
+            return (AttentionLayer if kind == "attn" else MambaLayer)(c, name=name)
+
         self.embed = self.param("embed", nn.initializers.normal(1.0), (c.vocab_size, c.d_model))
-        self.layers = tuple(
-            (AttentionLayer if t == "attn" else MambaLayer)(c, name=f"layer_{i}")
-            for i, t in enumerate(c.layer_types)
-        )
+        self.layers = tuple(make(t, f"layer_{i}") for i, t in enumerate(c.layer_types))
         self.final_norm = self.param("final_norm", nn.initializers.ones, (c.d_model,))
         self.lm_head = self.param("lm_head", _dense_init, (c.d_model, c.vocab_size))
 
@@ -75,6 +84,8 @@ class TinyHybrid(nn.Module):
                 if not rpa:
                     values[ia] = v
                 ia += 1
+            elif kind == "moe":
+                x = layer(x, ctx.token_real)
             else:
                 x, convs[im], ssms[im] = layer(x, ctx, convs[im], ssms[im], backend)
                 im += 1
@@ -121,6 +132,7 @@ def forward_step(
     num_accepted_tokens: jax.Array | None = None,
     *,
     backend: str = "reference",
+    expert_axis: str | None = None,
 ) -> tuple[jax.Array, HybridCaches]:
     """One model step over a padded mixed batch. Pure; jit with static ``config``/``backend``.
 
@@ -138,6 +150,8 @@ def forward_step(
         tokens accepted in the row's previous step (>= 1); the initial SSM state is
         column ``num_accepted_tokens - 1`` and the conv window is read at that offset.
       backend: kernel backend (``"reference"``, ``"auto"``, ``"pallas"``, ...).
+      expert_axis: inside ``shard_map``, the mesh axis the MoE experts are sharded
+        over (``params`` then hold this member's experts); ``None`` otherwise.
 
     Returns:
       ``(logits float32 [L, vocab_size], caches)``: logits of the tokens at
@@ -163,6 +177,6 @@ def forward_step(
                 f"state_indices has 1 + {k} columns but the conv states were sized for "
                 f"num_spec_tokens={have} (init_caches(..., num_spec_tokens={k}))"
             )
-    return TinyHybrid(config).apply(
+    return TinyHybrid(config, expert_axis).apply(
         params, batch.input_ids, batch.logits_indices, ctx, caches, backend
     )

@@ -1,0 +1,141 @@
+"""``python -m kvjax demo --mesh data=D,model=M``: the serving demo over a device mesh.
+
+Each data rank has its own scheduler and block pool; requests are placed on
+arrival on the least loaded rank (:func:`kvjax.host.placement.least_loaded`).
+Every step, the ranks agree on whether anyone has work and on the bucket (the
+largest any rank needs), then run one SPMD step in which ranks with nothing
+scheduled run the dummy step. The report counts, per rank, real and dummy
+steps, and (when checked) every step's null-block / idle-rank flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import deque
+
+import jax
+
+from kvjax.cli.demo import ServeReport, check_against_reference, print_summary
+from kvjax.cli.progress import Progress
+from kvjax.host.placement import least_loaded
+from kvjax.host.scheduler import Request
+from kvjax.runner.mesh import DATA, MODEL, MeshRunner
+from kvjax.runner.runner import RunnerConfig
+
+
+@dataclasses.dataclass
+class MeshServeReport(ServeReport):
+    """:class:`ServeReport` plus the mesh, per-rank step counts and check results.
+
+    ``ranks[d]``: ``real_steps`` (the rank had work), ``dummy_steps`` (it ran the
+    dummy step because another rank had work), ``requests`` (ids placed on it).
+    ``check_failures``: one entry per (step, rank, flag) that failed.
+    """
+
+    mesh: dict
+    process_index: int
+    ranks: dict
+    checked: bool
+    check_failures: list
+
+    @property
+    def ok(self) -> bool:
+        return (self.all_match and self.nan_count == 0 and self.serving_compiles == 0
+                and not self.check_failures)
+
+
+def serve_mesh(config: RunnerConfig, mesh, requests: list[Request], *, strict: bool = True,
+               progress_stream=sys.stderr, runner: MeshRunner | None = None, compile_workers: int = 2,
+               check: bool | None = None) -> tuple[MeshServeReport, MeshRunner]:
+    """Serve ``requests`` (every process passes the same list) over ``mesh``; returns this process's report."""
+    runner = runner or MeshRunner(config, mesh, strict=strict, check=check)
+    runner.precompile(workers=compile_workers)
+    runner.warm_up()
+    D = runner.num_ranks
+    buckets = list(config.bucket_spec.buckets)
+    scheds = {d: config.make_scheduler() for d in runner.local_ranks}
+    pending = deque(sorted(requests, key=lambda r: r.arrival_step))
+    placed = {d: [] for d in range(D)}
+    real, dummy = [0] * D, [0] * D
+    failures = []
+    bar = Progress(len(requests), progress_stream, unit="requests finished")
+    step = steps_run = 0
+    t0 = time.perf_counter()
+    while True:
+        g = runner.agree({d: (len(s.waiting) + len(s.running), int(s.has_work)) for d, s in scheds.items()})
+        loads = [int(x) for x in g[:, 0]]
+        if not pending and not g[:, 1].any():
+            break
+        while pending and pending[0].arrival_step <= step:
+            req = pending.popleft()
+            d = least_loaded(loads)
+            loads[d] += 1
+            placed[d].append(req.req_id)
+            if d in scheds:
+                scheds[d].add_request(req)
+        plans = {}
+        for d, s in scheds.items():
+            s.step_count = step  # the mesh drives every rank's clock
+            plans[d] = s.schedule()
+        g = runner.agree({d: (-1 if p is None else buckets.index(p.bucket), 0) for d, p in plans.items()})
+        b = int(g[:, 0].max())
+        step += 1
+        if b < 0:  # nobody has anything to run yet
+            continue
+        res = runner.execute_ranks(plans, buckets[b])
+        steps_run += 1
+        for d, plan in plans.items():
+            if plan is None:
+                dummy[d] += 1
+            else:
+                real[d] += 1
+                out = res.outputs[d]
+                scheds[d].update(plan, out.sampled, out.num_sampled, out.logits)
+            for name, value in res.flags.get(d, {}).items():
+                expected = (plan is None) if name == "idle" else True
+                if value != expected:
+                    failures.append({"step": step - 1, "rank": d, "flag": name, "value": value})
+        bar.update(sum(len(s.finished) for s in scheds.values()), f"step {steps_run}")
+    serving = time.perf_counter() - t0
+    bar.close()
+    finished = [r for s in scheds.values() for r in s.finished]
+    results, nan_count = check_against_reference(runner, config, finished)
+    generated = sum(len(r.output) for r in finished)
+    report = MeshServeReport(
+        requests=results,
+        steps=steps_run,
+        generated_tokens=generated,
+        tokens_per_s=generated / serving if serving > 0 else 0.0,
+        serving_seconds=serving,
+        buckets=[dataclasses.asdict(x) for x in buckets],
+        executables=len(runner.executables),
+        compile_seconds=runner.compile_seconds,
+        serving_compiles=runner.guard.serving_compiles + runner.guard.serving_traces,
+        nan_count=nan_count,
+        preemptions=sum(s.num_preemptions for s in scheds.values()),
+        drafts_proposed=sum(s.num_drafts_proposed for s in scheds.values()),
+        drafts_accepted=sum(s.num_drafts_accepted for s in scheds.values()),
+        all_match=bool(results) and all(r["matches_reference"] for r in results.values()),
+        mesh={DATA: D, MODEL: runner.mesh.shape[MODEL]},
+        process_index=jax.process_index(),
+        ranks={d: {"real_steps": real[d], "dummy_steps": dummy[d], "requests": placed[d]}
+               for d in runner.local_ranks},
+        checked=runner.check,
+        check_failures=failures,
+    )
+    return report, runner
+
+
+def print_mesh_summary(report: MeshServeReport, config: RunnerConfig, out=sys.stdout) -> None:
+    print_summary(report, config, out)
+    m = report.mesh
+    lines = [f"mesh                    data={m[DATA]}, model={m[MODEL]} (process {report.process_index})"]
+    for d, r in sorted(report.ranks.items()):
+        lines.append(f"rank {d:<3}                real steps {r['real_steps']}, dummy steps {r['dummy_steps']}, "
+                     f"requests {len(r['requests'])}")
+    if report.checked:
+        verdict = "ok" if not report.check_failures else f"{len(report.check_failures)} FAILED"
+        lines.append(f"null block/slot + idle  {verdict} (bitwise, every rank, every step)")
+    print("\n".join(lines), file=out)

@@ -1,0 +1,329 @@
+"""Serving over a ``jax.sharding.Mesh`` with axes ``("data", "model")``.
+
+Data parallelism: every runner-state array (request rows, block tables, KV
+caches, recurrent-state pools) gets a leading axis of size ``D`` (the "data"
+axis size) sharded over "data", so rank ``d`` owns row ``d`` of each: its own
+block ids, null block 0, null slot 0 and request rows, with the same shapes and
+rules as a single-device runner. Each rank has its own host scheduler and block
+pool; the host packs one :class:`~kvjax.runner.runner.StepInputs` per rank.
+
+One step is one SPMD program: :func:`~kvjax.runner.runner.step_fn` runs per
+rank under ``shard_map`` and every rank uses the same bucket, the largest any
+rank needs (:meth:`MeshRunner.agree` is the host-side agreement, a tiny SPMD
+all-gather, as vLLM all-reduces the DP token counts). A rank with nothing
+scheduled runs the dummy step in the same program (every slot ``PAD_SLOT_ID``,
+block tables and state indices ``NULL_BLOCK_ID``) and must write nothing. The
+model's MoE experts are sharded over "data", so every step holds collectives
+that every rank has to join: that is why an idle rank cannot skip a step.
+
+With ``check`` on (the default when the config poisons), each step also
+returns per rank, computed on the device: the null block of every KV cache and
+the null slot of every state pool are bitwise unchanged, and an idle rank's
+whole state is bitwise unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.constants import NULL_BLOCK_ID
+from kvjax.host.buckets import Bucket
+from kvjax.host.scheduler import StepPlan
+from kvjax.models import dense_forward
+from kvjax.runner.packing import PackSpec, pack, unpack
+from kvjax.runner.runner import DeviceState, Runner, RunnerConfig, StepInputs, StepOutput, step_fn
+
+DATA, MODEL = "data", "model"
+MESH_AXES = (DATA, MODEL)
+_EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
+# Per-rank check flags returned by a checked step, in this order.
+CHECK_FLAGS = ("null_unchanged", "idle", "idle_untouched")
+
+
+def parse_mesh_shape(text: str) -> tuple[int, int]:
+    """``"data=D,model=M"`` (either part optional, default 1) -> ``(D, M)``."""
+    sizes = {DATA: 1, MODEL: 1}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in sizes:
+            raise ValueError(f"mesh must look like 'data=D,model=M', got {text!r}")
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"mesh axis {name.strip()!r} needs a positive int, got {value!r}") from None
+        if n <= 0:
+            raise ValueError(f"mesh axis {name.strip()!r} needs a positive int, got {n}")
+        sizes[name.strip()] = n
+    return sizes[DATA], sizes[MODEL]
+
+
+def force_host_device_count(n: int) -> bool:
+    """Ask XLA:CPU for ``n`` host devices (``--xla_force_host_platform_device_count``).
+
+    Only effective before JAX initialises its backends; returns whether it changed
+    ``XLA_FLAGS``. An existing device-count flag is replaced.
+    """
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    new = " ".join(kept + [f"{flag}={n}"])
+    changed = os.environ.get("XLA_FLAGS") != new
+    os.environ["XLA_FLAGS"] = new
+    return changed
+
+
+def make_mesh(data: int, model: int = 1, devices=None) -> Mesh:
+    """A ``(data, model)`` mesh over the first ``data * model`` devices (all processes')."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = data * model
+    if n > len(devices):
+        raise ValueError(f"mesh data={data},model={model} needs {n} devices, {len(devices)} exist")
+    return Mesh(np.array(devices[:n], dtype=object).reshape(data, model), MESH_AXES)
+
+
+def _check_mesh(mesh: Mesh) -> None:
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != MESH_AXES:
+        got = getattr(mesh, "axis_names", type(mesh).__name__)
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {MESH_AXES}, got {got}")
+
+
+def param_specs(params, config: RunnerConfig):
+    """PartitionSpecs of the params: MoE experts split over "data" (axis 0), the rest replicated."""
+    E = config.model.moe_num_experts
+
+    def spec(path, leaf):
+        name = getattr(path[-1], "key", None)
+        if name in _EXPERT_PARAMS and leaf.ndim == 3 and leaf.shape[0] == E:
+            return P(DATA)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def state_specs(state: DeviceState):
+    """PartitionSpecs of the runner state: the leading data axis split over "data"."""
+    return jax.tree.map(lambda _: P(DATA), state)
+
+
+def _bits(a: jax.Array) -> jax.Array:
+    """``a`` as unsigned ints of its width (bitwise comparison; NaN-safe)."""
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
+    return a
+
+
+def _same(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.all(_bits(a) == _bits(b))
+
+
+def _is_idle(inp: StepInputs) -> jax.Array:
+    """True iff the rank's inputs are a dummy step (no row, block, slot or request named)."""
+    ids = (inp.cleared_rows, inp.new.rows, inp.write_rows, inp.zero_blocks, inp.zero_slots,
+           inp.poison_blocks, inp.poison_slots, inp.sched.idx_mapping)
+    return jnp.all(jnp.stack([jnp.all(a < 0) for a in ids]))
+
+
+def _check_flags(before: DeviceState, after: DeviceState, inp: StepInputs, blocks_per_kv_block: int):
+    """int32 ``[3]`` (:data:`CHECK_FLAGS`) of one rank's step."""
+    r = blocks_per_kv_block
+    null = [_same(a[: r * (NULL_BLOCK_ID + 1)], b[: r * (NULL_BLOCK_ID + 1)])
+            for a, b in zip(before.caches.kv_arrays, after.caches.kv_arrays)]
+    null += [_same(a[NULL_BLOCK_ID], b[NULL_BLOCK_ID])
+             for a, b in zip(before.caches.state_arrays, after.caches.state_arrays)]
+    null_ok = jnp.all(jnp.stack(null)) if null else jnp.bool_(True)
+    idle = _is_idle(inp)
+    untouched = jnp.all(jnp.stack([_same(a, b) for a, b in
+                                   zip(jax.tree.leaves(before), jax.tree.leaves(after))]))
+    return jnp.stack([null_ok, idle, ~idle | untouched]).astype(jnp.int32)
+
+
+def _rank_step(params, dstate, packed, *, config: RunnerConfig, bucket: Bucket, spec: PackSpec,
+               check: bool):
+    """One data rank's step (inside ``shard_map``): drop the leading axis, run ``step_fn``, add it back."""
+    local = jax.tree.map(lambda a: a[0], dstate)
+    buf = packed[0]
+    new, (sampled, num_sampled, logits) = step_fn(
+        params, local, buf, config=config, bucket=bucket, spec=spec, expert_axis=DATA
+    )
+    if check:
+        flags = _check_flags(local, new, unpack(buf, spec), config.kv_group.blocks_per_kv_block)
+    else:
+        flags = jnp.zeros((len(CHECK_FLAGS),), jnp.int32)
+    out = (sampled, num_sampled, logits, flags)
+    return jax.tree.map(lambda a: a[None], new), jax.tree.map(lambda a: a[None], out)
+
+
+def _global_array(sharding: NamedSharding, shape, host_value: np.ndarray) -> jax.Array:
+    """A global array from a host value every process holds in full."""
+    return jax.make_array_from_callback(shape, sharding, lambda idx: host_value[idx])
+
+
+@dataclasses.dataclass
+class MeshStepResult:
+    """One mesh step: the common bucket, and per local rank its output and check flags."""
+
+    bucket: Bucket
+    outputs: dict[int, StepOutput]
+    flags: dict[int, dict[str, bool]]
+
+
+class MeshRunner(Runner):
+    """A :class:`Runner` whose step runs over a ``("data", "model")`` mesh.
+
+    ``config`` sizes one data rank (rows, blocks, state slots per rank). Rank ``d``
+    is row ``d`` of the mesh; this process drives the ranks whose devices it can
+    address (:attr:`local_ranks`: all of them in a single process).
+
+    Args:
+      config: per-rank sizes and options.
+      mesh: axes ``("data", "model")``; only ``model=1`` is supported so far.
+      check: compute the per-rank check flags in every step (default: ``config.poison``).
+    """
+
+    def __init__(self, config: RunnerConfig, mesh: Mesh, *, strict: bool = True,
+                 compiler_options: dict | None = None, check: bool | None = None):
+        _check_mesh(mesh)
+        D, M = mesh.shape[DATA], mesh.shape[MODEL]
+        if M != 1:
+            raise NotImplementedError(f"tensor parallelism (model={M}) is not implemented yet")
+        if "moe" in config.model.layer_types and config.model.moe_num_experts % D:
+            raise ValueError(
+                f"moe_num_experts={config.model.moe_num_experts} must be a multiple of the data axis "
+                f"size {D} (experts are sharded over 'data')"
+            )
+        self.mesh = mesh
+        self.num_ranks = D
+        self.check = config.poison if check is None else bool(check)
+        me = jax.process_index()
+        self.local_ranks = [d for d in range(D) if mesh.devices[d, 0].process_index == me]
+        super().__init__(config, strict=strict, compiler_options=compiler_options)
+        # One rank's state, replicated D times along a new leading axis sharded over "data".
+        single = jax.tree.map(np.asarray, self.state)
+        self.state_specs = state_specs(single)
+        self.state = jax.tree.map(
+            lambda a, s: _global_array(NamedSharding(mesh, s), (D,) + a.shape,
+                                       np.broadcast_to(a[None], (D,) + a.shape)),
+            single, self.state_specs,
+        )
+        host_params = jax.tree.map(np.asarray, self.params)
+        self.dense_params = self.params  # unsharded, on this process's default device
+        self.param_specs = param_specs(host_params, config)
+        self.params = jax.tree.map(
+            lambda a, s: _global_array(NamedSharding(mesh, s), a.shape, a), host_params, self.param_specs
+        )
+        self._in_sharding = NamedSharding(mesh, P(DATA))
+        self._agree_exe = None
+
+    # --------------------------------------------------------- compiling
+
+    def _lower(self, bucket: Bucket):
+        buf, spec = pack(self.pack(None, bucket))
+        out_specs = (self.state_specs, (P(DATA),) * 4)
+        per_rank = functools.partial(_rank_step, config=self.config, bucket=bucket, spec=spec,
+                                     check=self.check)
+        # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
+        # replication of outputs is instead proved by the parity tests.
+        sm = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(self.param_specs, self.state_specs, P(DATA)),
+                           out_specs=out_specs, check_vma=False)
+        named = functools.partial(jax.tree.map, lambda s: NamedSharding(self.mesh, s))
+        # Explicit output shardings: XLA reports zero-size leaves (no drafts) as replicated.
+        fn = jax.jit(sm, donate_argnums=(1,), compiler_options=self.compiler_options,
+                     out_shardings=(named(self.state_specs), named(out_specs[1])))
+        arg = jax.ShapeDtypeStruct((self.num_ranks, buf.size), jnp.int32, sharding=self._in_sharding)
+        with jax.default_matmul_precision(self.config.matmul_precision):
+            return fn.lower(self.params, self.state, arg), spec
+
+    def precompile(self, *, workers: int = 1) -> tuple[int, float]:
+        """Compile every bucket's step and the agreement program."""
+        if self._agree_exe is None:
+            arg = jax.ShapeDtypeStruct((self.num_ranks, 2), jnp.int32, sharding=self._in_sharding)
+            rep = NamedSharding(self.mesh, P())
+            self._agree_exe = jax.jit(lambda x: x, out_shardings=rep).lower(arg).compile()
+        return super().precompile(workers=workers)
+
+    # ------------------------------------------------------------ running
+
+    def _from_local(self, per_rank: dict[int, np.ndarray]) -> jax.Array:
+        """Global ``[D, ...]`` array sharded over "data" from this process's ranks' rows."""
+        missing = set(self.local_ranks) - set(per_rank)
+        if missing:
+            raise ValueError(f"no value given for local rank(s) {sorted(missing)}")
+        local = np.stack([per_rank[d] for d in self.local_ranks])
+        return jax.make_array_from_process_local_data(self._in_sharding, local,
+                                                      (self.num_ranks,) + local.shape[1:])
+
+    def _to_local(self, arr: jax.Array) -> dict[int, np.ndarray]:
+        """This process's rows of a ``[D, ...]`` array sharded over "data"."""
+        out = {}
+        for shard in arr.addressable_shards:
+            d = shard.index[0].start or 0
+            out.setdefault(d, np.asarray(shard.data)[0])
+        return out
+
+    def agree(self, values: dict[int, tuple[int, int]]) -> np.ndarray:
+        """All ranks' two ints (local ranks' given here): int32 ``[D, 2]``, the same in every process."""
+        if self._agree_exe is None:
+            raise RuntimeError("call precompile() first")
+        arr = self._from_local({d: np.asarray(v, np.int32) for d, v in values.items()})
+        with self.guard.serving():
+            out = self._agree_exe(arr)
+            return np.asarray(out.addressable_data(0))
+
+    def run_ranks(self, bucket: Bucket, inputs: dict[int, StepInputs]) -> MeshStepResult:
+        """One SPMD step in ``bucket`` with one :class:`StepInputs` per local rank."""
+        try:
+            exe, spec = self.executables[bucket]
+        except KeyError:
+            raise RuntimeError(f"bucket {bucket} was not precompiled; call precompile() first") from None
+        bufs = {}
+        for d, inp in inputs.items():
+            bufs[d], got = pack(inp)
+            if got != spec:
+                raise RuntimeError(f"rank {d}'s step inputs do not match bucket {bucket}'s layout")
+        buf = self._from_local(bufs)
+        with self.guard.serving():
+            self.state, (sampled, num_sampled, logits, flags) = exe(self.params, self.state, buf)
+            s, n, lg, fl = (self._to_local(a) for a in (sampled, num_sampled, logits, flags))
+        outputs = {d: StepOutput(s[d], n[d], lg[d]) for d in self.local_ranks}
+        checks = {d: dict(zip(CHECK_FLAGS, map(bool, fl[d]))) for d in self.local_ranks} if self.check else {}
+        return MeshStepResult(bucket, outputs, checks)
+
+    def execute_ranks(self, plans: dict[int, StepPlan | None], bucket: Bucket) -> MeshStepResult:
+        """Run local ranks' plans (``None``: the dummy step) in the common ``bucket``."""
+        inputs = {}
+        for d in self.local_ranks:
+            plan = plans.get(d)
+            if plan is not None:
+                if self.buckets.buckets.index(plan.bucket) > self.buckets.buckets.index(bucket):
+                    raise ValueError(f"rank {d}'s plan needs {plan.bucket}, larger than the step's {bucket}")
+                plan = dataclasses.replace(plan, bucket=bucket)
+            inputs[d] = self.pack(plan, bucket)
+        return self.run_ranks(bucket, inputs)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        raise NotImplementedError("a MeshRunner runs every rank at once: use execute_ranks")
+
+    def dummy_step(self, bucket: Bucket | None = None) -> MeshStepResult:
+        """Every local rank runs the dummy step (warm-up)."""
+        bucket = bucket or self.buckets.buckets[0]
+        return self.run_ranks(bucket, {d: self.pack(None, bucket) for d in self.local_ranks})
+
+    @functools.cached_property
+    def dense_reference(self):
+        """The dense oracle on unsharded params on this process's device (see :class:`Runner`)."""
+        c = self.config
+        params = self.dense_params
+        fn = jax.jit(lambda toks: dense_forward(params, c.model, toks, c.kv_cache_dtype))
+
+        def reference(tokens):
+            with jax.default_matmul_precision(c.matmul_precision):
+                return fn(tokens)
+
+        return reference
