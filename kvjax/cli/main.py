@@ -9,6 +9,7 @@ import sys
 
 import jax
 
+from kvjax.cli import mesh_demo
 from kvjax.cli.demo import print_summary, serve
 from kvjax.cli.trace import run_trace
 from kvjax.cli.workload import WorkloadError, generate_workload, load_workload, validate_workload
@@ -33,6 +34,21 @@ def _token_sizes(text: str) -> tuple[int, ...]:
 def _demo(args, parser) -> int:
 
     model = TinyHybridConfig()
+    if args.mesh is not None:
+        try:
+            mesh_shape = mesh_demo.parse_mesh_shape(args.mesh)
+        except ValueError as e:
+            parser.error(f"--mesh: {e}")
+        if args.overlap:
+            parser.error("--overlap is not supported with --mesh")
+        model = mesh_demo.MESH_MODEL
+        try:  # before anything starts JAX's backends
+            forced_devices = mesh_demo.start_devices(args, mesh_shape)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif args.coordinator or args.num_processes != 1:
+        parser.error("--coordinator / --num-processes need --mesh")
     try:
         config = RunnerConfig(
             model=model,
@@ -69,6 +85,8 @@ def _demo(args, parser) -> int:
     except ValueError as e:  # WorkloadError, config errors, too little memory: before any compile
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.mesh is not None:
+        return mesh_demo.main(args, config, requests, mesh_shape, forced_devices)
     print(f"serving {len(requests)} requests on the tiny hybrid model "
           f"({len(model.layer_types)} layers: {', '.join(model.layer_types)}); estimated memory "
           f"{memory.describe()}", file=sys.stderr)
@@ -186,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--overlap", action="store_true",
                       help="plan and dispatch each step while the previous one runs on the device "
                            "(needs --num-spec-tokens 0)")
+    demo.add_argument("--mesh", metavar="data=D,model=M",
+                      help="serve over a device mesh: D data-parallel ranks, M-way tensor parallel; the "
+                           "model gains an MoE block with experts sharded over 'data'")
+    demo.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="with --mesh: jax.distributed coordinator; run one command per process")
+    demo.add_argument("--num-processes", type=_positive, metavar="N", default=1,
+                      help="with --coordinator: how many processes")
+    demo.add_argument("--process-id", type=_non_negative, metavar="I", default=0,
+                      help="with --coordinator: this process")
     trace = sub.add_parser("trace", help="a scheduling trace through the state functions (no model)",
                            formatter_class=fmt)
     trace.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the trace's arrivals and lengths")

@@ -315,6 +315,10 @@ class MeshRunner(Runner):
         bucket = bucket or self.buckets.buckets[0]
         return self.run_ranks(bucket, {d: self.pack(None, bucket) for d in self.local_ranks})
 
+    def warm_up(self) -> list[MeshStepResult]:
+        """One all-dummy step through every executable; returns their results (checked flags)."""
+        return [self.dummy_step(b) for b in self.buckets.buckets]
+
     @functools.cached_property
     def dense_reference(self):
         """The dense oracle on unsharded params on this process's device (see :class:`Runner`)."""
