@@ -223,7 +223,12 @@ class MeshRunner(Runner):
 
     # --------------------------------------------------------- compiling
 
-    def _lower(self, bucket: Bucket):
+    def jitted_step(self, bucket: Bucket):
+        """``(fn, args, spec)`` of ``bucket``'s SPMD step (see :meth:`Runner.jitted_step`).
+
+        ``fn(params, state, packed)``: ``packed`` int32 ``[D, n]`` sharded over "data" (one
+        :class:`StepInputs` buffer per rank); ``args[2]`` is its ``ShapeDtypeStruct``.
+        """
         buf, spec = pack(self.pack(None, bucket))
         out_specs = (self.state_specs, (P(DATA),) * 4)
         per_rank = functools.partial(_rank_step, config=self.config, bucket=bucket, spec=spec,
@@ -237,8 +242,7 @@ class MeshRunner(Runner):
         fn = jax.jit(sm, donate_argnums=(1,), compiler_options=self.compiler_options,
                      out_shardings=(named(self.state_specs), named(out_specs[1])))
         arg = jax.ShapeDtypeStruct((self.num_ranks, buf.size), jnp.int32, sharding=self._in_sharding)
-        with jax.default_matmul_precision(self.config.matmul_precision):
-            return fn.lower(self.params, self.state, arg), spec
+        return fn, (self.params, self.state, arg), spec
 
     def precompile(self, *, workers: int = 1) -> tuple[int, float]:
         """Compile every bucket's step and the agreement program."""
