@@ -51,6 +51,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -685,7 +686,8 @@ def difftest(against="torch", ops=None, cases: int = 4, seed: int = 0, backend: 
         raise ValueError(f"seed must be an int, got {seed!r}")
     config = dict(against=list(impls), ops=sorted({s.op for s in scs}, key=_sc.OPS.index),
                   cases=cases, seed=int(seed), backend=backend, interpret=interpret,
-                  kvjax_kernels=choice.flavor + (" (interpret)" if choice.interpret else ""))
+                  kvjax_kernels=choice.flavor + (" (interpret)" if choice.interpret else ""),
+                  platform=_backend.platform(), jax_version=jax.__version__)
     if "vllm" in impls:
         if not oracle.available():
             raise VLLMUnavailable(_vllm_install_message())

@@ -13,7 +13,6 @@ from kvjax.cli.demo import ServeReport, check_against_reference, run_settings
 from kvjax.host.scheduler import Request
 from kvjax.cli.progress import Progress
 from kvjax.runner import RunnerConfig
-from kvjax.testing import difftest as dt
 from kvjax.testing import vllm as oracle
 
 
@@ -169,11 +168,16 @@ def test_progress_none_writes_nothing():
     bar.close()
 
 
-def test_difftest_progress_into_a_log_has_no_carriage_return():
-    log = io.StringIO()
-    report = dt.difftest(ops=["combine_sampled_and_draft_tokens"], cases=0, backend="reference", progress=log)
-    assert report.ok
-    assert "\r" not in log.getvalue() and log.getvalue().rstrip().endswith("scenarios  done")
+def test_difftest_progress_into_a_log_has_no_carriage_return_and_json_has_its_settings(capsys, tmp_path):
+    out = tmp_path / "diff.json"
+    argv = ["difftest", "--ops", "combine_sampled_and_draft_tokens", "--cases", "0", "--backend", "reference",
+            "--seed", "3", "--json", str(out)]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err  # not a terminal
+    assert "\r" not in err and err.rstrip().endswith("scenarios  done")
+    config = json.loads(out.read_text())["config"]
+    assert config["backend"] == "reference" and config["seed"] == 3 and config["against"] == ["torch"]
+    assert config["platform"] == "cpu" and config["jax_version"] and config["kvjax_kernels"] == "reference"
 
 
 def test_the_parity_check_pads_to_the_request_not_to_max_model_len():
