@@ -633,7 +633,8 @@ def step_rows(results, date, device):
              ("chunk128", "associative scan, 128-token chunks, XLA flags default"),
              ("xla-default", "associative scan, adaptive chunks, XLA flags default"),
              ("cmdbuf-flags", "associative scan, adaptive chunks, XLA_FLAGS command buffers"),
-             ("runner-default", "final: associative scan, adaptive chunks, Runner's GPU_COMPILER_OPTIONS")]
+             ("runner-default", "associative scan, adaptive chunks, Runner's GPU_COMPILER_OPTIONS"),
+             ("final", "final: + searchsorted without loops (no XLA while loop left), Runner's GPU_COMPILER_OPTIONS")]
     return [(label, load(base + name + ".json")) for name, label in order if os.path.exists(base + name + ".json")]
 
 
@@ -725,6 +726,35 @@ def issue11_section(results, date, device):
                            f"{t['memcpys_per_call']:.0f} | {t['device_busy_us_per_call']:.0f} | "
                            f"{sp.get('model', 0):.0f} | {sp.get('runner_state', 0):.0f} | "
                            f"{sp.get('unattributed', 0):.0f} | {100 * c['runner_state_share_of_kernel_time']:.0f}% |")
+        final = dict(steps).get(steps[-1][0]) if steps else None
+        if final and any(c.get("dispatch") for c in final["cases"]):
+            out += ["", "Host dispatch of the final step (`profile_gpu.py --dispatch`, enqueue time per "
+                    "step, 40 back to back): through the `Compiled` object as the Runner calls it, "
+                    "through `jax.jit`'s dispatch of the same function, and of a trivial executable "
+                    "taking the same arguments (the cost of passing them alone).", "",
+                    "| N | Compiled call us | jax.jit call us | trivial executable, same arguments, us | argument leaves |",
+                    "|---:|---:|---:|---:|---:|"]
+            for c in final["cases"]:
+                dsp = c.get("dispatch") or {}
+                if dsp:
+                    n = re.search(r"(\d+) requests", c["case"]).group(1)
+                    out.append(f"| {n} | {dsp['compiled_call_us']:.0f} | {dsp['jit_call_us']:.0f} | "
+                               f"{dsp['trivial_same_args_us']:.0f} | {dsp['argument_leaves']} |")
+    mosaic = os.path.join(results, f"{date}-{device}-mosaic-gpu-inplace.json")
+    if os.path.exists(mosaic):
+        mz = load(mosaic)
+        out += ["", f"### Mosaic GPU: in-place update on JAX {mz['jax']} (`benchmarks/mosaic_gpu_inplace.py`)", "",
+                "The KV write reduced to its core (an [8, 128] bf16 tile into rows 8-15 of a [64, 128] "
+                "cache, the cache donated), three routes; result file `" + os.path.basename(mosaic) + "`:", "",
+                "| route | runs | rows written | other rows kept | output is the donated buffer | error |",
+                "|---|---|---|---|---|---|"]
+        for name, r in mz["routes"].items():
+            err = r.get("error", "")
+            if r.get("traceback_tail") and "assert rule is not None" in r["traceback_tail"]:
+                err += " at `assert rule is not None` in `pallas_call.py` `gpu_lowering`"
+            yn = lambda k: "-" if k not in r else ("yes" if r[k] else "**no**")  # noqa: E731
+            out.append(f"| {name} | {'yes' if r.get('ok') else '**no**'} | {yn('written_right')} | "
+                       f"{yn('rest_untouched')} | {yn('same_buffer_as_donated_input')} | {err or '-'} |")
     notes = os.path.join(results, f"{date}-{device}-issue11.md")
     if os.path.exists(notes):  # hand-written conclusions of the day's device runs
         with open(notes) as fh:
