@@ -94,3 +94,15 @@ def test_readme_states_the_jax_floor_that_pyproject_requires():
     readme = (ROOT / "README.md").read_text()
     assert f"JAX ≥ {floor}" in readme and f"jax>={floor}" in readme
     assert f'"jaxlib>={floor}"' in pyproject
+
+
+def test_what_is_here_names_every_kvjax_package_and_top_module():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## What is here", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `([\w.]+)`", table, flags=re.M))
+    pkg = ROOT / "kvjax"
+    parts = {p.name for p in pkg.iterdir() if (p / "__init__.py").exists()}
+    parts |= {p.stem for p in pkg.glob("*.py") if not p.stem.startswith("_")}
+    missing = [f"kvjax.{m}" for m in sorted(parts)
+               if not any(n == f"kvjax.{m}" or n.startswith(f"kvjax.{m}.") for n in named)]
+    assert not missing, f"README 'What is here' does not mention {missing}"
