@@ -102,7 +102,7 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     g = c.kv_group
     caches = jax.eval_shape(lambda: init_caches(
         m, c.num_blocks * g.blocks_per_kv_block, g.kernel_block_size, c.num_state_slots,
-        c.kv_cache_dtype, num_spec_tokens=c.num_speculative_tokens))
+        c.kv_cache_dtype, num_spec_tokens=c.num_speculative_tokens, kv_layout=c.kv_layout))
     rows = jax.eval_shape(lambda: RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens))
     tables = jax.eval_shape(lambda: BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks))
 
@@ -127,8 +127,7 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
         dense = n * n * (2 * 4 * m.num_heads + 1) if m.num_attn_layers else 0
     else:
         dense = 0
-    return MemoryEstimate(kv_cache=_nbytes((caches.key, caches.value)),
-                          states=_nbytes((caches.conv_state, caches.ssm_state)),
+    return MemoryEstimate(kv_cache=_nbytes(caches.kv_arrays), states=_nbytes(caches.state_arrays),
                           rows_and_tables=_nbytes((rows, tables)), step=step, dense_reference=dense)
 
 
