@@ -151,3 +151,44 @@ def test_cli_rejects_a_request_larger_than_the_cache_before_compiling(tmp_path, 
     assert "needs" in err and "the cache holds 2 blocks (16 tokens)" in err
     if with_file:
         assert "request 'long' needs 18 tokens" in err
+
+
+def step(sched, tokens=7):
+    plan = sched.schedule()
+    R = plan.bucket.num_reqs
+    sched.update(plan, np.full((R, 1 + sched.k), tokens, np.int32), np.ones((R,), np.int32))
+    return plan
+
+
+def test_fresh_blocks_are_zeroed_once_and_finished_requests_free_everything():
+    sched = make_sched(block_size=4, num_blocks=10, budget=8)
+    sched.add_request(Request("a", [1, 2, 3, 4, 5], 3))
+    p0 = step(sched)  # prefill 5 tokens: 2 blocks
+    assert p0.added == [(p0.scheduled[0].req.row, [1, 2, 3, 4, 5], 5)]
+    assert p0.blocks_to_zero == [1, 2] and p0.block_writes == [(p0.scheduled[0].req.row, [[1, 2]], True)]
+    sched.add_request(Request("b", [9, 9, 9], 2))
+    p1 = step(sched)  # a decodes (no new block), b prefills 3 tokens: block 3
+    assert [s.req.req_id for s in p1.scheduled] == ["a", "b"]  # decode windows first
+    rows = sorted(s.req.row for s in p1.scheduled)
+    assert p1.blocks_to_zero == [3]
+    p2 = step(sched)  # a: 3rd token -> done; b: decode -> done
+    assert {r.req_id for r in sched.finished} == {"a", "b"} and p2.blocks_to_zero == []
+    assert not sched.has_work and sched.pool.num_used == 0
+    sched.add_request(Request("c", [5], 1))
+    p3 = step(sched)
+    assert sorted(p3.cleared_rows) == rows and sorted(p3.freed_blocks) == [1, 2, 3]
+    assert p3.blocks_to_zero == [3]  # LIFO: the last freed block is handed out first
+
+
+def test_a_preempted_request_resumes_with_its_output_as_prompt():
+    sched = make_sched(block_size=4, num_blocks=6, budget=12)
+    a, b = Request("a", list(range(1, 9)), 6), Request("b", list(range(1, 9)), 6)
+    sched.add_request(a)
+    sched.add_request(b)
+    while b.num_preemptions == 0:
+        step(sched)
+    assert a.num_preemptions == 0 and b.row is None and b.num_computed == 0
+    out = list(b.output)
+    while b.row is None or b.is_decoding is False:
+        step(sched)
+    assert b.prefill_len == 8 + len(out) and b.output[: len(out)] == out

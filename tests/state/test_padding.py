@@ -1,0 +1,59 @@
+"""The padding rules (kvjax.state.padding) and step_progress, the one rule of how a step moves a
+request, on the host (numpy) and on the device (RequestState.post_update)."""
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from kvjax import PAD_ROW_ID, NewRequests, RequestState
+from kvjax.state import gather_index, is_real_row, is_real_slot, scatter_index, step_progress, token_rows
+
+
+def test_row_rule():
+    idx = np.array([0, 3, PAD_ROW_ID, 4, -7])
+    np.testing.assert_array_equal(is_real_row(idx, 4), [True, True, False, False, False])
+    np.testing.assert_array_equal(gather_index(idx, 4), [0, 3, 0, 0, 0])
+    np.testing.assert_array_equal(scatter_index(idx, 4), [0, 3, 4, 4, 4])
+    assert PAD_ROW_ID == -1
+
+
+def test_token_rows_skip_empty_rows_and_mark_the_tail():
+    # rows: 2 tokens, 0 tokens, 3 tokens; 2 pad tokens
+    np.testing.assert_array_equal(token_rows(np.array([0, 2, 2, 5]), 7), [0, 0, 2, 2, 2, 3, 3])
+    np.testing.assert_array_equal(token_rows(jnp.array([0, 0]), 2), [1, 1])
+
+
+def test_slot_rule():
+    np.testing.assert_array_equal(is_real_slot(np.array([-1, 0, 5, -3])), [False, True, True, False])
+
+
+def test_step_progress_cases():
+    # mid-prefill chunk: nothing kept, num_computed advances by the chunk
+    assert step_progress(0, 10, 4, 1) == (0, 4)
+    # chunk that finishes prefill: one sample, every prompt token computed
+    assert step_progress(8, 10, 2, 1) == (1, 10)
+    # decode window with 2 drafts, 1 accepted (2 sampled): the rejected draft is not computed
+    assert step_progress(10, 10, 3, 2) == (2, 12)
+    # no tokens: nothing moves
+    assert step_progress(10, 10, 0, 1) == (0, 10)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 12), st.integers(0, 3), st.integers(0, 3)),
+                min_size=4, max_size=4))
+def test_host_rule_matches_the_device_post_update(rows):
+    """Host copies (scheduler, trace driver) and the device state move identically."""
+    R, L, S = 4, 16, 4
+    ncs = [min(nc, prefill) for prefill, nc, _, _ in rows]
+    new = NewRequests.from_lists(list(range(R)), [list(range(1, p + 1)) for p, *_ in rows],
+                                 max_model_len=L, num_computed_tokens=ncs)
+    s = RequestState.create(R, L, num_speculative_tokens=S - 1).add_requests(new)
+    qlens = [1 + nd if nc >= p else min(1 + nd, p - nc) for (p, _, nd, _), nc in zip(rows, ncs)]
+    nss = [1 + min(acc, nd) for _, _, nd, acc in rows]
+    after = s.post_update(np.arange(R), np.array(qlens), np.ones((R, S), np.int32), np.array(nss))
+    kept, nc = step_progress(np.array(ncs), np.array([p for p, *_ in rows]), np.array(qlens), np.array(nss))
+    np.testing.assert_array_equal(after.num_computed_tokens, nc)
+    np.testing.assert_array_equal(after.total_len, [p + k for (p, *_), k in zip(rows, kept)])
+    for (p, *_), c, q, n, k, got in zip(rows, ncs, qlens, nss, kept, nc):  # the rule, spelled out
+        want = (0, c + q) if c + q < p else (n, c + n) if c >= p else (n, c + q - 1 + n)
+        assert (int(k), int(got)) == want
