@@ -535,7 +535,8 @@ def analysis_section(final: Rows, runs: dict):
         "`input_output_aliases`, so it cannot update a donated cache in place. It was removed; the "
         "Triton kernels stay, behind `pallas_kernels._backend.gpu_compiler_params` (the "
         "kernel design notes below record this). Porting needs JAX's Ref-based kernel API (the cache passed as a mutable "
-        "Ref), before JAX removes the Triton lowering.",
+        "Ref), before JAX removes the Triton lowering; on 2026-11-23 that route was found to update a donated "
+        "buffer in place on 0.11.2 (`benchmarks/mosaic_gpu_inplace.py`, issue 11 section).",
         "",
         "### Measurement notes",
         "",
@@ -830,6 +831,10 @@ def main():
         sweep_section([(k, v) for k, v in runs.items()]),
         "",
     ]
+    design = os.path.join(a.results, "kernel-design-notes.md")  # why each kernel is built so
+    if os.path.exists(design):
+        with open(design) as fh:
+            parts += [fh.read()]
     demo = base + "-demo.md"  # hand-written notes of the end-to-end demo run, if any
     if os.path.exists(demo):
         with open(demo) as fh:
