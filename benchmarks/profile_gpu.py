@@ -8,7 +8,8 @@ so compare flag sets by running it once per set):
 For each case it reports, from one compiled executable:
 
 * the optimised HLO's shape: fusions, custom calls (the Pallas kernels), while loops (with
-  XLA's known trip count, if any) and command buffers (XLA's CUDA graphs);
+  XLA's known trip count, if any); XLA's command buffers are made later, from the thunks,
+  and show in the trace instead (kernels named after ``command_buffer_*`` HLO ops);
 * a JAX profiler trace of a few executions (CUPTI): device kernels and memcpys per call /
   step, their summed device time, the largest kernels, and for the step the split of
   kernel time between the model (``jax.named_scope("model")`` in ``step_fn``) and the
@@ -72,7 +73,6 @@ def hlo_summary(text: str) -> dict:
         "custom_calls": collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text)),
         "whiles": len(whiles),
         "while_known_trip_counts": [int(m.group(1)) if m else None for m in trip],
-        "command_buffers": len(re.findall(r"command_buffer", text)),
         "conditionals": len(re.findall(r"^\s*\S+ = [^\n]*? conditional\(", text, re.M)),
     }
 
