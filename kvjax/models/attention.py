@@ -21,7 +21,7 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 from kvjax.interop.rpa import RPAMetadata, rpa_batch_view, rpa_metadata, rpa_positions
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
-from kvjax.state.padding import token_rows
+from kvjax.state.padding import gather_index, token_rows
 from pallas_kernels import _backend
 from pallas_kernels.kv_pages import write_kv_pages
 from pallas_kernels.kv_write import reshape_and_cache_flash
@@ -154,7 +154,7 @@ def ragged_paged_attention_xla(
     positions = rpa_positions(metadata, num_tokens=T)
     _, qsl = rpa_batch_view(metadata)
     real = jnp.arange(T) < qsl[R]
-    row = jnp.minimum(token_rows(qsl, T), R - 1)  # gather index, masked by `real`
+    row = gather_index(token_rows(qsl, T), R)  # masked by `real`
     kv_len = jnp.asarray(metadata.kv_lens, jnp.int32)[row]
     j = jnp.arange(S, dtype=jnp.int32)
     visible = real[:, None] & (j[None, :] <= positions[:, None]) & (j[None, :] < kv_len[:, None])

@@ -175,7 +175,7 @@ class BlockTables:
         validation.check_values_in_range("rows", rows, 0, self.max_num_reqs, allow=(-1,))
         r = validation.concrete_values(rows)
         if r is not None:
-            live = r[r >= 0]
+            live = r[is_real_row(r, self.max_num_reqs)]
             if len(np.unique(live)) != len(live):
                 raise ValueError(f"rows must be distinct in one write, got {r.tolist()}")
         nn = validation.concrete_values(num_new)
@@ -203,7 +203,7 @@ class BlockTables:
             if counts is None or ov is None:
                 continue
             for u in range(len(r if r is not None else [])):
-                if r[u] < 0:
+                if not is_real_row(r[u], self.max_num_reqs):
                     continue
                 start = 0 if ov[u] else int(counts[r[u]])
                 end = start + int(nn[g, u]) * spec.blocks_per_kv_block

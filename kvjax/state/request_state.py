@@ -247,7 +247,7 @@ class RequestState:
         i, q, c = (validation.concrete_values(a) for a in (idx, qlen, nc))
         if i is None or q is None or c is None:
             return
-        for b in np.flatnonzero(i >= 0):
+        for b in np.flatnonzero(is_real_row(i, self.max_num_reqs)):
             if c[b] + q[b] > self.max_model_len:
                 raise ValueError(
                     f"query_lens[{b}]={q[b]}: request row {i[b]} has {c[b]} tokens computed, so "
@@ -367,7 +367,7 @@ class NewRequests:
         c = validation.concrete_values(self.num_computed_tokens)
         if r is None or n is None or p is None or c is None:
             return
-        live = r >= 0
+        live = is_real_row(r, state.max_num_reqs)
         if len(np.unique(r[live])) != live.sum():
             raise ValueError(f"rows must be distinct in one add, got {r.tolist()}")
         for u in np.flatnonzero(live):

@@ -296,7 +296,7 @@ def validate_schedule(
     d = validation.concrete_values(sched.num_draft_tokens)
     if i is None or q is None or d is None:
         return
-    live = i >= 0
+    live = is_real_row(i, requests.max_num_reqs)
     if len(np.unique(i[live])) != live.sum():
         raise ValueError(f"idx_mapping must not repeat a request row, got {i.tolist()}")
     if (q[live] < 0).any() or (d[live] < 0).any():
