@@ -85,6 +85,7 @@ from pallas_kernels.kv_write import (  # noqa: E402
 )
 from pallas_kernels.mamba import selective_state_update  # noqa: E402
 from pallas_kernels.token_combine import combine_sampled_and_draft_tokens  # noqa: E402
+from pallas_kernels.kv_pages import write_kv_pages  # noqa: E402
 from _trace import jax_device_us, torch_device_us  # noqa: E402  (benchmarks/_trace.py)
 
 try:
@@ -709,6 +710,39 @@ def bench_flash(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5)
     free()
 
 
+def bench_pages(T: int, fp8: bool, sz: dict, *, budget=0.5):
+    """``write_kv_pages`` (ragged-paged-attention layout, K/V interleaved in one cache per
+    layer) with the bytes of the flash rows: the same tokens, slots and cache size."""
+    H, D = 8, 128
+    cdt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    nb = sz["flash_blocks_fp8" if fp8 else "flash_blocks"]
+    rng = np.random.default_rng(T + 7 * fp8)
+    keys = jax.random.split(jax.random.key(T), 2 * N_SETS + 2)
+    pages = random_bits(keys[-1], (nb, BS, 2 * H, D), cdt)
+    slots = slot_sets(rng, N_SETS, T, nb)
+    sets = tuple(
+        (jax.random.normal(keys[2 * k], (T, H, D), jnp.bfloat16),
+         jax.random.normal(keys[2 * k + 1], (T, H, D), jnp.bfloat16),
+         jnp.asarray(slots[k]))
+        for k in range(N_SETS))
+    extra = ("fp8", np.float32(0.37), np.float32(0.61)) if fp8 else ()
+    out_item = 1 if fp8 else 2
+    nbytes = 2 * T * H * D * (2 + out_item) + 4 * T
+    meta = dict(op="write_kv_pages", size=f"T={T}", dtype="fp8" if fp8 else "bf16",
+                bytes=nbytes, extra=dict(cache_bytes=nb * BS * 2 * H * D * out_item, heads=H,
+                                         head_size=D, input_dtype="bfloat16"))
+
+    def call(backend):
+        def op(c, s, k, i):
+            return write_kv_pages(s[0], s[1], c, s[2], *extra, backend=backend)
+        return op
+
+    run_case(meta, [Impl("pallas", call("pallas_gpu")), Impl("xla", call("reference"))], pages, sets,
+             mains=lambda c: (c,), budget_s=budget)
+    del pages, sets
+    free()
+
+
 def bench_mla(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5):
     L, R = 512, 64
     cdt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
@@ -1199,7 +1233,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="where to write the results")
     ap.add_argument("--sweep", action="store_true", help="also time kernel variants")
     ap.add_argument("--no-main", action="store_true", help="skip the main rows (sweeps only)")
-    ap.add_argument("--only", default="", help="comma list: ceiling,flash,mla,zero,ssu,combine")
+    ap.add_argument("--only", default="", help="comma list: ceiling,flash,pages,mla,zero,ssu,combine")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds; later parts are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, any backend (script check)")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds of timed samples per row")
@@ -1242,6 +1276,8 @@ def main() -> int:
                  (("ssu", sz["ssu_batch"][-1]), lambda: bench_ssu(sz["ssu_batch"][-1], sz, budget=b)),
                  (("combine",), lambda: bench_combine(sz, budget=b))]
         plan += [(("flash", T, True), lambda T=T: bench_flash(T, True, sz, budget=b)) for T in sz["flash_T"]]
+        plan += [(("pages", T, fp8), lambda T=T, fp8=fp8: bench_pages(T, fp8, sz, budget=b))
+                 for fp8 in (False, True) for T in sz["flash_T"]]
         plan += [(("mla", T, fp8), lambda T=T, fp8=fp8: bench_mla(T, fp8, sz, budget=b))
                  for fp8 in (False, True) for T in sz["flash_T"]]
         plan += [(("zero", n), lambda n=n: bench_zero(n, sz, budget=b)) for n in sz["zero_n"][:-1]]
