@@ -57,6 +57,7 @@ __all__ = [
     "lowering",
     "prepare_compiled_tpu",
     "resolve",
+    "rpa_block_sizes",
     "vmem_buffer_bytes",
 ]
 
@@ -196,6 +197,28 @@ def export(fn, *args, target: TpuTarget | str | None = None, **export_kwargs):
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     with lowering(target):
         return jax.export.export(jitted, platforms=("tpu",), **export_kwargs)(*args)
+
+
+def _on_local_chip() -> bool:
+    """True when the chip being lowered for is the local TPU (no target set over it)."""
+    return jax.default_backend() == "tpu" and _mesh_target() is None and not os.environ.get(
+        TARGET_ENV, "").strip()
+
+
+def rpa_block_sizes(pages_per_seq: int, num_tokens: int) -> dict[str, int]:
+    """Block-size arguments for JAX's ``ragged_paged_attention`` (compiled).
+
+    JAX picks them from its tuning table for ``jax.devices()[0]``, which asks the
+    local device: right on the chip being lowered for, an error ("TPU version must
+    be 4 or higher") or the wrong chip otherwise. On the local TPU this returns
+    ``{}`` (JAX's table decides); when lowering for a target from elsewhere, JAX's
+    own untuned choice for v5 and later: 128 KV pages and 32 queries per block,
+    capped by ``pages_per_seq`` and ``num_tokens``.
+    """
+    if _on_local_chip():
+        return {}
+    return {"num_kv_pages_per_block": max(1, min(int(pages_per_seq), 128)),
+            "num_queries_per_block": max(1, min(int(num_tokens), 32))}
 
 
 _registered_fallback: dict[str, str] = {}

@@ -22,7 +22,7 @@ from kvjax.interop.rpa import RPAMetadata, rpa_batch_view, rpa_metadata, rpa_pos
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
 from kvjax.state.padding import gather_index, token_rows
-from pallas_kernels import _backend
+from pallas_kernels import _backend, tpu_target
 from pallas_kernels.kv_pages import write_kv_pages
 from pallas_kernels.kv_write import reshape_and_cache_flash
 
@@ -283,12 +283,18 @@ def rpa_attention(
         return ragged_paged_attention_xla(
             q, kv_pages, m, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
         )
+    if q.shape[-1] % 128:  # JAX's kernel asserts it deep inside; say so before lowering
+        raise ValueError(
+            f"head_dim must be a multiple of 128 for JAX's ragged_paged_attention TPU kernel "
+            f"(backend={backend!r}), got {q.shape[-1]}"
+        )
     kw = dict(
         sm_scale=sm_scale,
         k_scale=None if k_scale is None else float(k_scale),
         v_scale=None if v_scale is None else float(v_scale),
     )
-    if not choice.interpret:
+    if not choice.interpret:  # block sizes from the TPU target, not the local device
+        kw.update(tpu_target.rpa_block_sizes(m.page_indices.shape[1], q.shape[0]))
         return jax_rpa.ragged_paged_attention(q, kv_pages, *m.as_args(), **kw)
     with pltpu.force_tpu_interpret_mode():
         return jax_rpa.ragged_paged_attention(q, kv_pages, *m.as_args(), **kw)

@@ -239,6 +239,14 @@ def test_lowering_keeps_the_callers_mesh_axes():
         assert inner.abstract_device.device_kind == "TPU v5 lite"
 
 
+def test_rpa_block_sizes_come_from_the_target_off_chip():
+    # On this CPU JAX's tuning table would ask the local device (and fail): explicit sizes.
+    assert tpu_target.rpa_block_sizes(300, 5) == {"num_kv_pages_per_block": 128,
+                                                  "num_queries_per_block": 5}
+    assert tpu_target.rpa_block_sizes(3, 4096) == {"num_kv_pages_per_block": 3,
+                                                   "num_queries_per_block": 32}
+
+
 def test_explicit_target_never_asks_the_local_device(monkeypatch):
     # With Mosaic's table of extra device kinds emptied, "cpu" is unknown to Mosaic:
     # lowering under an explicit target must not need it, nor register anything.
