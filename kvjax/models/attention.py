@@ -182,9 +182,14 @@ class AttentionLayer(nn.Module):
     """Pre-norm GQA attention block with RoPE; ``x + attn(norm(x))``.
 
     Params: ``norm [d]``, ``wq [d, Hq*D]``, ``wk``, ``wv [d, Hkv*D]``, ``wo [Hq*D, d]``.
+
+    ``model_axis`` (tensor parallel, inside ``shard_map``): ``config`` gives this shard's
+    heads, ``wq/wk/wv`` are column shards, ``wo`` a row shard; the output is summed
+    over the axis.
     """
 
     config: TinyHybridConfig
+    model_axis: str | None = None
 
     def setup(self):
         c = self.config
@@ -253,6 +258,8 @@ class AttentionLayer(nn.Module):
                 v_scale=v_scale,
             )
         out = o.reshape(T, -1) @ self.wo
+        if self.model_axis is not None:
+            out = jax.lax.psum(out, self.model_axis)
         return x + jnp.where(ctx.token_real[:, None], out, 0.0), key_cache, value_cache
 
 

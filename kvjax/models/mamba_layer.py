@@ -71,9 +71,15 @@ class MambaLayer(nn.Module):
     Params: ``norm [d]``, ``in_proj [d, in_proj_dim]``, ``conv_weight [conv_dim, W]``,
     ``conv_bias [conv_dim]``, ``dt_bias [H]``, ``A_log [H]`` (``A = -exp(A_log)``),
     ``D [H]``, ``gate_norm [d_inner]``, ``out_proj [d_inner, d]``.
+
+    ``model_axis`` (tensor parallel, inside ``shard_map``): ``config`` gives this shard's
+    heads; ``in_proj`` holds ``[z | x | B | C | dt]`` of its heads (B, C whole:
+    ``mamba_n_groups == 1``), the gated norm's mean square and ``out_proj`` (a row
+    shard) are summed over the axis.
     """
 
     config: TinyHybridConfig
+    model_axis: str | None = None
 
     def setup(self):
         c = self.config
@@ -126,8 +132,14 @@ class MambaLayer(nn.Module):
         is_dec = ctx.token_real & ctx.decode_row[row]
         is_pre = ctx.token_real & ctx.prefill_row[row]
         y = jnp.where(is_dec[:, None, None], y_dec, jnp.where(is_pre[:, None, None], y_pre, 0.0))
-        y = rms_norm(y.reshape(T, H * P), self.gate_norm, c.rms_eps)
-        return x + y @ self.out_proj, conv_state, ssm_state
+        y = y.reshape(T, H * P)
+        if self.model_axis is None:
+            y = rms_norm(y, self.gate_norm, c.rms_eps)
+            return x + y @ self.out_proj, conv_state, ssm_state
+        ax = self.model_axis
+        ms = jax.lax.psum(jnp.sum(y * y, axis=-1, keepdims=True), ax) / (H * P * jax.lax.axis_size(ax))
+        y = y * jax.lax.rsqrt(ms + c.rms_eps) * self.gate_norm
+        return x + jax.lax.psum(y @ self.out_proj, ax), conv_state, ssm_state
 
     # ------------------------------------------------------------------ paths
 

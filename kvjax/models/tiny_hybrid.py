@@ -37,11 +37,14 @@ class TinyHybrid(nn.Module):
     """The model as a linen module; params ``embed``, ``layer_{i}``, ``final_norm``, ``lm_head``.
 
     ``expert_axis``: mesh axis the MoE experts are sharded over (inside ``shard_map``;
-    see :mod:`kvjax.models.moe`), ``None`` for unsharded experts.
+    see :mod:`kvjax.models.moe`), ``None`` for unsharded experts. ``model_axis``: mesh
+    axis the attention and Mamba heads are sharded over (``config`` then gives one
+    shard's heads; see :func:`kvjax.runner.mesh.tp_shard_config`).
     """
 
     config: TinyHybridConfig
     expert_axis: str | None = None
+    model_axis: str | None = None
 
     def setup(self):
         c = self.config
@@ -49,7 +52,7 @@ class TinyHybrid(nn.Module):
         def make(kind, name):
             if kind == "moe":
                 return MoELayer(c, self.expert_axis, name=name)
-            return (AttentionLayer if kind == "attn" else MambaLayer)(c, name=name)
+            return (AttentionLayer if kind == "attn" else MambaLayer)(c, self.model_axis, name=name)
 
         self.embed = self.param("embed", nn.initializers.normal(1.0), (c.vocab_size, c.d_model))
         self.layers = tuple(make(t, f"layer_{i}") for i, t in enumerate(c.layer_types))
@@ -133,6 +136,7 @@ def forward_step(
     *,
     backend: str = "reference",
     expert_axis: str | None = None,
+    model_axis: str | None = None,
 ) -> tuple[jax.Array, HybridCaches]:
     """One model step over a padded mixed batch. Pure; jit with static ``config``/``backend``.
 
@@ -152,6 +156,8 @@ def forward_step(
       backend: kernel backend (``"reference"``, ``"auto"``, ``"pallas"``, ...).
       expert_axis: inside ``shard_map``, the mesh axis the MoE experts are sharded
         over (``params`` then hold this member's experts); ``None`` otherwise.
+      model_axis: inside ``shard_map``, the mesh axis the heads are sharded over
+        (``config``, ``params`` and ``caches`` are then one shard's); ``None`` otherwise.
 
     Returns:
       ``(logits float32 [L, vocab_size], caches)``: logits of the tokens at
@@ -177,6 +183,6 @@ def forward_step(
                 f"state_indices has 1 + {k} columns but the conv states were sized for "
                 f"num_spec_tokens={have} (init_caches(..., num_spec_tokens={k}))"
             )
-    return TinyHybrid(config, expert_axis).apply(
+    return TinyHybrid(config, expert_axis, model_axis).apply(
         params, batch.input_ids, batch.logits_indices, ctx, caches, backend
     )

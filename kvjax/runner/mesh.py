@@ -16,6 +16,15 @@ block tables and state indices ``NULL_BLOCK_ID``) and must write nothing. The
 model's MoE experts are sharded over "data", so every step holds collectives
 that every rank has to join: that is why an idle rank cannot skip a step.
 
+Tensor parallelism: attention KV heads (with their query heads) and Mamba heads
+are split over "model". Inside ``shard_map`` each shard runs the model with
+:func:`tp_shard_config` (its heads) on its column shards of ``wq/wk/wv`` and of
+the Mamba ``in_proj`` (``[z | x | B | C | dt]`` of its heads, see
+:func:`tp_param_layout`), and row shards of ``wo`` / ``out_proj`` whose outputs
+are summed over "model" (as is the gated norm's mean square). KV caches and SSM
+states are split on their heads axis, conv states on their channels (laid out
+per shard: ``[x | B | C]``). The kernels run per shard unchanged.
+
 With ``check`` on (the default when the config poisons), each step also
 returns per rank, computed on the device: the null block of every KV cache and
 the null slot of every state pool are bitwise unchanged, and an idle rank's
@@ -37,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.constants import NULL_BLOCK_ID
 from kvjax.host.buckets import Bucket
 from kvjax.host.scheduler import StepPlan
-from kvjax.models import dense_forward
+from kvjax.models import TinyHybridConfig, dense_forward
 from kvjax.runner.packing import PackSpec, pack, unpack
 from kvjax.runner.runner import DeviceState, Runner, RunnerConfig, StepInputs, StepOutput, step_fn
 
@@ -94,22 +103,86 @@ def _check_mesh(mesh: Mesh) -> None:
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {MESH_AXES}, got {got}")
 
 
-def param_specs(params, config: RunnerConfig):
-    """PartitionSpecs of the params: MoE experts split over "data" (axis 0), the rest replicated."""
-    E = config.model.moe_num_experts
+# PartitionSpecs of each layer kind's params (absent: replicated).
+_LAYER_PARAM_SPECS = {
+    "attn": {"wq": P(None, MODEL), "wk": P(None, MODEL), "wv": P(None, MODEL), "wo": P(MODEL, None)},
+    "mamba": {"in_proj": P(None, MODEL), "conv_weight": P(MODEL, None), "conv_bias": P(MODEL),
+              "dt_bias": P(MODEL), "A_log": P(MODEL), "D": P(MODEL), "gate_norm": P(MODEL),
+              "out_proj": P(MODEL, None)},
+    "moe": {name: P(DATA) for name in _EXPERT_PARAMS},
+}
+
+
+def tp_shard_config(model: TinyHybridConfig, M: int) -> TinyHybridConfig:
+    """One "model" shard's view of ``model``: ``1/M`` of the query, KV and Mamba heads."""
+    if M == 1:
+        return model
+    if model.num_kv_heads % M or model.mamba_num_heads % M:
+        raise ValueError(
+            f"model={M} must divide num_kv_heads={model.num_kv_heads} and "
+            f"mamba_num_heads={model.mamba_num_heads} (heads are sharded over 'model')"
+        )
+    if model.num_mamba_layers and model.mamba_n_groups != 1:
+        raise ValueError(f"tensor parallelism needs mamba_n_groups == 1, got {model.mamba_n_groups}")
+    return dataclasses.replace(model, num_heads=model.num_heads // M, num_kv_heads=model.num_kv_heads // M,
+                               mamba_num_heads=model.mamba_num_heads // M)
+
+
+def tp_param_layout(params, model: TinyHybridConfig, M: int):
+    """Host (numpy) params with each Mamba ``in_proj`` / ``conv_weight`` / ``conv_bias`` reordered
+    so that a contiguous ``1/M`` slice is one "model" shard's (B and C repeated in every shard)."""
+    if M == 1:
+        return params
+    di, H, bc = model.d_inner, model.mamba_num_heads, 2 * model.mamba_n_groups * model.mamba_d_state
+    dl, Hl = di // M, H // M
+    out = jax.tree.map(lambda a: a, params)  # new containers, same leaves
+    for i, kind in enumerate(model.layer_types):
+        if kind != "mamba":
+            continue
+        lp = dict(out["params"][f"layer_{i}"])
+        ip = lp["in_proj"]
+        z, x, b_c, dt = ip[:, :di], ip[:, di:2 * di], ip[:, 2 * di:2 * di + bc], ip[:, 2 * di + bc:]
+        lp["in_proj"] = np.concatenate([np.concatenate(
+            [z[:, m * dl:(m + 1) * dl], x[:, m * dl:(m + 1) * dl], b_c, dt[:, m * Hl:(m + 1) * Hl]], 1)
+            for m in range(M)], 1)
+        for name in ("conv_weight", "conv_bias"):
+            w = lp[name]
+            lp[name] = np.concatenate([np.concatenate([w[m * dl:(m + 1) * dl], w[di:]], 0) for m in range(M)], 0)
+        out["params"][f"layer_{i}"] = lp
+    return out
+
+
+def param_specs(params, model: TinyHybridConfig):
+    """PartitionSpecs of the params (:data:`_LAYER_PARAM_SPECS`; embedding, head, norms replicated)."""
 
     def spec(path, leaf):
-        name = getattr(path[-1], "key", None)
-        if name in _EXPERT_PARAMS and leaf.ndim == 3 and leaf.shape[0] == E:
-            return P(DATA)
-        return P()
+        keys = [getattr(k, "key", None) for k in path]
+        layer = next((k for k in keys if isinstance(k, str) and k.startswith("layer_")), None)
+        if layer is None:
+            return P()
+        kind = model.layer_types[int(layer.split("_")[1])]
+        return _LAYER_PARAM_SPECS[kind].get(keys[-1], P())
 
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def state_specs(state: DeviceState):
-    """PartitionSpecs of the runner state: the leading data axis split over "data"."""
-    return jax.tree.map(lambda _: P(DATA), state)
+    """PartitionSpecs of the runner state ``[D, ...]``: "data" on the leading axis; KV caches
+    split over "model" on their heads axis, Mamba states on their channel / head axis."""
+    specs = jax.tree.map(lambda _: P(DATA), state)
+    caches = specs.caches.replace(
+        key=tuple(P(DATA, None, None, MODEL) for _ in state.caches.key),
+        value=tuple(P(DATA, None, None, MODEL) for _ in state.caches.value),
+        conv_state=tuple(P(DATA, None, MODEL) for _ in state.caches.conv_state),
+        ssm_state=tuple(P(DATA, None, MODEL) for _ in state.caches.ssm_state),
+    )
+    return specs.replace(caches=caches)
+
+
+def _tile_model_axis(a: np.ndarray, spec: P, M: int) -> np.ndarray:
+    """One shard's uniform initial array -> the whole ``[...]`` array (``spec`` without the data axis)."""
+    axes = [i for i, name in enumerate(tuple(spec)[1:]) if name == MODEL]
+    return np.concatenate([a] * M, axis=axes[0]) if axes and M > 1 else a
 
 
 def _bits(a: jax.Array) -> jax.Array:
@@ -146,16 +219,18 @@ def _check_flags(before: DeviceState, after: DeviceState, inp: StepInputs, block
 
 def _rank_step(params, dstate, packed, *, config: RunnerConfig, bucket: Bucket, spec: PackSpec,
                check: bool):
-    """One data rank's step (inside ``shard_map``): drop the leading axis, run ``step_fn``, add it back."""
+    """One (data rank, head shard)'s step inside ``shard_map``: drop the leading axis, run ``step_fn``
+    (``config.model`` is one shard's, :func:`tp_shard_config`), add the axis back."""
     local = jax.tree.map(lambda a: a[0], dstate)
     buf = packed[0]
     new, (sampled, num_sampled, logits) = step_fn(
-        params, local, buf, config=config, bucket=bucket, spec=spec, expert_axis=DATA
+        params, local, buf, config=config, bucket=bucket, spec=spec, expert_axis=DATA, model_axis=MODEL
     )
     if check:
         flags = _check_flags(local, new, unpack(buf, spec), config.kv_group.blocks_per_kv_block)
     else:
         flags = jnp.zeros((len(CHECK_FLAGS),), jnp.int32)
+    flags = jax.lax.pmin(flags, MODEL)  # a failure on any head shard fails the rank
     out = (sampled, num_sampled, logits, flags)
     return jax.tree.map(lambda a: a[None], new), jax.tree.map(lambda a: a[None], out)
 
@@ -183,7 +258,7 @@ class MeshRunner(Runner):
 
     Args:
       config: per-rank sizes and options.
-      mesh: axes ``("data", "model")``; only ``model=1`` is supported so far.
+      mesh: axes ``("data", "model")``.
       check: compute the per-rank check flags in every step (default: ``config.poison``).
     """
 
@@ -191,8 +266,9 @@ class MeshRunner(Runner):
                  compiler_options: dict | None = None, check: bool | None = None):
         _check_mesh(mesh)
         D, M = mesh.shape[DATA], mesh.shape[MODEL]
-        if M != 1:
-            raise NotImplementedError(f"tensor parallelism (model={M}) is not implemented yet")
+        if M > 1 and config.kv_layout != "flash":
+            raise ValueError(f"tensor parallelism supports kv_layout='flash', got {config.kv_layout!r}")
+        self.shard_config = dataclasses.replace(config, model=tp_shard_config(config.model, M))
         if "moe" in config.model.layer_types and config.model.moe_num_experts % D:
             raise ValueError(
                 f"moe_num_experts={config.model.moe_num_experts} must be a multiple of the data axis "
@@ -204,17 +280,20 @@ class MeshRunner(Runner):
         me = jax.process_index()
         self.local_ranks = [d for d in range(D) if mesh.devices[d, 0].process_index == me]
         super().__init__(config, strict=strict, compiler_options=compiler_options)
-        # One rank's state, replicated D times along a new leading axis sharded over "data".
-        single = jax.tree.map(np.asarray, self.state)
-        self.state_specs = state_specs(single)
-        self.state = jax.tree.map(
-            lambda a, s: _global_array(NamedSharding(mesh, s), (D,) + a.shape,
-                                       np.broadcast_to(a[None], (D,) + a.shape)),
-            single, self.state_specs,
-        )
-        host_params = jax.tree.map(np.asarray, self.params)
+        # One shard's initial state (uniform), tiled M times on its heads axis and D times
+        # along a new leading axis.
+        shard = jax.tree.map(np.asarray, self.state)
+        self.state_specs = state_specs(shard)
+
+        def place(a, s):
+            whole = _tile_model_axis(a, s, M)
+            return _global_array(NamedSharding(mesh, s), (D,) + whole.shape,
+                                 np.broadcast_to(whole[None], (D,) + whole.shape))
+
+        self.state = jax.tree.map(place, shard, self.state_specs)
         self.dense_params = self.params  # unsharded, on this process's default device
-        self.param_specs = param_specs(host_params, config)
+        host_params = tp_param_layout(jax.tree.map(np.asarray, self.params), config.model, M)
+        self.param_specs = param_specs(host_params, config.model)
         self.params = jax.tree.map(
             lambda a, s: _global_array(NamedSharding(mesh, s), a.shape, a), host_params, self.param_specs
         )
@@ -222,6 +301,15 @@ class MeshRunner(Runner):
         self._agree_exe = None
 
     # --------------------------------------------------------- compiling
+
+    def _initial_state(self) -> DeviceState:
+        """One rank's, one head shard's initial state (``__init__`` tiles and places it)."""
+        full = self.config
+        self.config = self.shard_config
+        try:
+            return super()._initial_state()
+        finally:
+            self.config = full
 
     def jitted_step(self, bucket: Bucket):
         """``(fn, args, spec)`` of ``bucket``'s SPMD step (see :meth:`Runner.jitted_step`).
@@ -231,7 +319,7 @@ class MeshRunner(Runner):
         """
         buf, spec = pack(self.pack(None, bucket))
         out_specs = (self.state_specs, (P(DATA),) * 4)
-        per_rank = functools.partial(_rank_step, config=self.config, bucket=bucket, spec=spec,
+        per_rank = functools.partial(_rank_step, config=self.shard_config, bucket=bucket, spec=spec,
                                      check=self.check)
         # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
         # replication of outputs is instead proved by the parity tests.

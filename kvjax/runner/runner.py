@@ -214,12 +214,12 @@ def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
 
 
 def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerConfig, bucket: Bucket,
-            spec: PackSpec, expert_axis: str | None = None):
+            spec: PackSpec, expert_axis: str | None = None, model_axis: str | None = None):
     """One whole step on the device (pure; ``dstate`` is donated by the runner).
 
     ``packed`` is the int32 buffer of :class:`StepInputs` made by :func:`kvjax.runner.packing.pack`.
     ``expert_axis``: run per data rank inside ``shard_map`` with MoE experts sharded over
-    that mesh axis (:mod:`kvjax.runner.mesh`).
+    that mesh axis, and heads over ``model_axis`` (:mod:`kvjax.runner.mesh`).
     """
     inp: StepInputs = unpack(packed, spec)
     req, tables, caches = dstate.requests, dstate.tables, dstate.caches
@@ -267,7 +267,7 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
         logits, caches = forward_step(
             params, config.model, batch, caches, state_indices, num_accepted, backend=config.backend,
-            expert_axis=expert_axis,
+            expert_axis=expert_axis, model_axis=model_axis,
         )
     ndraft = jnp.where(valid, sched.num_draft_tokens, 0)
     sampled, num_sampled = _greedy_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k)
