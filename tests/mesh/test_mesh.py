@@ -4,6 +4,7 @@ count must be set before JAX starts)."""
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ WORKER = pathlib.Path(__file__).with_name("mesh_worker.py")
 WORKLOAD = json.loads(WORKER.with_name("workload.json").read_text())
 
 
-def run_worker(*cases, timeout=600):
+def run_worker(*cases, timeout=900):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(WORKER), *cases], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)
@@ -49,6 +50,11 @@ def test_force_host_device_count_replaces_an_existing_flag(monkeypatch):
     assert not force_host_device_count(8)
 
 
+# The worker's sizes (mesh_worker.config) as demo options.
+CLI_SIZES = ("--poison", "--quiet", "--block-size", "8", "--num-blocks", "24", "--max-model-len", "48",
+             "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--token-sizes", "16")
+
+
 def run_cli_2x1(tmp_path):
     """``python -m kvjax demo --mesh data=2`` on the worker's workload and sizes (sets XLA_FLAGS itself)."""
     workload = tmp_path / "workload.json"
@@ -57,9 +63,8 @@ def run_cli_2x1(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2,model=1", "--poison", "--quiet",
-         "--workload", str(workload), "--block-size", "8", "--num-blocks", "24", "--max-model-len", "48",
-         "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--token-sizes", "16", "--json", str(out)],
+        [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2,model=1",
+         "--workload", str(workload), *CLI_SIZES, "--json", str(out)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "CPU-only machine: set XLA_FLAGS=--xla_force_host_platform_device_count=2" in proc.stderr
@@ -70,25 +75,75 @@ def run_cli_2x1(tmp_path):
             "serving_compiles": rep["serving_compiles"], "ranks": rep["ranks"]}
 
 
-def test_data_parallel_meshes_match_single_device_and_catch_a_zero_slot_dummy_step(tmp_path):
-    """Tokens identical to the single-device runner and the dense reference on meshes (1,1), (2,1),
-    (4,1) with poison on; idle ranks ran dummy steps that left their null block, null slot and whole
-    state bitwise unchanged; the planted PR 39444 regression (dummy slot mapping zeros) is caught."""
-    res = run_worker("single", "1x1", "4x1", "planted")
-    res["2x1"] = run_cli_2x1(tmp_path)
-    single = res["single"]
+MESHES = ("1x1", "2x1", "4x1", "1x2", "2x2", "4x2")
+
+
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    """Every mesh case once: the single-device runner, meshes (1,1) .. (4,2) in one process with
+    8 host devices, the planted regression, and (2,1) through the CLI."""
+    res = run_worker("single", *[m for m in MESHES if m != "2x1"], "planted")
+    res["2x1"] = run_cli_2x1(tmp_path_factory.mktemp("cli"))
+    return res
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_mesh_tokens_match_single_device_and_dense_reference_with_poison(worker_results, mesh):
+    """Tokens identical to the single-device runner and the dense reference (logits within the
+    demo tolerance) with poison on; no serving-time compile; every step's null block, null slot
+    and idle-rank state bitwise unchanged (checked on the device, per rank)."""
+    single = worker_results["single"]
     assert single["all_match"] and single["nan_count"] == 0 and single["serving_compiles"] == 0
-    for case in ("1x1", "2x1", "4x1"):
-        r = res[case]
-        assert r["ok"] and r["checked"] and not r["check_failures"], (case, r)
-        assert r["outputs"] == single["outputs"], case
-        assert r["serving_compiles"] == 0
-    for case in ("2x1", "4x1"):
-        ranks = res[case]["ranks"]
-        assert len(ranks) == int(case[0])
+    r = worker_results[mesh]
+    assert r["ok"] and r["checked"] and not r["check_failures"], r
+    assert r["outputs"] == single["outputs"]
+    assert r["serving_compiles"] == 0
+    D = int(mesh.split("x")[0])
+    ranks = r["ranks"]
+    assert sorted(ranks) == [str(d) for d in range(D)]
+    if D > 1:  # idle ranks ran dummy steps (every rank but 0 is idle at some step of this workload)
         assert sum(v["real_steps"] > 0 for v in ranks.values()) >= 2
-        assert all(v["dummy_steps"] > 0 for k, v in ranks.items() if k != "0"), (case, ranks)
-    planted = res["planted"]
+        assert all(v["dummy_steps"] > 0 for k, v in ranks.items() if k != "0"), ranks
+
+
+def test_planted_zero_slot_dummy_step_is_caught(worker_results):
+    """The PR 39444 regression (a dummy step's slot mapping zeros instead of PAD) fails the checks."""
+    planted = worker_results["planted"]
     failed = {(f["flag"], f["rank"]) for f in planted["check_failures"]}
     assert ("null_unchanged", 1) in failed and ("idle_untouched", 1) in failed, planted["check_failures"]
     assert not planted["ok"]
+
+
+def test_two_processes_through_jax_distributed(worker_results, tmp_path):
+    """``demo --mesh data=2`` as 2 processes (jax.distributed on localhost, gloo CPU collectives),
+    one data rank each: same placement and tokens as the single-device runner, checks pass."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    workload = tmp_path / "workload.json"
+    workload.write_text(json.dumps(WORKLOAD))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2", "--coordinator", f"localhost:{port}",
+         "--num-processes", "2", "--process-id", str(i), *CLI_SIZES, "--workload", str(workload),
+         "--json", str(tmp_path / "report.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err[-4000:]
+    reports = [json.loads((tmp_path / f"report.json.{i}").read_text()) for i in range(2)]
+    outputs = {}
+    for i, rep in enumerate(reports):
+        assert rep["process_index"] == i and list(rep["ranks"]) == [str(i)]
+        assert rep["checked"] and not rep["check_failures"] and rep["all_match"]
+        assert rep["serving_compiles"] == 0
+        outputs.update({k: v["output"] for k, v in rep["requests"].items()})
+    assert outputs == worker_results["single"]["outputs"]
+    assert reports[1]["ranks"]["1"]["dummy_steps"] > 0
+    assert reports[0]["ranks"]["0"]["requests"] == worker_results["2x1"]["ranks"]["0"]["requests"]
