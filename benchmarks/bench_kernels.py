@@ -715,7 +715,9 @@ def bench_pages(T: int, fp8: bool, sz: dict, *, budget=0.5):
     layer) with the bytes of the flash rows: the same tokens, slots and cache size."""
     H, D = 8, 128
     cdt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    nb = sz["flash_blocks_fp8" if fp8 else "flash_blocks"]
+    # one cache of K and V: the GPU kernel's int32 element offsets allow at most 2**31 - 1
+    # elements (the fp8 cache is 1 block, 64 KiB, short of the flash rows' 2 GiB)
+    nb = min(sz["flash_blocks_fp8" if fp8 else "flash_blocks"], (2**31 - 1) // (BS * 2 * H * D))
     rng = np.random.default_rng(T + 7 * fp8)
     keys = jax.random.split(jax.random.key(T), 2 * N_SETS + 2)
     pages = random_bits(keys[-1], (nb, BS, 2 * H, D), cdt)

@@ -757,6 +757,33 @@ def issue11_section(results, date, device):
             yn = lambda k: "-" if k not in r else ("yes" if r[k] else "**no**")  # noqa: E731
             out.append(f"| {name} | {'yes' if r.get('ok') else '**no**'} | {yn('written_right')} | "
                        f"{yn('rest_untouched')} | {yn('same_buffer_as_donated_input')} | {err or '-'} |")
+    pages_path = os.path.join(results, f"{date}-{device}-pages.json")
+    if os.path.exists(pages_path):
+        pg = Rows(load(pages_path))
+        out += ["", "### write_kv_pages beside reshape_and_cache_flash (same bytes, same run)", "",
+                "`bench_kernels.py --only flash,pages` (`" + os.path.basename(pages_path) + "`): "
+                "`write_kv_pages` writes the same tokens into one ragged-paged-attention cache per "
+                "layer (`[pages, 16, 2H, D]`, K and V interleaved) of the same size as the flash K "
+                "and V caches together; *same result*: bitwise equal to its jnp reference.", "",
+                "| T | dtype | flash us | pages us | pages / flash | flash device us (kernels) | pages device us (kernels) | pages same result |",
+                "|---:|---|---:|---:|---:|---:|---:|---|"]
+        for op, size, dtype in pg.cases():
+            if op != "write_kv_pages":
+                continue
+            f, w = pg.get(VS_OPS[0], size, dtype, "pallas"), pg.get(op, size, dtype, "pallas")
+            if not f or not w:
+                continue
+            out.append(f"| {t_of(size)} | {dtype} | {fmt_us(f['median_us'])} | {fmt_us(w['median_us'])} | "
+                       f"{w['median_us'] / f['median_us']:.2f} | {fmt_us(f.get('device_us_per_call', float('nan')))} "
+                       f"({f.get('kernels_per_call', 0):.1f}) | {fmt_us(w.get('device_us_per_call', float('nan')))} "
+                       f"({w.get('kernels_per_call', 0):.1f}) | {'yes' if w.get('matches_reference') else 'NO'} |")
+        missing = sorted({e["what"].split(" pallas")[0].replace("lower ", "") for e in pg.doc.get("errors", [])
+                          if "write_kv_pages" in e["what"]})
+        if missing:
+            first = next(e["error"] for e in pg.doc["errors"] if "write_kv_pages" in e["what"])
+            out += ["", f"Not measured: {', '.join(missing)} (pallas): `{first[:160]}` — the benchmark "
+                    "sized the one fp8 cache at exactly 2**31 elements; `bench_pages` now stays one "
+                    "block under."]
     notes = os.path.join(results, f"{date}-{device}-issue11.md")
     if os.path.exists(notes):  # hand-written conclusions of the day's device runs
         with open(notes) as fh:
