@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -125,8 +126,6 @@ def test_state_functions_reject_bad_arguments(call, match):
 
 
 def test_post_update_under_jit_skips_a_row_whose_query_cannot_be():
-    import jax
-
     s = requests()
     f = jax.jit(lambda q: s.post_update(np.array([1]), q, np.array([[9]]), np.array([1])))
     for q in (-1, 7):
