@@ -39,6 +39,18 @@ def test_pallas_kernels_imports_nothing_from_kvjax():
     assert not offenders, offenders
 
 
+
+def test_testing_imports_nothing_from_cli():
+    """The CLI sits on top of kvjax.testing (difftest), never below it."""
+    offenders = []
+    for name, path in _modules():
+        if not name.startswith("kvjax.testing"):
+            continue
+        for mod in _imported_names(ast.parse(path.read_text())):
+            if mod == "kvjax.cli" or mod.startswith("kvjax.cli."):
+                offenders.append(f"{name} imports {mod}")
+    assert not offenders, offenders
+
 #: Modules that need an optional dependency at import time (torch); importing them lazily keeps
 #: kvjax usable without it. Anything else imported inside a function would be hiding a cycle.
 OPTIONAL = {"kvjax.testing.torch_ref"}

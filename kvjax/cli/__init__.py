@@ -4,5 +4,7 @@
 * :mod:`kvjax.cli.demo` — serve a workload and check it against the dense reference.
 * :mod:`kvjax.cli.trace` — print a scheduling trace through the state functions alone.
 * :mod:`kvjax.cli.workload` — workload files: load, generate, validate.
-* :mod:`kvjax.cli.progress` — progress output.
+
+Progress output comes from :mod:`kvjax.testing.progress` (the difftest uses it too, and
+``kvjax.testing`` imports nothing from the CLI).
 """

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cli.progress import Progress
+from kvjax.testing.progress import Progress
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner.serving import run_to_completion
 from kvjax.runner.memory import dense_reference_length

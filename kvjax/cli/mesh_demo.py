@@ -19,7 +19,7 @@ from collections import deque
 import jax
 
 from kvjax.cli.demo import ServeReport, check_against_reference, print_summary, run_settings
-from kvjax.cli.progress import Progress
+from kvjax.testing.progress import Progress
 from kvjax.host.placement import least_loaded
 from kvjax.host.scheduler import Request
 from kvjax.models import TinyHybridConfig

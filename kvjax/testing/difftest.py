@@ -56,13 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import state as st
-from kvjax.cli.progress import Progress
 from kvjax.spec import KVGroupSpec
 from pallas_kernels import _backend, block_zero, kv_write, mamba, token_combine
 
 from kvjax.testing import scenarios as _sc
 from kvjax.testing import vllm as oracle
 from kvjax.testing.convert import to_numpy, to_torch
+from kvjax.testing.progress import Progress
 from kvjax.testing.scenarios import Compare, Scenario
 
 __all__ = ["AGAINST", "ArrayDiff", "DiffReport", "DiffRow", "VLLMUnavailable", "compare_arrays",

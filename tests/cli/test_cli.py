@@ -11,7 +11,7 @@ import pytest
 import kvjax.cli.main as cli
 from kvjax.cli.demo import ServeReport, check_against_reference, run_settings
 from kvjax.host.scheduler import Request
-from kvjax.cli.progress import Progress
+from kvjax.testing.progress import Progress
 from kvjax.runner import RunnerConfig
 from kvjax.testing import vllm as oracle
 

@@ -1,4 +1,8 @@
-"""Progress for the demo and difftest: a bar on a terminal, plain lines in a log."""
+"""Progress for the demo and difftest: a bar on a terminal, plain lines in a log.
+
+It lives in ``kvjax.testing``, the lowest layer that reports progress (``difftest``); the CLI
+sits above and imports it from here, so ``kvjax.testing`` needs nothing from ``kvjax.cli``.
+"""
 
 from __future__ import annotations
 
