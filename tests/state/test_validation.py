@@ -83,6 +83,12 @@ X64_SCRIPT = textwrap.dedent("""
     c = jax.jit(lambda r: s.clear_rows(r))
     assert int(c(np.array([W + 1])).total_len[1]) == 3, "wide row cleared row 1"
     assert int(c(np.array([1])).total_len[1]) == 0
+    g = jax.jit(lambda i: t.gather(i)[0])
+    assert np.asarray(g(np.array([W + 1]))).tolist() == [[0, 0, 0]], "wide row gathered row 1"
+    from kvjax import ScheduledBatch, build_step_batch
+    b = jax.jit(lambda i: build_step_batch(s, t, ScheduledBatch(i, np.array([2]), np.array([0])),
+                                           num_tokens_padded=4).num_tokens)
+    assert int(b(np.array([1]))) == 2 and int(b(np.array([W + 1]))) == 0, "wide row built as row 1"
     try:
         t.append_block_ids(0, [[W + 5]])
     except ValueError as e:
