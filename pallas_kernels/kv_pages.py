@@ -16,28 +16,39 @@ rules are those of :func:`pallas_kernels.kv_write.reshape_and_cache_flash`
 the cache is a ``ValueError`` when concrete and writes nothing under ``jit``,
 valid slots must be distinct, every other byte of the cache is unchanged.
 
-Implementations (``backend=`` as for every op): the combined row of a token
-(``[2H, D]``, K and V interleaved, fp8-quantised with per-combined-head scales)
-is one contiguous row of the cache, so the write is the single-destination
-case of the paged KV write: the jnp reference scatters rows, the TPU (Mosaic)
-kernel issues one DMA per token into the HBM cache aliased to its output, the
-GPU (Triton) kernel stores rows with masked stores. All alias the cache to the
-output: donate it at the enclosing ``jit`` to write in place.
+Implementations (``backend=`` as for every op, registered as op ``"kv_pages"``):
+the combined row of a token (``[2H, D]``, K and V interleaved, fp8-quantised
+with per-combined-head scales) is one contiguous row of the cache. The jnp
+reference and the GPU (Triton, masked row stores) kernel are the paged KV
+write's, with one destination. The TPU (Mosaic) kernel copies token runs
+(:func:`token_runs`: consecutive tokens whose slots are consecutive in one
+page, as in a prefill chunk) with one DMA per power-of-two piece of the run,
+HBM to HBM, so a page-long prefill run costs ``log2(page_size) + 1`` DMAs at
+most instead of ``page_size``. All alias the cache to the output: donate it at
+the enclosing ``jit`` to write in place.
 """
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _backend
 from pallas_kernels import contract as validation
 from pallas_kernels import kv_write
+from pallas_kernels.contract import PAD_SLOT_ID
 
-__all__ = ["interleave_kv", "kv_packing", "write_kv_pages", "write_kv_pages_reference"]
+__all__ = [
+    "interleave_kv",
+    "kv_packing",
+    "token_runs",
+    "write_kv_pages",
+    "write_kv_pages_reference",
+]
 
 _ONE_ROW = (kv_write._Segment(0, 0),)
 
@@ -94,21 +105,127 @@ def interleave_kv(key, value):
     return jnp.stack([key, value], axis=2).reshape(t, 2 * h, d)
 
 
-@functools.partial(jax.jit, static_argnames=("choice",))
-def _write_pages(slot_mapping, key, value, kv_pages, scale_row, *, choice):
-    row_shape = kv_pages.shape[2:]
-    rows = interleave_kv(key, value).reshape((key.shape[0],) + row_shape)
-    scales = None if scale_row is None else (scale_row.reshape(row_shape),)
-    (out,) = kv_write._write(
-        choice,
-        slot_mapping,
-        (rows,),
-        (kv_pages,),
-        scales,
-        segments=_ONE_ROW,
-        config=kv_write.KVWriteConfig(),
-    )
+OP_PAGES = "kv_pages"
+
+
+def _rows(key, value, kv_pages):
+    """Interleaved rows in the cache's row shape: ``[T, *kv_pages.shape[2:]]``."""
+    return interleave_kv(key, value).reshape((key.shape[0],) + kv_pages.shape[2:])
+
+
+def _via_kv_write(impl, slot_mapping, key, value, kv_pages, scale_row, config, interpret):
+    scales = None if scale_row is None else (scale_row.reshape(kv_pages.shape[2:]),)
+    (out,) = impl(slot_mapping, (_rows(key, value, kv_pages),), (kv_pages,), scales,
+                  segments=_ONE_ROW, config=config, interpret=interpret)
     return out
+
+
+@_backend.register(OP_PAGES, "reference")
+def _reference_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpret):
+    """The paged KV write's reference scatter, one combined row per token."""
+    return _via_kv_write(kv_write._reference_write, slot_mapping, key, value, kv_pages,
+                         scale_row, config, interpret)
+
+
+@_backend.register(OP_PAGES, "gpu")
+def _gpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpret):
+    """The paged KV write's Triton kernel, one combined row per token (masked stores)."""
+    return _via_kv_write(kv_write._gpu_write, slot_mapping, key, value, kv_pages,
+                         scale_row, config, interpret)
+
+
+def token_runs(slots, page_size: int):
+    """int32 ``[N]``: at the first token of each run, the run's length; 0 elsewhere.
+
+    A run is a maximal stretch of consecutive tokens with consecutive valid
+    (``>= 0``) slots inside one page, so it is one contiguous block of source
+    rows and one of cache rows. ``slots``: int32 ``[N]``, invalid ones negative.
+    """
+    n = slots.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    live = slots >= 0
+    prev = jnp.concatenate([jnp.full((1,), PAD_SLOT_ID, slots.dtype), slots[:-1]])
+    cont = live & (prev >= 0) & (slots == prev + 1) & (jax.lax.rem(slots, page_size) != 0)
+    start = live & ~cont
+    breaks = jnp.where(cont, n, idx)  # a run ends before the next start or invalid token
+    next_break = jax.lax.cummin(jnp.concatenate([breaks[1:], jnp.full((1,), n, jnp.int32)]),
+                                reverse=True)
+    return jnp.where(start, next_break - idx, 0).astype(jnp.int32)
+
+
+@_backend.register(OP_PAGES, "tpu")
+def _tpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpret):
+    """Mosaic kernel: one DMA per power-of-two piece of each token run, HBM to HBM.
+
+    fp8 rows are quantised by XLA first (the exact :func:`kv_write.ieee_divide`),
+    so the kernel only copies. ``kv_pages`` is aliased to the output and never
+    read; a token that starts no run issues no DMA.
+    """
+    rows = _rows(key, value, kv_pages)
+    if scale_row is not None:
+        rows = kv_write.quantize_fp8(rows, scale_row.reshape((1,) + kv_pages.shape[2:]))
+    n = slot_mapping.shape[0]
+    num_pages, page_size = kv_pages.shape[:2]
+    slots = kv_write._live_slots(slot_mapping, num_pages * page_size)
+    runs = token_runs(slots, page_size)
+    tokens_per_step = min(config.tpu_tokens_per_step, n)
+    num_steps = pl.cdiv(n, tokens_per_step)
+    pad = num_steps * tokens_per_step - n  # whole steps: SMEM is never read out of range
+    slots = jnp.pad(slots, (0, pad), constant_values=PAD_SLOT_ID)
+    runs = jnp.pad(runs, (0, pad))
+    piece_sizes = [1 << b for b in range(page_size.bit_length())]  # a run is <= page_size
+
+    def kernel(slots_ref, runs_ref, rows_ref, pages_in_ref, pages_ref, sem):
+        # Prefetch: slots_ref, runs_ref  SMEM i32[num_steps * tokens_per_step]
+        # Inputs:   rows_ref  HBM [T, *row]; pages_in_ref  HBM (aliased to pages_ref; not read)
+        # Output:   pages_ref HBM [num_pages, page_size, *row]
+        del pages_in_ref
+        first = pl.program_id(0) * tokens_per_step
+
+        def for_pieces(action):
+            def body(i, carry):
+                t = first + i
+                length = runs_ref[t]
+
+                @pl.when(length > 0)
+                def _():
+                    slot = slots_ref[t]  # >= 0: truncating division is floor division
+                    ps = jnp.asarray(page_size, slot.dtype)
+                    page, off = jax.lax.div(slot, ps), jax.lax.rem(slot, ps)
+                    for size in piece_sizes:
+                        @pl.when((length & size) != 0)
+                        def _():
+                            done = length & (size - 1)  # tokens in the smaller pieces before
+                            action(pltpu.make_async_copy(
+                                rows_ref.at[pl.ds(t + done, size)],
+                                pages_ref.at[page, pl.ds(off + done, size)],
+                                sem.at[0],
+                            ))
+
+                return carry
+
+            jax.lax.fori_loop(0, tokens_per_step, body, 0)
+
+        for_pieces(lambda c: c.start())
+        for_pieces(lambda c: c.wait())
+
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(num_steps,),
+            in_specs=[hbm, hbm],
+            out_specs=hbm,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
+        ),
+        input_output_aliases={3: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+        name="kv_pages_tpu",
+    )
+    return call(slots, runs, rows, kv_pages)
 
 
 def write_kv_pages(
@@ -122,6 +239,7 @@ def write_kv_pages(
     *,
     backend: str = "auto",
     interpret: bool | None = None,
+    config: kv_write.KVWriteConfig = kv_write.KVWriteConfig(),
 ):
     """Write K/V of the first ``N`` tokens into a ragged-paged-attention cache.
 
@@ -143,6 +261,8 @@ def write_kv_pages(
       k_scale, v_scale: fp8 only: float32 scalar, ``[1]`` or per-head ``[H]``;
         the stored value is ``saturate(x / scale)``.
       backend, interpret: see :mod:`pallas_kernels._backend`.
+      config: tuning knobs (``KVWriteConfig``; the TPU kernel reads
+        ``tpu_tokens_per_step``, the GPU kernel the ``gpu_*`` fields).
 
     Returns:
       ``kv_pages``, updated. Donate it to update in place.
@@ -152,18 +272,16 @@ def write_kv_pages(
         concrete ``slot_mapping`` with a slot beyond the cache or a repeated
         slot, or a concrete scale that is not finite and positive.
     """
-    choice = _backend.choose(kv_write.OP_WRITE, backend, interpret)
+    choice = _backend.choose(OP_PAGES, backend, interpret)
+    if not isinstance(config, kv_write.KVWriteConfig):
+        raise ValueError(f"config must be a KVWriteConfig, got {config!r}")
     slot_mapping, scale_row = _check_pages(
         key, value, kv_pages, slot_mapping, kv_cache_dtype, k_scale, v_scale
     )
-    return _write_pages(
-        slot_mapping,
-        key,
-        value,
-        kv_pages,
-        scale_row,
-        choice=choice,
-    )
+    if np.shape(slot_mapping)[0] == 0:
+        return jnp.asarray(kv_pages)
+    return _backend.run(OP_PAGES, choice, slot_mapping, key, value, kv_pages, scale_row,
+                        config=config)
 
 
 def write_kv_pages_reference(

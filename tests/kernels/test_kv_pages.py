@@ -20,7 +20,8 @@ import pytest
 
 from kvjax.testing.asserts import assert_bitwise, races_found
 from pallas_kernels import PAD_SLOT_ID, reshape_and_cache_flash, write_kv_pages
-from pallas_kernels.kv_pages import kv_packing, write_kv_pages_reference
+from pallas_kernels import KVWriteConfig
+from pallas_kernels.kv_pages import kv_packing, token_runs, write_kv_pages_reference
 
 BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
 FP8 = ml_dtypes.float8_e4m3fn
@@ -175,6 +176,28 @@ def test_out_of_range_slots_under_jit_write_nothing(backend, rng):
     fn = jax.jit(lambda *a: write_kv_pages(*a, backend=backend))
     got = np.asarray(fn(key, value, pages, slots))
     assert_bitwise(got, expected(key, value, pages, np.where(slots < NUM_SLOTS, slots, -1)))
+
+
+def test_token_runs_by_hand():
+    """Runs: consecutive slots inside one page (PS = 4); a PAD or a page start breaks them."""
+    slots = jnp.asarray([6, 7, 8, 9, 10, 11, 12, 13, -1, 3, 4, 5, 1, 2, 3, -1], jnp.int32)
+    want = [2, 0, 4, 0, 0, 0, 2, 0, 0, 1, 2, 0, 3, 0, 0, 0]
+    np.testing.assert_array_equal(token_runs(slots, PS), want)
+    np.testing.assert_array_equal(token_runs(jnp.asarray([5, 4, 3], jnp.int32), PS), [1, 1, 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("packed", [False, True], ids=["flat", "packed"])
+def test_runs_across_grid_steps(backend, packed, rng):
+    """Two tokens per TPU grid step: runs of 3 (pieces 1 + 2) and 4 start in one step and end
+    in the next; a run of 4 fills a page; a lone token follows."""
+    key, value = inputs(rng, BF16)
+    pages = poisoned_pages(rng, BF16, packed)
+    slots = np.asarray([5, 6, 7, 12, 13, 14, 15, 4], np.int32)
+    got = np.asarray(write_kv_pages(key, value, pages, slots, backend=backend,
+                                    config=KVWriteConfig(tpu_tokens_per_step=2)))
+    assert_bitwise(got, expected(key, value, pages, slots), "kv_pages")
+    assert_no_races(backend)
 
 
 def test_reference_function_is_the_reference_backend(rng):
