@@ -5,7 +5,7 @@
 :class:`BlockPool`), and offers the operations a scheduler performs: add and
 remove requests, schedule prefill chunks and decode windows, apply sampled
 tokens. Every step it builds the padded :class:`StepBatch` and checks every
-invariant. The demo prints its log; the property tests drive it randomly.
+invariant. ``python -m kvjax trace`` prints its log; the property tests drive it randomly.
 It has no model: "sampled" tokens come from a caller-supplied function.
 """
 

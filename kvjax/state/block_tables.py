@@ -1,21 +1,21 @@
 """Block tables and slot mappings: which physical KV blocks a request row owns,
 and where each token's K/V goes.
 
-Rules enforced here (vLLM semantics, section 8):
+Rules enforced here (vLLM's semantics, with the vLLM PRs that fixed each):
 
 * Tables hold kernel-block ids; a logical block ``b`` of a group with
-  ``r = block_size // kernel_block_size`` expands to ``b*r .. b*r+r-1`` (rules 3, 4).
+  ``r = block_size // kernel_block_size`` expands to ``b*r .. b*r+r-1``.
 * Every entry of a row past its live length is ``NULL_BLOCK_ID``, also after a
   row is reused: adding a request rewrites the whole row (vLLM leaves stale
   ids; kvjax does not).
 * Gathered tables are ``NULL_BLOCK_ID`` for padded request rows and past each
-  row's live length (rule 9, PR 35431: never -1 in a block table).
+  row's live length (PR 35431: never -1 in a block table).
 * Slot mappings are ``PAD_SLOT_ID`` for every token from the real token count
   to the end of the bucket, for tokens of padded rows, and for anything that
-  cannot be a valid write (rules 5, 6; PRs 36580, 39444). A slot never lands in
+  cannot be a valid write (PRs 36580, 39444). A slot never lands in
   the null block: a real token whose block is not allocated gets PAD (and the
   concrete/``checkify`` checks report it), so block 0 is never written.
-* No -1 is ever used as a JAX index (rule 8): masks and ``mode="drop"`` only.
+* No -1 is ever used as a JAX index: masks and ``mode="drop"`` only.
 """
 
 from __future__ import annotations

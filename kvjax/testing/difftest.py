@@ -16,7 +16,7 @@ max abs error, max ULP error (in the output's own dtype), bitwise or not,
 pass / FAIL / skip, and on failure which array differs, the first differing
 index and both values.
 
-vLLM is compared as ``tests/test_vllm_oracle.py`` does; where vLLM 0.33.0 (or
+vLLM is compared as ``tests/kernels/test_vllm_oracle.py`` does; where vLLM 0.33.0 (or
 Triton's CPU interpreter) does something else on purpose or by a known bug,
 the affected elements are either compared against the documented rule or
 left out, and the row says so (``pass*`` in the table, with the reason in a

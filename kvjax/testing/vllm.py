@@ -22,8 +22,9 @@ How vLLM runs here:
   runtime (``TF_CPP_MIN_LOG_LEVEL``, ``TORCHINDUCTOR_*``, ...) are undone too.
   vLLM's logger is set up at import with ``VLLM_LOGGING_LEVEL=ERROR`` unless
   that variable is already set (it otherwise warns that its compiled ``_C``
-  extension, built for a CUDA torch, is missing; the Triton kernels do not use it). If vLLM's kernel modules were imported earlier
-  without the interpreter, :func:`available` says so.
+  extension, built for a CUDA torch, is missing; the Triton kernels do not
+  use it). If vLLM's kernel modules were imported earlier without the
+  interpreter, :func:`available` says so.
 * With a CUDA torch nothing is patched and the kernels run natively on
   ``cuda`` tensors.
 
@@ -38,8 +39,7 @@ Host-side GPU queries (interpreter mode only; each patched just around the call)
   call runs inside vLLM's ``override_ssm_config`` with vLLM's default
   heuristic config instead. The config only tiles the ``dim`` axis.
 
-Known quirks of Triton's interpreter on CPU (checked with Triton 3.8.0; DESIGN.md
-reports the same for 3.5.1):
+Known quirks of Triton's interpreter on CPU (checked with Triton 3.8.0):
 
 * float -> float8_e4m3fn conversion is wrong: ties round up instead of to
   even, subnormals are mis-rounded, values beyond +-448 do not saturate
@@ -54,8 +54,9 @@ reports the same for 3.5.1):
   bf16 -> bf16 copies are exact). So ``selective_state_update`` and
   ``causal_conv1d_update`` run with every bfloat16 argument upcast to float32
   (exact) and their results cast back to bfloat16 with ``ml_dtypes`` (round to
-  nearest even, as a GPU store does; untouched elements keep their bits). On a GPU, vLLM's conv kernel multiplies bf16 by
-  bf16 in bf16, so the GPU result may differ from this by an ulp.
+  nearest even, as a GPU store does; untouched elements keep their bits). On a
+  GPU, vLLM's conv kernel multiplies bf16 by bf16 in bf16, so the GPU result
+  may differ from this by an ulp.
   float16 is handled exactly by the interpreter and is not upcast.
 
 Argument differences from vLLM's signatures (documented per adapter): padded
