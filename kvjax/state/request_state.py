@@ -329,6 +329,7 @@ class NewRequests:
                 raise ValueError(
                     f"token_ids[{u}] has {len(t)} tokens, more than max_model_len={max_model_len}"
                 )
+            validation.check_values_in_range(f"token_ids[{u}]", np.asarray(t, np.int64), 0, INT32_RANGE[1])
             ids[u, : len(t)] = t
 
         def col(values, default, dtype):
@@ -340,6 +341,7 @@ class NewRequests:
             return out
 
         r = np.full((U,), PAD_ROW_ID, np.int32)
+        validation.check_values_in_range("rows", np.asarray(rows, np.int64), *INT32_RANGE)
         r[:n] = rows
         lens = col([len(t) for t in token_ids], 0, np.int32)
         return cls(

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import BlockTables, KVGroupSpec, RequestState, compute_slot_mapping
+from kvjax import BlockTables, KVGroupSpec, NewRequests, RequestState, compute_slot_mapping
 
 WIDE = 2**32  # an int64 id this far up used to wrap onto id - 2**32
 SPECS = (KVGroupSpec(block_size=4, max_num_blocks=3),)
@@ -54,6 +54,9 @@ def requests():
                                         np.array([1])), r"idx_mapping must have values in \[0, 3\)"),
         (lambda: requests().set_draft_tokens(np.array([WIDE + 1], np.int64), np.array([[1, 2]])),
          r"idx_mapping must have values in \[0, 3\)"),
+        (lambda: NewRequests.from_lists([0], [np.array([3, WIDE + 1])], max_model_len=4),
+         r"token_ids\[0\] must have values in \[0, 2147483648\); got 4294967297 at index 1"),
+        (lambda: NewRequests.from_lists([WIDE], [[3]], max_model_len=4), r"rows must have values in"),
     ],
 )
 def test_wide_ids_are_rejected_before_narrowing(call, match):
@@ -64,7 +67,7 @@ def test_wide_ids_are_rejected_before_narrowing(call, match):
 X64_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     assert jax.config.jax_enable_x64
-    from kvjax import BlockTables, KVGroupSpec, RequestState, compute_slot_mapping
+    from kvjax import BlockTables, KVGroupSpec, NewRequests, RequestState, compute_slot_mapping
     W = 2**32
     t = BlockTables.create((KVGroupSpec(block_size=4, max_num_blocks=3),), 3)
     t = t.append_block_ids(1, [[5, 6]], overwrite=True)
