@@ -1119,8 +1119,8 @@ def _reqstate_scenarios(cases):
          "padded batch rows between and after real ones touch nothing"),
         ("all-pad-dummy-step", _reqstate_case([], [(-1, 0, 0)] * 4),
          "no add, every batch row padded: nothing changes"),
-        ("last-block", _reqstate_case([(MR - 1, LEN - 1, LEN - 2, LEN - 1)], [(MR - 1, 3, 3)]),
-         "the last row near max_model_len: sampled tokens past it are dropped"),
+        ("last-block", _reqstate_case([(MR - 1, LEN - 1, LEN - 2, LEN - 2)], [(MR - 1, 2, 2)]),
+         "the last row, a decode window ending at max_model_len: the sample past it is dropped"),
     ]
     out += [Scenario("request_state", n, f, cmp, d) for n, f, d in fixed]
     return out
