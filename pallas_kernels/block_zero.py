@@ -9,8 +9,9 @@ therefore zeroes every newly allocated block before its first use.
 Block ids are *logical* (allocator) ids. With ``kernel_blocks_per_block = r``,
 each cache array's axis 0 counts kernel blocks and logical block ``b`` covers
 kernel blocks ``b*r .. b*r + r - 1``; all of them are zeroed. An id ``< 0`` is
-padding and zeroes nothing; an id ``>= num_kernel_blocks // r`` is a
-``ValueError`` when concrete and zeroes nothing under ``jit``. Repeated ids are
+padding and zeroes nothing; the null block ``NULL_BLOCK_ID = 0`` and an id
+``>= num_kernel_blocks // r`` are a ``ValueError`` when concrete and zero
+nothing under ``jit``. Repeated ids are
 allowed (zeroing twice is harmless). Nothing else of any array changes.
 
 All arrays must have the same axis-0 size (every layer's K and V cache has the
@@ -43,6 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import contract as validation
 from pallas_kernels import _backend
+from pallas_kernels.contract import NULL_BLOCK_ID
 from pallas_kernels._xla import scatter_set
 
 __all__ = ["ZeroBlocksConfig", "zero_blocks", "zero_blocks_reference"]
@@ -75,9 +77,8 @@ _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def _live_ids(block_ids, num_logical_blocks: int):
-    """int32 ``[N]``: the id where it is in ``[0, num_logical_blocks)``, else -1."""
-    live = (block_ids >= 0) & (block_ids < num_logical_blocks)
-    return jnp.where(live, block_ids, -1).astype(jnp.int32)
+    """int32 ``[N]``: the id where it is a real block (not null, in range), else -1."""
+    return validation.live_ids(block_ids, num_logical_blocks, lower=NULL_BLOCK_ID + 1)
 
 
 def _uint_view(a):
@@ -220,7 +221,7 @@ def _gpu_zero(block_ids, arrays, *, r, config, interpret):
         out_refs = refs[len(views) :]
         i, j = pl.program_id(0), pl.program_id(1)
         b = ids_ref[i]
-        live = (b >= 0) & (b < num_logical_blocks)
+        live = (b > NULL_BLOCK_ID) & (b < num_logical_blocks)
         row = jnp.where(live, b, 0).astype(jnp.int32)  # keeps masked-off addresses in range
         for out, width, tile in zip(out_refs, widths, tiles):
             start = j * tile
@@ -279,19 +280,15 @@ def _check(caches, block_ids, r):
             f"got {num_kernel_blocks=} and kernel_blocks_per_block={r}"
         )
     v = validation.concrete_values(block_ids)
-    if v is None or v.size == 0:
-        return block_ids
-    bad = np.flatnonzero(v >= num_logical_blocks)
-    if bad.size:
-        i = int(bad[0])
+    if v is not None and (v == NULL_BLOCK_ID).any():
+        i = int(np.flatnonzero(v == NULL_BLOCK_ID)[0])
         raise ValueError(
-            f"block_ids values must be in [0, {num_logical_blocks}) (num_kernel_blocks="
-            f"{num_kernel_blocks} // kernel_blocks_per_block={r}), or negative for padding; "
-            f"got {int(v[i])} at index {i}"
+            f"block_ids must not contain the null block {NULL_BLOCK_ID} (never allocated, "
+            f"never written); got it at index {i}"
         )
-    if v.dtype == np.int64:  # narrow on the host: JAX without x64 would wrap
-        return np.where(v >= 0, v, -1).astype(np.int32)
-    return block_ids
+    return validation.check_ids(
+        "block_ids", block_ids, num_logical_blocks,
+        what=f"num_kernel_blocks={num_kernel_blocks} // kernel_blocks_per_block={r}")
 
 
 def zero_blocks(
@@ -321,7 +318,7 @@ def zero_blocks(
 
     Raises:
       ValueError: bad container, shapes, dtypes or ``r`` (at trace time), or a
-        concrete id ``>= num_kernel_blocks // r``.
+        concrete id equal to ``NULL_BLOCK_ID`` or ``>= num_kernel_blocks // r``.
     """
     choice = _backend.choose(OP_ZERO, backend, interpret)
     block_ids = _check(caches, block_ids, kernel_blocks_per_block)

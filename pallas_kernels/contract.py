@@ -134,3 +134,88 @@ def narrow_ids(name: str, x, lo: int, hi: int, *, fill: int, allow=()) -> jax.Ar
         if info.min <= a <= info.max:
             ok |= x == a
     return jax.numpy.where(ok, x, fill).astype(jax.numpy.int32)
+
+
+# --------------------------------------------------------------------------
+# KV-cache storage
+# --------------------------------------------------------------------------
+
+# Accepted ``kv_cache_dtype`` strings -> storage mode ("auto": the input dtype,
+# "fp8": float8_e4m3fn with a float32 scale).
+KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def kv_cache_storage(kv_cache_dtype) -> str:
+    """``"auto"`` or ``"fp8"`` for an accepted ``kv_cache_dtype`` string, else ``ValueError``."""
+    mode = KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if mode is None:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return mode
+
+
+def check_fp8_scale(name: str, scale) -> None:
+    """When concrete, every value of a float32 fp8 scale must be a positive normal number.
+
+    NaN, 0, negative, +-inf and float32 denormals (whose reciprocal overflows, so
+    every stored value saturates) are rejected.
+    """
+    v = concrete_values(scale)
+    if v is None:
+        return
+    v = v.astype(np.float32)
+    ok = np.isfinite(v) & (v >= np.finfo(np.float32).tiny)
+    if not ok.all():
+        raise ValueError(
+            f"{name} must be finite and > 0, a normal float32 (>= "
+            f"{np.finfo(np.float32).tiny:.4g}), got {v.tolist()}"
+        )
+
+
+# --------------------------------------------------------------------------
+# Integer ids: range check first, then narrow to int32
+# --------------------------------------------------------------------------
+
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
+def as_int32(name: str, x) -> jax.Array:
+    """Any integer array as int32 for a kernel, never wrapping (:func:`narrow_ids` over
+    the int32 range): a concrete value beyond int32 is a ``ValueError``; a traced one
+    becomes -1, which every op masks as an out-of-range id or offset."""
+    return narrow_ids(name, x, INT32_MIN, INT32_MAX + 1, fill=-1)
+
+
+def live_ids(ids, upper: int, *, lower: int = 0, pad: int = -1):
+    """int32 ``ids`` where ``lower <= id < upper``, else ``pad`` (compared before narrowing)."""
+    jnp = jax.numpy
+    live = (ids >= lower) & (ids < upper)
+    return jnp.where(live, ids, jnp.asarray(pad, ids.dtype)).astype(jnp.int32)
+
+
+def check_ids(name: str, ids, upper: int, *, what: str, lower: int = 0):
+    """Checks a 1-D int32/int64 id array whose negative entries are padding.
+
+    Static: rank 1, dtype int32 or int64. Concrete: every id must be negative
+    (padding) or in ``[lower, upper)``, else ``ValueError`` naming ``what`` bounds
+    ``upper``; an int64 array is then narrowed to int32 on the host (negatives
+    become -1), after the check. Traced: returned unchanged (kernels mask with
+    :func:`live_ids`, which compares before narrowing).
+    """
+    check_rank(name, ids, 1)
+    check_dtype(name, ids, (np.int32, np.int64))
+    v = concrete_values(ids)
+    if v is None or v.size == 0:
+        return ids
+    bad = np.flatnonzero((v >= upper) | ((v >= 0) & (v < lower)))
+    if bad.size:
+        i = int(bad[0])
+        lo = f"[{lower}, {upper})"
+        raise ValueError(
+            f"{name} values must be in {lo} ({what}), or negative for padding; "
+            f"got {int(v[i])} at index {i}"
+        )
+    if v.dtype == np.int64:
+        return np.where(v >= 0, v, -1).astype(np.int32)
+    return ids

@@ -63,7 +63,7 @@ def _check_pages(key, value, kv_pages, slot_mapping, kv_cache_dtype, k_scale, v_
 
     ``scale_row``: float32 ``[2H, D]`` (interleaved K/V scales) for fp8, else None.
     """
-    mode = kv_write._storage_mode(kv_cache_dtype)
+    mode = validation.kv_cache_storage(kv_cache_dtype)
     validation.check_rank("key", key, 3)
     num_tokens, num_heads, head_size = np.shape(key)
     validation.check_shape("value", value, (num_tokens, num_heads, head_size))

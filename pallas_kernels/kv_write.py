@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import contract as validation
-from pallas_kernels.contract import PAD_SLOT_ID
+from pallas_kernels.contract import KV_CACHE_DTYPES, PAD_SLOT_ID
 from pallas_kernels import _backend
 from pallas_kernels._xla import scatter_set
 
@@ -76,8 +76,6 @@ __all__ = [
 FP8_DTYPE = jnp.float8_e4m3fn
 # Largest finite float8_e4m3fn value; "saturate" clamps to +-FP8_MAX.
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
-# Accepted kv_cache_dtype strings -> storage mode.
-KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 
 
@@ -222,16 +220,6 @@ def _ptx_div_rn(x, y):
 # --------------------------------------------------------------------------
 
 
-def _storage_mode(kv_cache_dtype) -> str:
-    """``"auto"`` or ``"fp8"`` for a vLLM ``kv_cache_dtype`` string."""
-    mode = KV_CACHE_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
-    if mode is None:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
-        )
-    return mode
-
-
 def _check_cache_dtype(name: str, cache, mode: str, input_name: str, input_dtype) -> None:
     if mode == "auto":
         if np.dtype(cache.dtype) != np.dtype(input_dtype):
@@ -254,7 +242,6 @@ def _check_slot_mapping(slot_mapping, num_tokens: int, num_blocks: int, block_si
     ``-2**32 + 5`` would become the valid slot 5.
     """
     validation.check_rank("slot_mapping", slot_mapping, 1)
-    validation.check_dtype("slot_mapping", slot_mapping, (np.int32, np.int64))
     n = np.shape(slot_mapping)[0]
     if n > num_tokens:
         raise ValueError(
@@ -267,17 +254,12 @@ def _check_slot_mapping(slot_mapping, num_tokens: int, num_blocks: int, block_si
             f"num_blocks * block_size must be < {_INT32_MAX} (slots are int32 internally), "
             f"got {num_blocks} * {block_size} = {num_slots}"
         )
+    slot_mapping = validation.check_ids(
+        "slot_mapping", slot_mapping, num_slots,
+        what=f"num_blocks={num_blocks} * block_size={block_size}")
     v = validation.concrete_values(slot_mapping)
     if v is None or v.size == 0:
         return slot_mapping
-    too_big = np.flatnonzero(v >= num_slots)
-    if too_big.size:
-        i = int(too_big[0])
-        raise ValueError(
-            f"slot_mapping values must be in [0, {num_slots}) (num_blocks={num_blocks} * "
-            f"block_size={block_size}), or negative for PAD (writes nothing); "
-            f"got {int(v[i])} at index {i}"
-        )
     uniq, counts = np.unique(v[v >= 0], return_counts=True)
     if (counts > 1).any():
         slot = int(uniq[np.argmax(counts > 1)])
@@ -286,8 +268,6 @@ def _check_slot_mapping(slot_mapping, num_tokens: int, num_blocks: int, block_si
             f"slot_mapping must not repeat a valid slot (which token lands would be "
             f"unspecified); got slot {slot} at indices {first} and {second}"
         )
-    if v.dtype == np.int64:
-        return np.where(v >= 0, v, PAD_SLOT_ID).astype(np.int32)
     return slot_mapping
 
 
@@ -303,9 +283,7 @@ def _scale_array(name: str, scale, sizes: Sequence[int]):
     if shape not in allowed:
         want = " or ".join("[" + ", ".join(map(str, a)) + "]" for a in allowed)
         raise ValueError(f"{name} must have shape {want}, got {list(shape)}")
-    v = validation.concrete_values(scale)
-    if v is not None and not (np.isfinite(v) & (v > 0)).all():
-        raise ValueError(f"{name} must be finite and > 0, got {v.tolist()}")
+    validation.check_fp8_scale(name, scale)
     return jnp.reshape(jnp.asarray(scale, jnp.float32), (-1,))
 
 
@@ -334,16 +312,6 @@ def _mla_segments(kv_lora_rank: int) -> tuple[_Segment, ...]:
     return (_Segment(0, 0, 0), _Segment(1, 0, kv_lora_rank))
 
 
-def _live_slots(slot_mapping, num_slots: int):
-    """int32 ``[N]``: the slot where it is in ``[0, num_slots)``, else ``PAD_SLOT_ID``.
-
-    Compared in the mapping's own dtype before narrowing, so an int64 slot
-    beyond the int32 range cannot wrap onto a valid one.
-    """
-    live = (slot_mapping >= 0) & (slot_mapping < num_slots)
-    return jnp.where(live, slot_mapping, PAD_SLOT_ID).astype(jnp.int32)
-
-
 # --------------------------------------------------------------------------
 # Reference (plain XLA)
 # --------------------------------------------------------------------------
@@ -362,7 +330,7 @@ def _reference_write(slot_mapping, sources, caches, scales, *, segments, config,
     outs = []
     for d, cache in enumerate(caches):
         num_slots = cache.shape[0] * cache.shape[1]
-        rows = _live_slots(slot_mapping, num_slots)
+        rows = validation.live_ids(slot_mapping, num_slots)
         rows = jnp.where(rows >= 0, rows, num_slots)  # out of range: dropped
         parts = []
         for seg in segments:
@@ -397,7 +365,7 @@ def _tpu_write(slot_mapping, sources, caches, scales, *, segments, config, inter
     num_steps = pl.cdiv(n, tokens_per_step)
     # Pad to whole steps with PAD so the kernel never reads SMEM out of range.
     slots = jnp.full((num_steps * tokens_per_step,), PAD_SLOT_ID, jnp.int32)
-    slots = slots.at[:n].set(_live_slots(slot_mapping, num_slots))
+    slots = slots.at[:n].set(validation.live_ids(slot_mapping, num_slots))
     row_shapes = [s.shape[1:] for s in sources]
     n_src, n_dst = len(sources), len(caches)
 
@@ -646,7 +614,7 @@ def _check_flash(
     Returns ``(slot_mapping, scales)``: the slot mapping to pass on, and the
     per-element float32 scale rows ``([H, D], [H, D])`` (None for ``"auto"``).
     """
-    mode = _storage_mode(kv_cache_dtype)
+    mode = validation.kv_cache_storage(kv_cache_dtype)
     validation.check_rank("key", key, 3)
     num_tokens, num_heads, head_size = np.shape(key)
     validation.check_shape("value", value, (num_tokens, num_heads, head_size))
@@ -671,7 +639,7 @@ def _check_flash(
 
 def _check_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
     """Like :func:`_check_flash`; the scale rows are ``([L], [R])``."""
-    mode = _storage_mode(kv_cache_dtype)
+    mode = validation.kv_cache_storage(kv_cache_dtype)
     validation.check_rank("kv_c", kv_c, 2)
     num_tokens, kv_lora_rank = np.shape(kv_c)
     validation.check_rank("k_pe", k_pe, 2)

@@ -35,10 +35,13 @@ def check_float(name: str, arr) -> None:
 
 
 def index_array(name: str, arr, ranks) -> jax.Array:
-    """Checks an index table (integer dtype, rank) and returns it as int32."""
+    """Checks an index table (integer dtype, rank) and returns it as int32.
+
+    Narrowed by :func:`pallas_kernels.contract.as_int32`: a concrete value beyond
+    int32 is a ``ValueError``; a traced one becomes -1 (then masked as out of range).
+    """
     contract.check_rank(name, arr, ranks)
-    contract.check_dtype(name, arr, "integer")
-    return jnp.asarray(arr).astype(jnp.int32)
+    return jnp.asarray(contract.as_int32(name, arr))
 
 
 def check_index_values(name: str, arr, num_lines: int, null_block_id: int) -> None:
@@ -51,15 +54,44 @@ def valid_index(idx, num_lines: int, null_block_id: int):
     return (idx != null_block_id) & (idx >= 0) & (idx < num_lines)
 
 
+def sequence_bounds(cu, num_tokens: int):
+    """(bos, lens) int32 ``[n]`` of the sequences of an int32 offsets array ``cu [n + 1]``.
+
+    The one rule for malformed offsets (every flavour of every op uses it):
+    sequence ``b`` is real only if every offset ``cu[0..b+1]`` lies in
+    ``[0, num_tokens]`` and they are non-decreasing up to ``b + 1``. Any other
+    sequence (and every one after a bad offset) gets ``bos = num_tokens`` and
+    ``lens = 0``: it reads and writes nothing, and the real ones stay disjoint and
+    in order. Comparisons only, so no offset arithmetic can overflow.
+    """
+    lo, hi = cu[:-1], cu[1:]
+    good = (lo >= 0) & (hi >= lo) & (hi <= num_tokens)
+    ok = jnp.cumsum(jnp.logical_not(good).astype(jnp.int32)) == 0
+    bos = jnp.where(ok, lo, num_tokens).astype(jnp.int32)
+    lens = jnp.where(ok, hi - jnp.where(ok, lo, 0), 0).astype(jnp.int32)
+    return bos, lens
+
+
+def offsets(name: str, cu, n: int, num_tokens: int):
+    """Checks an offsets array (rank 1, ``[n + 1]``) and returns it as int32.
+
+    Concrete: values must be non-decreasing within ``[0, num_tokens]`` (checked
+    before narrowing), else ``ValueError``. Traced: see :func:`sequence_bounds`.
+    """
+    contract.check_rank(name, cu, 1)
+    contract.check_shape(name, cu, (n + 1,))
+    contract.check_dtype(name, cu, "integer")
+    contract.check_non_decreasing(name, cu)
+    contract.check_values_in_range(name, cu, 0, num_tokens + 1)
+    return jnp.asarray(contract.as_int32(name, cu))
+
+
 def segments(cu_seqlens, n: int, num_tokens: int, name: str = "cu_seqlens"):
     """(bos, lens) int32 ``[n]`` from a cumulative-length array, or one token per row."""
     if cu_seqlens is None:
         bos = jnp.arange(n, dtype=jnp.int32)
         return bos, jnp.ones((n,), jnp.int32)
-    cu = index_array(name, cu_seqlens, 1)
-    contract.check_non_decreasing(name, cu)
-    contract.check_values_in_range(name, cu, 0, num_tokens + 1)
-    return cu[:-1], cu[1:] - cu[:-1]
+    return sequence_bounds(offsets(name, cu_seqlens, n, num_tokens), num_tokens)
 
 
 def varlen_batch(cache_indices, query_start_loc, has_initial_state, num_tokens: int,
@@ -69,15 +101,14 @@ def varlen_batch(cache_indices, query_start_loc, has_initial_state, num_tokens: 
     ``cache_indices [R]`` in ``[0, num_lines)`` or null, ``query_start_loc [R + 1]``
     non-decreasing within ``[0, num_tokens]``, ``has_initial_state [R]``.
     """
+    contract.check_rank("cache_indices", cache_indices, 1)
+    contract.check_dtype("cache_indices", cache_indices, "integer")
+    check_index_values("cache_indices", cache_indices, num_lines, null_block_id)
     ci = index_array("cache_indices", cache_indices, 1)
     R = ci.shape[0]
-    qsl = index_array("query_start_loc", query_start_loc, 1)
-    contract.check_shape("query_start_loc", qsl, (R + 1,))
-    contract.check_non_decreasing("query_start_loc", qsl)
-    contract.check_values_in_range("query_start_loc", qsl, 0, num_tokens + 1)
+    qsl = offsets("query_start_loc", query_start_loc, R, num_tokens)
     contract.check_rank("has_initial_state", has_initial_state, 1)
     contract.check_shape("has_initial_state", has_initial_state, (R,))
-    check_index_values("cache_indices", ci, num_lines, null_block_id)
     return ci, qsl, jnp.asarray(has_initial_state).astype(bool)
 
 

@@ -556,8 +556,7 @@ def _conv_varlen_reference(x, weight, bias, conv_states, query_start_loc, cache_
     R = cache_indices.shape[0]
     if R == 0 or T == 0:
         return x, conv_states
-    bos = query_start_loc[:-1]
-    lens = query_start_loc[1:] - bos
+    bos, lens = mc.sequence_bounds(query_start_loc, T)
     ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
     init = ok & has_initial_state
     rows = jnp.take(conv_states, jnp.where(ok, cache_indices, L), axis=0, mode="fill", fill_value=0)

@@ -39,10 +39,10 @@ def _prep(dt, dt_bias, softplus):
     return mc.softplus(dt) if softplus else dt
 
 
-def _skip_and_init(state, query_start_loc, cache_indices, has_initial_state, null_block_id):
+def _skip_and_init(state, query_start_loc, cache_indices, has_initial_state, null_block_id,
+                   num_tokens):
     L = state.shape[0]
-    bos = query_start_loc[:-1]
-    lens = query_start_loc[1:] - bos
+    bos, lens = mc.sequence_bounds(query_start_loc, num_tokens)
     ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
     use_init = ok & has_initial_state
     h0 = jnp.take(state, jnp.where(use_init, cache_indices, L), axis=0, mode="fill", fill_value=0)
@@ -73,7 +73,7 @@ def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_init
         return jnp.zeros(x.shape, x.dtype), state
     goh = jnp.arange(H) // (H // G)
     bos, lens, ok, h0 = _skip_and_init(state, query_start_loc, cache_indices,
-                                       has_initial_state, null_block_id)
+                                       has_initial_state, null_block_id, T)
     seg, pos, tvalid = mc.token_segment_ids(bos, lens, T)
     tok_ok = tvalid & ok[seg]
     dtp = _prep(dt, dt_bias, softplus)  # [T, H]
@@ -169,7 +169,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
         return jnp.zeros(x.shape, x.dtype), state
     goh = jnp.arange(H) // (H // G)
     bos, lens, ok, h0 = _skip_and_init(state, query_start_loc, cache_indices,
-                                       has_initial_state, null_block_id)
+                                       has_initial_state, null_block_id, T)
     # chunk table: request r owns chunks [coff[r], coff[r] + nch[r]); a chunk never spans
     # two requests; skipped requests own none.
     nch = jnp.where(ok, (lens + Q - 1) // Q, 0)

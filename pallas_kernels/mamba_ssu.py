@@ -356,8 +356,8 @@ def _ssu_tpu(a: _SSUArgs, *, config: SSUConfig, interpret):
     in_specs = [
         head_spec(P),
         head_spec(Pdt),
-        pl.BlockSpec((None, T, Ns), lambda h, b, *_: (jax.lax.div(h, ratio), 0, 0)),
-        pl.BlockSpec((None, T, Ns), lambda h, b, *_: (jax.lax.div(h, ratio), 0, 0)),
+        pl.BlockSpec((None, T, Ns), lambda h, b, *_: (jax.lax.div(h, jnp.int32(ratio)), 0, 0)),
+        pl.BlockSpec((None, T, Ns), lambda h, b, *_: (jax.lax.div(h, jnp.int32(ratio)), 0, 0)),
         pl.BlockSpec((None, Pa, Na), lambda h, b, *_: (h, 0, 0)),
     ]
     if has_D:
@@ -560,34 +560,35 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
         f32 = jnp.float32
         b = pl.program_id(0)
         h = pl.program_id(1)
+        zero = jnp.int32(0)  # index literals stay int32 under jax_enable_x64
         m0 = pl.program_id(2) * BM
         g = h // ratio
-        offs_m = m0 + jnp.arange(BM)
-        offs_n = jnp.arange(BN)
+        offs_m = m0 + jnp.arange(BM, dtype=jnp.int32)
+        offs_n = jnp.arange(BN, dtype=jnp.int32)
         mask_m = offs_m < P
         mask_n = offs_n < Ns
         mask2 = mask_m[:, None] & mask_n[None, :]
         ds_m = pl.ds(m0, BM)
-        ds_n = pl.ds(0, BN)
+        ds_n = pl.ds(zero, BN)
 
         def load_vec(ref, t, width):
             # row [t, h, :] of a [T, H, width] array, width in {1, P}
             if width == 1:
-                return _backend.triton.load(ref.at[t, h, pl.ds(0, 1)]).astype(f32)
+                return _backend.triton.load(ref.at[t, h, pl.ds(zero, 1)]).astype(f32)
             return _backend.triton.load(ref.at[t, h, ds_m], mask=mask_m, other=0.0).astype(f32)
 
         def load_head_vec(ref, width):
             if width == 1:
-                return _backend.triton.load(ref.at[h, pl.ds(0, 1)]).astype(f32)
+                return _backend.triton.load(ref.at[h, pl.ds(zero, 1)]).astype(f32)
             return _backend.triton.load(ref.at[h, ds_m], mask=mask_m, other=0.0).astype(f32)
 
         if Pa == 1 and Na == 1:
-            A = _backend.triton.load(A_ref.at[h, pl.ds(0, 1), pl.ds(0, 1)]).astype(f32)
+            A = _backend.triton.load(A_ref.at[h, pl.ds(zero, 1), pl.ds(zero, 1)]).astype(f32)
         else:
             am = (mask_m if Pa > 1 else jnp.ones((1,), bool))[:, None] & (
                 mask_n if Na > 1 else jnp.ones((1,), bool))[None, :]
-            A = _backend.triton.load(A_ref.at[h, ds_m if Pa > 1 else pl.ds(0, 1),
-                                    ds_n if Na > 1 else pl.ds(0, 1)],
+            A = _backend.triton.load(A_ref.at[h, ds_m if Pa > 1 else pl.ds(zero, 1),
+                                    ds_n if Na > 1 else pl.ds(zero, 1)],
                           mask=am, other=0.0).astype(f32)
         D = load_head_vec(D_ref, D_ref.shape[1]) if has_D else None
         bias = load_head_vec(bias_ref, bias_ref.shape[1]) if has_bias else None

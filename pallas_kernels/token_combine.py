@@ -75,6 +75,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import contract as validation
 from pallas_kernels import _backend
+from pallas_kernels.contract import PAD_ROW_ID
 
 OP_COMBINE = "combine_sampled_and_draft_tokens"
 
@@ -108,6 +109,7 @@ def _row_terms(s_raw, cs, ce, qs, qe, seq_len, prefill_at, *, max_num_reqs, num_
     s = jnp.where(live, s_raw, 0)
     nl = ce - cs
     start = qe - nl
+    prefill = prefill_at(s)
     ok = (
         live
         & (nl >= num_new)
@@ -117,8 +119,9 @@ def _row_terms(s_raw, cs, ce, qs, qe, seq_len, prefill_at, *, max_num_reqs, num_
         & (qs >= 0)
         & (start >= qs)
         & (qe <= num_tokens)
+        & (seq_len >= 0)
+        & (prefill >= 0)
     )
-    prefill = prefill_at(s)
     decode = ok & (seq_len > prefill)
     write_last = decode & (seq_len - nl >= prefill) if num_new else decode & False
     return s, ok, nl, start, decode, write_last
@@ -352,7 +355,10 @@ def _check(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, num_log
                     ("draft_tokens", drafts), ("cu_num_logits", cu)):
         validation.check_dtype(name, a, "integer")
 
-    validation.check_values_in_range("idx_mapping", idx, 0, max_num_reqs, allow=(-1,))
+    validation.check_values_in_range("idx_mapping", idx, 0, max_num_reqs, allow=(PAD_ROW_ID,))
+    validation.check_values_in_range("seq_lens[:num_reqs]", _head(seq_lens, R), 0,
+                                     validation.INT32_MAX + 1)
+    validation.check_values_in_range("prefill_len", prefill_len, 0, validation.INT32_MAX + 1)
     validation.check_non_decreasing("query_start_loc[:num_reqs+1]", _head(qsl, R + 1))
     validation.check_non_decreasing("cu_num_logits[:num_reqs+1]", _head(cu, R + 1))
     i, q, c = (validation.concrete_values(a) for a in (idx, qsl, cu))
@@ -435,11 +441,14 @@ def combine_sampled_and_draft_tokens(
     # with nl > 0, so nothing is written), or no tokens.
     if np.shape(idx_mapping)[0] == 0 or num_logits == 0 or np.shape(input_ids)[0] == 0:
         return jnp.asarray(input_ids), jnp.zeros((num_logits,), jnp.int32)
-    i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
+    i32 = lambda name, a: jnp.asarray(validation.as_int32(name, a))  # noqa: E731
     return _backend.run(
-        OP_COMBINE, choice, input_ids, i32(idx_mapping), i32(last_sampled_tokens).reshape(-1),
-        i32(query_start_loc), i32(seq_lens), i32(prefill_len), i32(draft_tokens),
-        i32(cu_num_logits), num_logits=num_logits, num_new=int(num_new_sampled_tokens),
+        OP_COMBINE, choice, input_ids, i32("idx_mapping", idx_mapping),
+        i32("last_sampled_tokens", last_sampled_tokens).reshape(-1),
+        i32("query_start_loc", query_start_loc), i32("seq_lens", seq_lens),
+        i32("prefill_len", prefill_len), i32("draft_tokens", draft_tokens),
+        i32("cu_num_logits", cu_num_logits),
+        num_logits=num_logits, num_new=int(num_new_sampled_tokens),
     )
 
 

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+try:  # private: the TPU interpreter's race state (JAX's own tests read it the same way)
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _tpu_interpret
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _tpu_interpret = None
+
+TPU_INTERPRET_BACKENDS = ("pallas_tpu",)
+
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -32,13 +39,25 @@ def assert_bitwise(actual, expected, name: str = "array") -> None:
 
 
 def races_found() -> bool | None:
-    """The TPU interpreter's race flag, or ``None`` when this JAX does not expose it.
-
-    Reads the private ``interpret_pallas_call.races`` (as JAX's own tests do).
-    """
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-    except ImportError:
-        return None
-    races = getattr(ipc, "races", None)
+    """The TPU interpreter's race flag, or ``None`` when this JAX does not expose it."""
+    races = getattr(_tpu_interpret, "races", None)
     return None if races is None else bool(races.races_found)
+
+
+def assert_no_races(backend: str) -> None:
+    """After a kernel call with ``backend``: the TPU interpreter's race detector found nothing.
+
+    A no-op for backends that do not run the TPU kernel in interpret mode. For
+    ``"pallas_tpu"`` it FAILS when the race state is unavailable (a race check
+    that cannot run must not pass silently), and when a race was found.
+    """
+    if backend not in TPU_INTERPRET_BACKENDS:
+        return
+    found = races_found()
+    if found is None:
+        raise AssertionError(
+            "TPU interpret-mode race detection is unavailable in this JAX "
+            "(jax._src.pallas.mosaic.interpret.interpret_pallas_call.races); "
+            "update kvjax.testing.asserts.races_found"
+        )
+    assert not found, "TPU interpret mode detected a race"

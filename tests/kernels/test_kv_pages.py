@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvjax.testing.asserts import assert_bitwise, races_found
+from kvjax.testing.asserts import assert_bitwise, assert_no_races
 from pallas_kernels import PAD_SLOT_ID, reshape_and_cache_flash, write_kv_pages
 from pallas_kernels import KVWriteConfig
 from pallas_kernels.kv_pages import kv_packing, token_runs, write_kv_pages_reference
@@ -31,13 +31,6 @@ T, H, D, NP, PS = 8, 2, 16, 4, 4
 NUM_SLOTS = NP * PS
 
 
-def assert_no_races(backend):
-    if backend != "pallas_tpu":
-        return
-    found = races_found()
-    if found is None:
-        pytest.skip("this JAX exposes no TPU-interpreter race state; race check skipped")
-    assert not found, "TPU interpret mode detected a race"
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ unused row — are poisoned with NaN and compared bitwise after the call.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvjax.testing.asserts import assert_no_races
 from pallas_kernels import mamba
 from pallas_kernels.mamba_scan import _chunk_len
 from pallas_kernels.mamba import (
@@ -50,27 +49,11 @@ def assert_rows_bitwise_equal(got, want, rows, what="state"):
         assert np.array_equal(_bits(got[r]), _bits(want[r])), f"{what} row {r} changed"
 
 
-def check_no_tpu_races():
-    """Asserts the TPU interpreter's race detector found nothing in the last call."""
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-
-        races = ipc.races
-    except (ImportError, AttributeError) as e:  # private API; may move between versions
-        warnings.warn(f"race-detector state unavailable, race assertion skipped: {e!r}")
-        return
-    if races is None:
-        warnings.warn("race-detector state is None, race assertion skipped")
-        return
-    assert not races.races_found, "TPU interpret mode detected a data race"
-
-
 def run(fn, flavor, *args, **kwargs):
     backend, interpret = flavor
     res = fn(*args, backend=backend, interpret=interpret, **kwargs)
     res = jax.block_until_ready(res)
-    if backend == "pallas_tpu":
-        check_no_tpu_races()
+    assert_no_races(backend)
     return res
 
 
@@ -409,8 +392,7 @@ def test_ssu_jit_out_of_range_is_masked(flavor):
 
     sbi = jnp.array([3, L + 2, -1, 1], jnp.int32)
     out, new_state = jax.block_until_ready(step(jnp.asarray(state), sbi))
-    if backend == "pallas_tpu":
-        check_no_tpu_races()
+    assert_no_races(backend)
     want, _, _ = oracle_ssu(state, c["x"], c["dt"], c["A"], c["B"], c["C"], c["D"],
                             sbi=np.array([3, NULL, NULL, 1]))
     close(out, want)
@@ -621,8 +603,7 @@ def test_conv_update_jit_out_of_range_is_masked(flavor):
     step = jax.jit(lambda cs, r: causal_conv1d_update(x, cs, w, None, None, r, backend=backend,
                                                         interpret=interpret))
     out, new_cs = jax.block_until_ready(step(jnp.asarray(cs), jnp.array([L + 1, 2, -2], jnp.int32)))
-    if backend == "pallas_tpu":
-        check_no_tpu_races()
+    assert_no_races(backend)
     out = np.asarray(out)
     assert np.array_equal(_bits(out[[0, 2]]), _bits(x[[0, 2]]))
     assert_rows_bitwise_equal(new_cs, cs, [0, 1, 3, 4], "conv_state")

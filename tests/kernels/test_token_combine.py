@@ -23,7 +23,7 @@ from pallas_kernels.token_combine import (
     combine_sampled_and_draft_tokens,
     combine_sampled_and_draft_tokens_reference,
 )
-from kvjax.testing.asserts import races_found  # noqa: E402
+from kvjax.testing.asserts import assert_no_races  # noqa: E402
 
 BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
 # T tokens, R batch rows, MR request rows, S speculative steps, L logits rows.
@@ -113,8 +113,7 @@ def run(a, backend):
         backend=backend,
         interpret=None if backend == "reference" else True,
     )
-    if backend == "pallas_tpu":
-        assert races_found() in (None, False), "TPU interpret mode detected a race"
+    assert_no_races(backend)
     return out
 
 
