@@ -54,7 +54,8 @@ OP_ZERO = "zero_blocks"
 
 @dataclasses.dataclass(frozen=True)
 class ZeroBlocksConfig:
-    """Tuning knobs of the GPU zeroing kernel (a static argument; defaults suit an H100).
+    """Tuning knobs of the GPU zeroing kernel (a static argument; defaults: BENCHMARKS.md,
+    "Kernel design notes").
 
     Attributes:
       gpu_max_tile_bytes, gpu_min_tile_bytes: bounds on the bytes of each array

@@ -30,10 +30,10 @@ Implementations (picked by :func:`pallas_kernels._backend.resolve`):
 * TPU (Mosaic): slots in SMEM via scalar prefetch, caches left in HBM
   (``pl.ANY``) and aliased to the outputs, one DMA per valid token and
   destination issued under ``pl.when``; a skipped token issues no DMA at all.
-  ``_TPU_TOKENS_PER_STEP`` tokens share a grid step so their DMAs overlap.
+  ``KVWriteConfig.tpu_tokens_per_step`` tokens share a grid step so their DMAs overlap.
   fp8 inputs are staged through VMEM and quantised there before the DMA
   (compiled, Mosaic's float32 division; its rounding is not yet checked on a TPU).
-* GPU (Pallas Triton, see :func:`gpu_compiler_params`): grid (block of
+* GPU (Pallas Triton, :func:`pallas_kernels._backend.gpu_compiler_params`): grid (block of
   tokens, column tile), masked loads/stores, the slot range check in the
   kernel (one launch per call); a skipped token's stores are fully masked.
   fp8 divides with PTX ``div.rn.f32`` (Triton's ``/`` is ``div.full.f32``).
@@ -81,7 +81,8 @@ FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 
 @dataclasses.dataclass(frozen=True)
 class KVWriteConfig:
-    """Tuning knobs of the write kernels (a static argument; defaults suit an H100).
+    """Tuning knobs of the write kernels (a static argument; defaults: BENCHMARKS.md,
+    "Kernel design notes").
 
     Attributes:
       tpu_tokens_per_step: tokens per TPU grid step (their DMAs overlap).

@@ -246,7 +246,7 @@ def selective_scan_varlen(
 
     * the initial state is ``state[cache_indices[r]]`` if ``has_initial_state[r]``,
       else ZERO — the slot is not read at all, so whatever a previous tenant left there
-      (even NaN) cannot leak (rule 17);
+      (even NaN) cannot leak;
     * the final state is written to ``state[cache_indices[r]]`` (in the state dtype);
     * ``cache_indices[r] == null_block_id`` (or, under jit, out of ``[0, L)``): the
       request is skipped — no state read or write, and its outputs are ZERO;

@@ -482,7 +482,8 @@ def _ssu_tpu(a: _SSUArgs, *, config: SSUConfig, interpret):
 
 @dataclasses.dataclass(frozen=True)
 class SSUConfig:
-    """Tuning knobs of the GPU kernel (a static argument; defaults suit an H100).
+    """Tuning knobs of the GPU kernel (a static argument; defaults: BENCHMARKS.md,
+    "Kernel design notes").
 
     A program holds ``[block_m, pow2(dstate)]`` of one head's state.
 
