@@ -348,33 +348,39 @@ def _np(x) -> np.ndarray:
     return np.asarray(x)
 
 
+#: The ops whose kvjax kernel and torch reference both take the scenario's arguments as they
+#: are and return a tuple: the names of its outputs, in order.
+_TUPLE_OUTPUTS = {
+    "reshape_and_cache_flash": ("key_cache", "value_cache"),
+    "selective_state_update": ("out", "state"),
+    "causal_conv1d_update": ("out", "conv_state"),
+    "selective_scan_varlen": ("out", "state"),
+    "causal_conv1d_varlen": ("out", "conv_states"),
+    "combine_sampled_and_draft_tokens": ("input_ids", "logits_indices"),
+}
+#: The pallas_kernels module of each of those ops (its function is looked up at call time).
+_KERNEL_MODULE = {"reshape_and_cache_flash": kv_write, "selective_state_update": mamba,
+                  "causal_conv1d_update": mamba, "selective_scan_varlen": mamba,
+                  "causal_conv1d_varlen": mamba, "combine_sampled_and_draft_tokens": token_combine}
+
+
+def _reqstate_outputs(stage: str, s, convert) -> dict[str, np.ndarray]:
+    """``{"<stage>.<field>": array}`` for every compared request-state field of ``s``."""
+    return {f"{stage}.{k}": convert(getattr(s, k)) for k in _sc.REQSTATE_FIELDS}
+
+
 def _kvjax(op: str, a: dict, backend: str, interpret) -> dict[str, np.ndarray]:
     """Run ``op`` through kvjax. Kernels are looked up at call time (tests monkeypatch them)."""
     kw = dict(backend=backend, interpret=interpret)
-    if op == "reshape_and_cache_flash":
-        k, v = kv_write.reshape_and_cache_flash(**a, **kw)
-        return {"key_cache": _np(k), "value_cache": _np(v)}
+    if op in _TUPLE_OUTPUTS:
+        res = getattr(_KERNEL_MODULE[op], op)(**a, **kw)
+        return {n: _np(x) for n, x in zip(_TUPLE_OUTPUTS[op], res)}
     if op == "concat_and_cache_mla":
         return {"kv_cache": _np(kv_write.concat_and_cache_mla(**a, **kw))}
     if op == "zero_blocks":
         out = block_zero.zero_blocks(a["caches"], a["block_ids"],
                                      kernel_blocks_per_block=a["kernel_blocks_per_block"], **kw)
         return {f"caches[{i}]": _np(c) for i, c in enumerate(out)}
-    if op == "selective_state_update":
-        out, state = mamba.selective_state_update(**a, **kw)
-        return {"out": _np(out), "state": _np(state)}
-    if op == "causal_conv1d_update":
-        out, cs = mamba.causal_conv1d_update(**a, **kw)
-        return {"out": _np(out), "conv_state": _np(cs)}
-    if op == "selective_scan_varlen":
-        out, state = mamba.selective_scan_varlen(**a, **kw)
-        return {"out": _np(out), "state": _np(state)}
-    if op == "causal_conv1d_varlen":
-        out, cs = mamba.causal_conv1d_varlen(**a, **kw)
-        return {"out": _np(out), "conv_states": _np(cs)}
-    if op == "combine_sampled_and_draft_tokens":
-        ids, li = token_combine.combine_sampled_and_draft_tokens(**a, **kw)
-        return {"input_ids": _np(ids), "logits_indices": _np(li)}
     # State functions: jnp, no kernel backend.
     if op == "compute_slot_mapping":
         return {"slot_mapping": _np(st.compute_slot_mapping(**a))}
@@ -393,9 +399,8 @@ def _kvjax(op: str, a: dict, backend: str, interpret) -> dict[str, np.ndarray]:
         s = st.RequestState(**{k: jnp.asarray(v) for k, v in a["state"].items()})
         added = s.add_requests(st.NewRequests(**a["new"]))
         updated = added.post_update(**a["post"])
-        out = {f"added.{k}": _np(getattr(added, k)) for k in _sc.REQSTATE_FIELDS}
-        out.update({f"updated.{k}": _np(getattr(updated, k)) for k in _sc.REQSTATE_FIELDS})
-        return out
+        return {**_reqstate_outputs("added", added, _np),
+                **_reqstate_outputs("updated", updated, _np)}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -413,20 +418,14 @@ def _torch(op: str, a: dict) -> dict[str, np.ndarray]:
     """Run ``op`` through :mod:`kvjax.testing.torch_ref` (in place on copies of the inputs)."""
     from kvjax.testing import torch_ref as tr
     t = _to_torch_args(a)
-    if op == "reshape_and_cache_flash":
-        k, v = tr.reshape_and_cache_flash(**t)
-        return {"key_cache": to_numpy(k), "value_cache": to_numpy(v)}
+    if op in _TUPLE_OUTPUTS:
+        res = getattr(tr, op)(**t)
+        return {n: to_numpy(x) for n, x in zip(_TUPLE_OUTPUTS[op], res)}
     if op == "concat_and_cache_mla":
         return {"kv_cache": to_numpy(tr.concat_and_cache_mla(**t))}
     if op == "zero_blocks":
         out = tr.zero_blocks(t["caches"], t["block_ids"], t["kernel_blocks_per_block"])
         return {f"caches[{i}]": to_numpy(c) for i, c in enumerate(out)}
-    pairs = {"selective_state_update": ("out", "state"), "causal_conv1d_update": ("out", "conv_state"),
-             "selective_scan_varlen": ("out", "state"), "causal_conv1d_varlen": ("out", "conv_states"),
-             "combine_sampled_and_draft_tokens": ("input_ids", "logits_indices")}
-    if op in pairs:
-        res = getattr(tr, op)(**t)
-        return {n: to_numpy(x) for n, x in zip(pairs[op], res)}
     if op == "compute_slot_mapping":
         return {"slot_mapping": to_numpy(tr.compute_slot_mapping(**t))}
     if op == "gather_block_tables":
@@ -450,10 +449,9 @@ def _torch(op: str, a: dict) -> dict[str, np.ndarray]:
                 s.add_request(row, new["token_ids"][u, :n].tolist(), int(new["prompt_len"][u]),
                               int(new["num_computed_tokens"][u]), float(new["temperature"][u]),
                               float(new["top_p"][u]), int(new["top_k"][u]))
-        out = {f"added.{k}": to_numpy(getattr(s, k)) for k in _sc.REQSTATE_FIELDS}
+        added = _reqstate_outputs("added", s, to_numpy)  # before post_update changes s in place
         s.post_update(**{k: to_torch(v) for k, v in a["post"].items()})
-        out.update({f"updated.{k}": to_numpy(getattr(s, k)) for k in _sc.REQSTATE_FIELDS})
-        return out
+        return {**added, **_reqstate_outputs("updated", s, to_numpy)}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -477,11 +475,11 @@ _FP8_RULE = ("compared with the documented rule saturate(x / scale), round to ne
              "(the torch reference's bytes), not vLLM's: Triton's CPU interpreter converts "
              "float -> fp8 wrongly (ties up, no saturation, NaN -> 384; kvjax/testing/vllm.py)")
 _CONV_SHORT = ("vLLM 0.33.0 quirk: a plain varlen sequence shorter than max_query_len shrinks "
-               "its state window (tests/test_vllm_oracle.py xfail); outputs are compared")
+               "its state window (tests/kernels/test_vllm_oracle.py xfail); outputs are compared")
 _CONV_ACC0 = ("vLLM reads conv-state column -1 when num_accepted_tokens == 0 (kvjax reads "
               "offset 0; documented in causal_conv1d_update)")
 _SSU_NULL_DST = ("vLLM's non-speculative path writes the null row for a valid src with a null "
-                 "dst; kvjax never writes row null_block_id (rule 18)")
+                 "dst; kvjax never writes row null_block_id")
 
 
 def _fp8_inexact_mask(a: dict, name: str, src: str, scale_name: str) -> np.ndarray:
