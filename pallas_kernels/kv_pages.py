@@ -166,7 +166,7 @@ def _tpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpr
         rows = kv_write.quantize_fp8(rows, scale_row.reshape((1,) + kv_pages.shape[2:]))
     n = slot_mapping.shape[0]
     num_pages, page_size = kv_pages.shape[:2]
-    slots = kv_write._live_slots(slot_mapping, num_pages * page_size)
+    slots = validation.live_ids(slot_mapping, num_pages * page_size)
     runs = token_runs(slots, page_size)
     tokens_per_step = min(config.tpu_tokens_per_step, n)
     num_steps = pl.cdiv(n, tokens_per_step)
