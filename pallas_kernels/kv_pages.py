@@ -19,8 +19,9 @@ valid slots must be distinct, every other byte of the cache is unchanged.
 Implementations (``backend=`` as for every op, registered as op ``"kv_pages"``):
 the combined row of a token (``[2H, D]``, K and V interleaved, fp8-quantised
 with per-combined-head scales) is one contiguous row of the cache. The jnp
-reference and the GPU (Triton, masked row stores) kernel are the paged KV
-write's, with one destination. The TPU (Mosaic) kernel copies token runs
+reference is the paged KV write's scatter with one destination. The GPU
+(Triton) kernel reads K and V rows and stores each head straight into its
+interleaved columns (masked stores, no separate interleave pass). The TPU (Mosaic) kernel copies token runs
 (:func:`token_runs`: consecutive tokens whose slots are consecutive in one
 page, as in a prefill chunk) with one DMA per power-of-two piece of the run,
 HBM to HBM, so a page-long prefill run costs ``log2(page_size) + 1`` DMAs at
@@ -129,9 +130,69 @@ def _reference_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, i
 
 @_backend.register(OP_PAGES, "gpu")
 def _gpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpret):
-    """The paged KV write's Triton kernel, one combined row per token (masked stores)."""
-    return _via_kv_write(kv_write._gpu_write, slot_mapping, key, value, kv_pages,
-                         scale_row, config, interpret)
+    """Triton kernel: K and V rows go straight to their interleaved columns (no interleave pass).
+
+    Program ``(p, h)`` writes head ``h`` of tokens ``p * bt .. p * bt + bt - 1``:
+    ``key[t, h]`` to columns ``[2h D, 2h D + D)`` of the cache row of slot
+    ``s``, ``value[t, h]`` to ``[(2h + 1) D, ...)``; loads first, then stores,
+    each masked as in :func:`kv_write._gpu_write` (a PAD, out-of-range or
+    past-``N`` token stores nothing; the range check runs in the kernel).
+    fp8: one float32 scale per head, division ``div.rn.f32``.
+    """
+    n = slot_mapping.shape[0]
+    t_in, heads, d = key.shape
+    num_slots = kv_pages.shape[0] * kv_pages.shape[1]
+    flat_cache = kv_pages.reshape(num_slots, 2 * heads * d)
+    kv_write._check_gpu_int32_offsets("kv_pages", flat_cache.shape)
+    flat_k, flat_v = key.reshape(t_in, heads * d), value.reshape(t_in, heads * d)
+    tile = int(pl.next_power_of_2(d))
+    quantize = scale_row is not None
+    bt = kv_write._gpu_tokens_per_program(n, quantize, config)
+    num_warps = kv_write._gpu_num_warps(tile, np.dtype(key.dtype).itemsize, config)
+    # scale_row is [2H, D], constant along D: K scales at even rows, V at odd.
+    scale_args = [scale_row[0::2, 0], scale_row[1::2, 0]] if quantize else []
+    divide = kv_write.ieee_divide if interpret else kv_write._ptx_div_rn
+    evict = config.gpu_eviction
+    triton = _backend.triton
+
+    def kernel(slots_ref, k_ref, v_ref, *refs):
+        # Inputs:  slots_ref int[N] (raw); k_ref, v_ref [T, H * D];
+        #          fp8 only: k/v scales f32[H]; kv_pages [num_slots, 2 H D] (aliased)
+        # Outputs: kv_pages [num_slots, 2 H D]
+        scale_refs, out = refs[: len(scale_args)], refs[-1]
+        p, h = pl.program_id(0), pl.program_id(1)
+        tokens = [p * bt + i for i in range(bt)]
+        src_rows = [jnp.minimum(t, n - 1) for t in tokens]  # in bounds; masked at the store
+        slots = [slots_ref[r] for r in src_rows]
+        live = [(t < n) & (s >= 0) & (s < num_slots) for t, s in zip(tokens, slots)]
+        dst_rows = [jnp.where(ok, s, 0).astype(jnp.int32) for ok, s in zip(live, slots)]
+        lane = jnp.arange(tile, dtype=jnp.int32)
+        in_head = lane < d
+        loaded = []
+        for src, half in ((k_ref, 0), (v_ref, 1)):
+            if quantize:
+                head_of_lane = jax.lax.div(h * d + lane, jnp.int32(d))  # == h on live lanes
+                scale = triton.load(scale_refs[half].at[head_of_lane], mask=in_head)
+            rows = []
+            for r in src_rows:
+                x = triton.load(src.at[r, pl.ds(h * d, tile)], mask=in_head, eviction_policy=evict)
+                rows.append(kv_write.quantize_fp8(x, scale, divide=divide) if quantize else x)
+            loaded.append(((2 * h + half) * d, rows))
+        for col, rows in loaded:
+            for x, row, ok in zip(rows, dst_rows, live):
+                triton.store(out.at[row, pl.ds(col, tile)], x.astype(out.dtype),
+                             mask=in_head & ok, eviction_policy=evict)
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(flat_cache.shape, flat_cache.dtype),
+        grid=(pl.cdiv(n, bt), heads),
+        input_output_aliases={3 + len(scale_args): 0},
+        compiler_params=_backend.gpu_compiler_params(num_warps),
+        interpret=interpret,
+        name="kv_pages_gpu",
+    )
+    return call(slot_mapping, flat_k, flat_v, *scale_args, flat_cache).reshape(kv_pages.shape)
 
 
 def token_runs(slots, page_size: int):
