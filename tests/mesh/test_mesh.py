@@ -8,10 +8,17 @@ import socket
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from kvjax.host.placement import least_loaded
-from kvjax.runner.mesh import force_host_device_count, parse_mesh_shape
+from kvjax.models import TinyHybridConfig
+from kvjax.runner import RunnerConfig
+from kvjax.runner.mesh import (
+    MeshRunner, force_host_device_count, parse_mesh_shape, tp_param_layout, tp_shard_config,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).with_name("mesh_worker.py")
@@ -147,3 +154,36 @@ def test_two_processes_through_jax_distributed(worker_results, tmp_path):
     assert outputs == worker_results["single"]["outputs"]
     assert reports[1]["ranks"]["1"]["dummy_steps"] > 0
     assert reports[0]["ranks"]["0"]["requests"] == worker_results["2x1"]["ranks"]["0"]["requests"]
+
+
+def test_tp_shard_config_and_param_layout():
+    """A shard sees 1/M of the heads; its contiguous slice of the reordered in_proj / conv params is
+    [z | x | B | C | dt] of its own heads, with B and C whole."""
+    model = TinyHybridConfig(layer_types=("mamba",), mamba_num_heads=4, mamba_head_dim=2, mamba_d_state=3)
+    shard = tp_shard_config(model, 2)
+    assert (shard.num_heads, shard.num_kv_heads, shard.mamba_num_heads) == (2, 1, 2)
+    di, bc, H = model.d_inner, 2 * model.mamba_d_state, model.mamba_num_heads
+    cols = np.arange(model.in_proj_dim)[None, :] * np.ones((3, 1))
+    conv = np.arange(model.conv_dim)
+    params = {"params": {"layer_0": {"in_proj": cols, "conv_weight": conv[:, None] * np.ones((1, 4)),
+                                     "conv_bias": conv}}}
+    out = tp_param_layout(params, model, 2)["params"]["layer_0"]
+    assert params["params"]["layer_0"]["in_proj"] is cols  # the input is left alone
+    z, x, b_c, dt = np.arange(di), di + np.arange(di), 2 * di + np.arange(bc), 2 * di + bc + np.arange(H)
+    half = out["in_proj"].shape[1] // 2
+    for m in range(2):
+        want = np.concatenate([z[m * 4:(m + 1) * 4], x[m * 4:(m + 1) * 4], b_c, dt[m * 2:(m + 1) * 2]])
+        np.testing.assert_array_equal(out["in_proj"][0, m * half:(m + 1) * half], want)
+        want_conv = np.concatenate([np.arange(di)[m * 4:(m + 1) * 4], di + np.arange(bc)])
+        np.testing.assert_array_equal(out["conv_bias"][m * len(want_conv):(m + 1) * len(want_conv)], want_conv)
+    assert shard.in_proj_dim == half and shard.conv_dim * 2 == out["conv_weight"].shape[0]
+    with pytest.raises(ValueError, match="model=3 must divide"):
+        tp_shard_config(model, 3)
+    with pytest.raises(ValueError, match="mamba_n_groups == 1"):
+        tp_shard_config(TinyHybridConfig(layer_types=("mamba",), mamba_n_groups=2), 2)
+
+
+def test_mesh_runner_rejects_a_mesh_without_data_and_model_axes():
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("x", "y"))
+    with pytest.raises(ValueError, match=r"axes \('data', 'model'\)"):
+        MeshRunner(RunnerConfig(), mesh)
