@@ -3,11 +3,13 @@
 Usage: ``python tests/mesh/mesh_worker.py CASE [CASE ...]``, a case being
 ``DxM`` (serve the workload over that mesh), ``single`` (the plain single-device
 runner) or ``planted`` (a 2x1 run whose dummy steps get an all-zero slot
-mapping, as in vLLM PR 39444). Prints one JSON line per case.
+mapping, as in vLLM PR 39444) or ``planted_stale`` (a 2x1 run whose dummy steps
+re-send the rank's previous inputs). Prints one JSON line per case.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -41,15 +43,40 @@ def requests():
     return validate_workload(WORKLOAD, vocab_size=256, max_model_len=48)
 
 
+@contextlib.contextmanager
+def patched(owner, name, make):
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def plant_zero_dummy_slot_mapping():
     """The PR 39444 bug: a step with no real row maps every token to slot 0 instead of PAD."""
-    original = BlockTables.slot_mappings
 
-    def planted(self, idx_mapping, query_start_loc, positions, num_tokens_padded):
-        slots = original(self, idx_mapping, query_start_loc, positions, num_tokens_padded)
-        return jnp.where(jnp.all(idx_mapping < 0), 0, slots)
+    def make(original):
+        def planted(self, idx_mapping, query_start_loc, positions, num_tokens_padded):
+            slots = original(self, idx_mapping, query_start_loc, positions, num_tokens_padded)
+            return jnp.where(jnp.all(idx_mapping < 0), 0, slots)
+        return planted
 
-    BlockTables.slot_mappings = planted
+    return patched(BlockTables, "slot_mappings", make)
+
+
+def plant_stale_dummy_inputs():
+    """A dummy step that re-sends the rank's previous step inputs (a staging buffer not reset)."""
+    last = {}
+
+    def make(original):
+        def planted(self, plans, bucket):
+            stale = {d: p if p is not None else last.get(d) for d, p in plans.items()}
+            last.update({d: p for d, p in plans.items() if p is not None})
+            return original(self, stale, bucket)
+        return planted
+
+    return patched(MeshRunner, "execute_ranks", make)
 
 
 def run(case: str) -> dict:
@@ -60,15 +87,13 @@ def run(case: str) -> dict:
         return {"case": case, "outputs": {k: v["output"] for k, v in report.requests.items()},
                 "all_match": report.all_match, "nan_count": report.nan_count,
                 "serving_compiles": report.serving_compiles}
-    if case == "planted":
-        plant_zero_dummy_slot_mapping()
-        D, M = 2, 1
-    else:
-        D, M = (int(x) for x in case.split("x"))
+    plant = {"planted": plant_zero_dummy_slot_mapping, "planted_stale": plant_stale_dummy_inputs}.get(case)
+    D, M = (2, 1) if plant else (int(x) for x in case.split("x"))
     cfg = config((8, 16) if D == 4 else (16,))
     mesh = make_mesh(D, M)
-    report, _ = serve_mesh(cfg, mesh, requests(), progress_stream=None,
-                           runner=MeshRunner(cfg, mesh, compiler_options=FAST_COMPILE))
+    with plant() if plant else contextlib.nullcontext():
+        report, _ = serve_mesh(cfg, mesh, requests(), progress_stream=None,
+                               runner=MeshRunner(cfg, mesh, compiler_options=FAST_COMPILE))
     return {"case": case, "outputs": {k: v["output"] for k, v in report.requests.items()},
             "all_match": report.all_match, "nan_count": report.nan_count,
             "serving_compiles": report.serving_compiles, "ranks": report.ranks,

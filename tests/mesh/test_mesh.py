@@ -89,7 +89,7 @@ MESHES = ("1x1", "2x1", "4x1", "1x2", "2x2", "4x2")
 def worker_results(tmp_path_factory):
     """Every mesh case once: the single-device runner, meshes (1,1) .. (4,2) in one process with
     8 host devices, the planted regression, and (2,1) through the CLI."""
-    res = run_worker("single", *[m for m in MESHES if m != "2x1"], "planted")
+    res = run_worker("single", *[m for m in MESHES if m != "2x1"], "planted", "planted_stale")
     res["2x1"] = run_cli_2x1(tmp_path_factory.mktemp("cli"))
     return res
 
@@ -118,6 +118,15 @@ def test_planted_zero_slot_dummy_step_is_caught(worker_results):
     planted = worker_results["planted"]
     failed = {(f["flag"], f["rank"]) for f in planted["check_failures"]}
     assert ("null_unchanged", 1) in failed and ("idle_untouched", 1) in failed, planted["check_failures"]
+    assert not planted["ok"]
+
+
+def test_planted_stale_dummy_inputs_are_caught(worker_results):
+    """A dummy step that re-sends the rank's previous inputs is not a dummy on the device: the
+    rank's device-side idle flag disagrees with the host at a serving step."""
+    planted = worker_results["planted_stale"]
+    failed = [f for f in planted["check_failures"] if f["flag"] == "idle" and f["rank"] == 1]
+    assert failed and all(isinstance(f["step"], int) for f in failed), planted["check_failures"]
     assert not planted["ok"]
 
 
