@@ -10,12 +10,14 @@ from collections.abc import Callable, Mapping
 import ml_dtypes
 import numpy as np
 
+from kvjax.constants import NULL_BLOCK_ID, PAD_SLOT_ID
+
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
-NULL = 0  # NULL_BLOCK_ID
-PAD = -1  # PAD_SLOT_ID
+NULL = NULL_BLOCK_ID
+PAD = PAD_SLOT_ID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,32 +46,29 @@ class Compare:
 
 BITWISE = Compare("bitwise", source="a copy or an fp8 cast: every byte must match")
 EXACT = Compare("exact", source="integers: every value must match")
-# Float tolerances. Measured with difftest(against="all", cases=40, seed=7) on the
-# reference and on the Pallas (interpret) backends, the largest fraction of the
-# tolerance any element used (ArrayDiff.tolerance_used) was: SSM_F32 5.5% (vLLM, out
-# of selective_state_update; 4.2% against torch), 1.3% for the conv outputs;
-# SCAN_F32 2.1%; the bf16 tolerances 0% (every bf16 output came out bitwise equal).
+# Float tolerances; how much of each a measured run used is in BENCHMARKS.md ("Design notes:
+# difftest tolerances").
 #
 # SSM / conv decode math in float32: the torch reference (F.softplus, torch.exp,
 # einsum), kvjax's jnp / Pallas kernels and vLLM's Triton kernel (exp via exp2)
 # evaluate one float32 formula in different orders: a few float32 ulps times the
-# dstate reduction (N = 8 here). 2e-5 is tests/test_vllm_oracle.py's F32_TOL and
+# dstate reduction (N = 8 here). 2e-5 is tests/kernels/test_vllm_oracle.py's F32_TOL and
 # 15x-50x tighter than vLLM's own tests/kernels/mamba/test_mamba_ssm.py (3e-4 / 1e-3).
 SSM_F32 = Compare("close", 2e-5, 2e-5, source=(
-    "float32 SSM/conv math in another order (exp vs exp2, reduction order); measured <= 6% "
-    "of it; tests/test_vllm_oracle.py F32_TOL; vLLM's own test uses rtol 3e-4, atol 1e-3"))
+    "float32 SSM/conv math in another order (exp vs exp2, reduction order); "
+    "tests/kernels/test_vllm_oracle.py F32_TOL; vLLM's own test uses rtol 3e-4, atol 1e-3"))
 # bfloat16 outputs: every side computes in float32 and rounds once to bfloat16 (2^-8
 # relative spacing); a float32 difference next to a rounding boundary flips one bf16
 # ulp, so a few ulps are allowed. vLLM's own bf16 tolerance is 1e-2 / 5e-2.
 SSM_BF16 = Compare("close", 2e-2, 2e-2, source=(
     "float32 math rounded once to bfloat16 (ulp 2^-8 relative): a few bf16 ulps; "
-    "tests/test_vllm_oracle.py BF16_TOL; vLLM's own test uses rtol 1e-2, atol 5e-2"))
+    "tests/kernels/test_vllm_oracle.py BF16_TOL; vLLM's own test uses rtol 1e-2, atol 5e-2"))
 # The prefill scan: off the reference backend kvjax runs the chunked SSD form (exp of
 # segment sums, [Q, Q] matrix products) against the token-by-token recurrence of the
 # torch reference, a different float32 evaluation whose error grows with the chunk.
 SCAN_F32 = Compare("close", 5e-5, 5e-5, source=(
-    "float32: the chunked SSD form vs the token recurrence; measured <= 2.1% of it; "
-    "tests/test_mamba.py uses 1e-5 relative to the output scale"))
+    "float32: the chunked SSD form vs the token recurrence; "
+    "tests/kernels/test_mamba.py uses 1e-5 relative to the output scale"))
 SCAN_BF16 = Compare("close", 3e-2, 3e-2, source=(
     "bfloat16 inputs and outputs, float32 math (as SSM_BF16, plus the scan's longer "
     "recurrence); vLLM's own test_selective_scan uses rtol 3e-2, atol 5e-2 for bf16"))
