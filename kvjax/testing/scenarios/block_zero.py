@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.testing.scenarios.common import BF16, BITWISE, F32, FP8, Scenario, pick, poisoned
+from kvjax.testing.scenarios.common import BF16, BITWISE, F32, FP8, op_scenarios, pick, poisoned
 
 ZERO_NKB = 8  # kernel blocks
 _ZERO_ARRAYS = (((ZERO_NKB, 4, 2, 4), F32), ((ZERO_NKB, 4, 8), BF16), ((ZERO_NKB, 16), FP8),
@@ -36,9 +36,8 @@ def _zero_fixed(ids, r):
 
 def zero_scenarios(cases):
     cmp = {"*": BITWISE}
-    out = [Scenario("zero_blocks", f"random-{i}", _zero_random, cmp,
-                    "random r in {1,2,4}, 5 ids in [-2, NKB/r) but not 0 (repeats allowed)", False)
-           for i in range(cases)]
+    random_case = (_zero_random,
+                   "random r in {1,2,4}, 5 ids in [-2, NKB/r) but not 0 (repeats allowed)")
     fixed = [
         ("all-pad-dummy-step", _zero_fixed([-1] * 5, 1), "every id negative: nothing zeroed"),
         ("pad-inside-and-tail", _zero_fixed([3, -1, 1, -1, -1], 1), "padding between and after ids"),
@@ -51,5 +50,4 @@ def zero_scenarios(cases):
         ("kernel-blocks-per-block-4", _zero_fixed([1, -1, -1, -1, -1], 4),
          "r=4: all four kernel sub-blocks of block 1"),
     ]
-    out += [Scenario("zero_blocks", n, f, cmp, d) for n, f, d in fixed]
-    return out
+    return op_scenarios("zero_blocks", cases, cmp, random_case, fixed)

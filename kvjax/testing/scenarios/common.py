@@ -109,6 +109,23 @@ class Scenario:
             return self.compare["*"]
 
 
+def op_scenarios(op: str, cases: int, compare: Mapping[str, Compare], random_case: tuple,
+                 fixed: list[tuple]) -> list[Scenario]:
+    """The scenarios of ``op``: ``cases`` random ones named ``random-<i>``, then the adversarial ones.
+
+    Args:
+      random_case: ``(make, description)`` of the random cases.
+      fixed: ``(name, make, description)`` per adversarial case, or ``(name, make, compare,
+        description)`` where a case compares its outputs differently from ``compare``.
+    """
+    make, description = random_case
+    out = [Scenario(op, f"random-{i}", make, compare, description, False) for i in range(cases)]
+    for name, make, *rest in fixed:
+        cmp, description = rest if len(rest) == 2 else (compare, rest[0])
+        out.append(Scenario(op, name, make, cmp, description))
+    return out
+
+
 def scenario_seed(seed: int, scenario: Scenario) -> int:
     """The seed a scenario's inputs are drawn from: stable across processes."""
     return zlib.crc32(f"{seed}:{scenario.key}".encode()) & 0x7FFFFFFF

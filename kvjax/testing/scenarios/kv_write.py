@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.testing.scenarios.common import (
-    BF16, BITWISE, DEAD_TOKEN, F16, F32, FP8, PAD, Scenario, normal, pick, poisoned, random_slots,
+    BF16, BITWISE, DEAD_TOKEN, F16, F32, FP8, PAD, normal, op_scenarios, pick, poisoned, random_slots,
 )
 
 FLASH = dict(T=8, H=2, D=8, NB=6, BS=4)
@@ -90,9 +90,8 @@ def _flash_fp8_exact(seed):
 def flash_scenarios(cases):
     T, BS = FLASH["T"], FLASH["BS"]
     cmp = {"*": BITWISE}
-    out = [Scenario("reshape_and_cache_flash", f"random-{i}", _flash_random, cmp,
-                    "random dtype (f32/bf16/f16/fp8), N in {T, T-2}, 0-3 PAD slots", False)
-           for i in range(cases)]
+    random_case = (_flash_random,
+                   "random dtype (f32/bf16/f16/fp8), N in {T, T-2}, 0-3 PAD slots")
     fixed = [
         ("all-pad-dummy-step", _flash_fixed("f32", [PAD] * T),
          "every slot PAD: the caches (null block NaN) must not change at all"),
@@ -112,8 +111,7 @@ def flash_scenarios(cases):
         ("fp8-exact-quotients", _flash_fp8_exact,
          "fp8 where every quotient x/scale is an fp8 value (incl. +-448, subnormals)"),
     ]
-    out += [Scenario("reshape_and_cache_flash", n, f, cmp, d) for n, f, d in fixed]
-    return out
+    return op_scenarios("reshape_and_cache_flash", cases, cmp, random_case, fixed)
 
 
 MLA = dict(T=6, L=16, R=8, NB=4, BS=4)
@@ -165,9 +163,8 @@ def _mla_fp8_saturation(seed):
 def mla_scenarios(cases):
     T, BS = MLA["T"], MLA["BS"]
     cmp = {"*": BITWISE}
-    out = [Scenario("concat_and_cache_mla", f"random-{i}", _mla_random, cmp,
-                    "random dtype (f32/bf16/fp8), N in {T, T-2}, 0-2 PAD slots", False)
-           for i in range(cases)]
+    random_case = (_mla_random,
+                   "random dtype (f32/bf16/fp8), N in {T, T-2}, 0-2 PAD slots")
     fixed = [
         ("all-pad-dummy-step", _mla_fixed("bf16", [PAD] * T), "every slot PAD: nothing written"),
         ("pad-inside-and-tail", _mla_fixed("f32", [5, PAD, 9, PAD, PAD, PAD]),
@@ -179,5 +176,4 @@ def mla_scenarios(cases):
          "the first and last slot of the last block"),
         ("fp8-saturation", _mla_fp8_saturation, "fp8 edge values (saturation, inf, NaN, ties)"),
     ]
-    out += [Scenario("concat_and_cache_mla", n, f, cmp, d) for n, f, d in fixed]
-    return out
+    return op_scenarios("concat_and_cache_mla", cases, cmp, random_case, fixed)

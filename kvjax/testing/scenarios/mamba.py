@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.testing.scenarios.common import (
-    BF16, BITWISE, F32, NULL, SCAN_BF16, SCAN_F32, SSM_BF16, SSM_F32, Scenario, nan_rows, normal,
+    BF16, BITWISE, F32, NULL, SCAN_BF16, SCAN_F32, SSM_BF16, SSM_F32, nan_rows, normal, op_scenarios,
     pick, poisoned,
 )
 
@@ -102,9 +102,8 @@ def _ssu_random(seed):
 def ssu_scenarios(cases):
     L = SSU["L"]
     f32, bf16 = {"*": SSM_F32}, {"*": SSM_BF16}
-    out = [Scenario("selective_state_update", f"random-{i}", _ssu_random, f32,
-                    "random path (plain / separate dst / varlen / speculative), random null rows",
-                    False) for i in range(cases)]
+    random_case = (_ssu_random,
+                   "random path (plain / separate dst / varlen / speculative), random null rows")
     fixed = [
         ("null-mamba-rows", _ssu_plain([3, 0, 5, 1, 0, 7]), f32,
          "null src rows read a zero state and write nothing; row 0 is NaN"),
@@ -127,8 +126,7 @@ def ssu_scenarios(cases):
         ("tied-head-dim", _ssu_plain([3, 1, 0, 5, 7, 9], tied=True), f32,
          "per-head dt [T, H, 1], A [H, 1, 1], D and dt_bias [H, 1]"),
     ]
-    out += [Scenario("selective_state_update", n, f, c, d) for n, f, c, d in fixed]
-    return out
+    return op_scenarios("selective_state_update", cases, f32, random_case, fixed)
 
 
 CONV = dict(L=6, dim=8, W=4)
@@ -192,9 +190,8 @@ def conv_scenarios(cases):
     # out: float math -> tolerance; conv_state: a copy of x (cast to the state dtype) -> bitwise.
     f32 = {"out": SSM_F32, "conv_state": BITWISE}
     bf16 = {"out": SSM_BF16, "conv_state": BITWISE}
-    out = [Scenario("causal_conv1d_update", f"random-{i}", _conv_random, f32,
-                    "random layout (2d / 3d / 3d-spec / varlen / varlen-spec), random null rows",
-                    False) for i in range(cases)]
+    random_case = (_conv_random,
+                   "random layout (2d / 3d / 3d-spec / varlen / varlen-spec), random null rows")
     fixed = [
         ("null-mamba-rows", _conv_case((4, dim), [2, 0, 5, 1]), f32,
          "single token; a null row: no state read/write, out keeps x"),
@@ -216,8 +213,7 @@ def conv_scenarios(cases):
         ("last-block", _conv_case((4, dim), [L - 1, 2, 0, 1]), f32, "the last conv-state row"),
         ("bf16", _conv_case((4, dim), [2, 0, 4, 5], dtype=BF16), bf16, "bfloat16 state and x"),
     ]
-    out += [Scenario("causal_conv1d_update", n, f, c, d) for n, f, c, d in fixed]
-    return out
+    return op_scenarios("causal_conv1d_update", cases, f32, random_case, fixed)
 
 
 SCAN = dict(T=12, H=2, P=4, N=8, G=1, L=6)
@@ -288,14 +284,11 @@ _PREFILL_FIXED = [
 
 
 def _prefill_scenarios(op, case, f32, bf16, cases):
-    out = [Scenario(op, f"random-{i}", case(), f32,
-                    "3 random requests (0-4 tokens), random null rows and has_initial_state",
-                    False) for i in range(cases)]
-    out += [Scenario(op, n, case(layout, poison_rows=rows), f32, d)
-            for n, layout, rows, d in _PREFILL_FIXED]
-    out.append(Scenario(op, "bf16", case(([0, 4, 7, 10], [1, 4, 2], [True, False, True]),
-                                         dtype=BF16), bf16, "bfloat16 state and inputs"))
-    return out
+    fixed = [(n, case(layout, poison_rows=rows), d) for n, layout, rows, d in _PREFILL_FIXED]
+    fixed.append(("bf16", case(([0, 4, 7, 10], [1, 4, 2], [True, False, True]), dtype=BF16), bf16,
+                  "bfloat16 state and inputs"))
+    random_case = (case(), "3 random requests (0-4 tokens), random null rows and has_initial_state")
+    return op_scenarios(op, cases, f32, random_case, fixed)
 
 
 def scan_varlen_scenarios(cases):

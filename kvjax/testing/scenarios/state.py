@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.testing.scenarios.common import BITWISE, EXACT, NULL, PAD, Scenario
+from kvjax.testing.scenarios.common import BITWISE, EXACT, NULL, PAD, op_scenarios
 
 SLOTMAP = dict(MR=6, KBS=4, NCB=12, MAXB=4, R=4, T=32)  # NCB logical cache blocks
 
@@ -59,9 +59,8 @@ def _slotmap_case(reqs=None, *, r=1, gap_positions=True, last_block=False):
 def slotmap_scenarios(cases):
     KBS, MAXB = SLOTMAP["KBS"], SLOTMAP["MAXB"]
     cmp = {"*": EXACT}
-    out = [Scenario("compute_slot_mapping", f"random-{i}", _slotmap_case(), cmp,
-                    "random rows, progress and query lengths; stale positions after the real tokens",
-                    False) for i in range(cases)]
+    random_case = (_slotmap_case(),
+                   "random rows, progress and query lengths; stale positions after the real tokens")
     fixed = [
         ("all-pad-dummy-step", _slotmap_case([]), "no real token: every slot PAD"),
         ("pad-inside-and-tail", _slotmap_case([(2, 0, 3), (-1, 0, 2), (4, 1, 2)]),
@@ -73,8 +72,7 @@ def slotmap_scenarios(cases):
         ("kernel-blocks-per-block-2", _slotmap_case([(1, 0, 7), (2, 3, 6)], r=2),
          "logical blocks of 8 tokens split into kernel blocks of 4 (ids b*2, b*2+1)"),
     ]
-    out += [Scenario("compute_slot_mapping", n, f, cmp, d) for n, f, d in fixed]
-    return out
+    return op_scenarios("compute_slot_mapping", cases, cmp, random_case, fixed)
 
 
 GATHER = dict(MR=6, KBS=4, MAXB=5, NCB=20, U=3, R=4, M=3)
@@ -134,9 +132,8 @@ def _gather_case(writes=None, batch=None, *, r=1, sliding_window=None, stale_tai
 def gather_scenarios(cases):
     NCB = GATHER["NCB"]
     cmp = {"*": EXACT}
-    out = [Scenario("gather_block_tables", f"random-{i}", _gather_case(), cmp,
-                    "random appends / overwrites on rows with stale tails, random padded batch rows",
-                    False) for i in range(cases)]
+    random_case = (_gather_case(),
+                   "random appends / overwrites on rows with stale tails, random padded batch rows")
     fixed = [
         ("reused-row-overwrite", _gather_case([(2, [7, 3], True)], [2, 0, 4, -1]),
          "a new tenant in row 2 (previous tenant's ids everywhere): the row is NULL past 2 ids"),
@@ -156,8 +153,7 @@ def gather_scenarios(cases):
                                         stale_tail=False),
          "sliding window 6: blocks no query of the step can see are NULL in the gathered table"),
     ]
-    out += [Scenario("gather_block_tables", n, f, cmp, d) for n, f, d in fixed]
-    return out
+    return op_scenarios("gather_block_tables", cases, cmp, random_case, fixed)
 
 
 REQSTATE = dict(MR=5, LEN=16, S=3, U=3, R=4)
@@ -240,9 +236,8 @@ def reqstate_scenarios(cases):
     MR, LEN = REQSTATE["MR"], REQSTATE["LEN"]
     cmp = {"*": EXACT, "added.temperature": BITWISE, "added.top_p": BITWISE,
            "updated.temperature": BITWISE, "updated.top_p": BITWISE}
-    out = [Scenario("request_state", f"random-{i}", _reqstate_case(), cmp,
-                    "random adds into stale rows, then a random step (prefill chunks, decode, pads)",
-                    False) for i in range(cases)]
+    random_case = (_reqstate_case(),
+                   "random adds into stale rows, then a random step (prefill chunks, decode, pads)")
     fixed = [
         ("reused-row-pd-disagg", _reqstate_case([(2, 6, 6, 6)], [(2, 1, 1)]),
          "row 2 re-added with 6 computed tokens: last_sampled = token 5, drafts 0 (PR 39833)"),
@@ -260,5 +255,4 @@ def reqstate_scenarios(cases):
         ("last-block", _reqstate_case([(MR - 1, LEN - 1, LEN - 2, LEN - 2)], [(MR - 1, 2, 2)]),
          "the last row, a decode window ending at max_model_len: the sample past it is dropped"),
     ]
-    out += [Scenario("request_state", n, f, cmp, d) for n, f, d in fixed]
-    return out
+    return op_scenarios("request_state", cases, cmp, random_case, fixed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.testing.scenarios.common import EXACT, Scenario, pick
+from kvjax.testing.scenarios.common import EXACT, op_scenarios, pick
 
 COMBINE = dict(T=24, R=6, MR=8, S=3, L=16)
 _SENTINEL = 9000
@@ -65,11 +65,13 @@ def _combine_random(seed):
     return _combine_inputs(reqs, num_new=num_new)
 
 
+def _combine_fixed(reqs, num_new):
+    return lambda seed: _combine_inputs(reqs, num_new=num_new)
+
+
 def combine_scenarios(cases):
     cmp = {"*": EXACT}
-    out = [Scenario("combine_sampled_and_draft_tokens", f"random-{i}", _combine_random, cmp,
-                    "random decode / prefill / straddling rows, padding after them", False)
-           for i in range(cases)]
+    random_case = (_combine_random, "random decode / prefill / straddling rows, padding after them")
     fixed = [
         ("decode-0..k-drafts",
          [(5, 20, 1, 12, 0), (2, 20, 2, 12, 1), (7, 20, 3, 12, 2), (0, 20, 4, 12, 3)], 1,
@@ -86,7 +88,5 @@ def combine_scenarios(cases):
         ("last-block", [(7, 30, 4, 12, 3), (0, 12, 1, 12, 0)], 1,
          "the last request row (MR-1) with the most drafts"),
     ]
-    out += [Scenario("combine_sampled_and_draft_tokens", n,
-                     (lambda reqs, k: lambda seed: _combine_inputs(reqs, num_new=k))(r, k), cmp, d)
-            for n, r, k, d in fixed]
-    return out
+    fixed = [(n, _combine_fixed(reqs, k), d) for n, reqs, k, d in fixed]
+    return op_scenarios("combine_sampled_and_draft_tokens", cases, cmp, random_case, fixed)
