@@ -180,11 +180,11 @@ def check_fp8_scale(name: str, scale) -> None:
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
-def as_int32(name: str, x) -> jax.Array:
+def as_int32(name: str, x, *, fill: int = -1) -> jax.Array:
     """Any integer array as int32 for a kernel, never wrapping (:func:`narrow_ids` over
     the int32 range): a concrete value beyond int32 is a ``ValueError``; a traced one
-    becomes -1, which every op masks as an out-of-range id or offset."""
-    return narrow_ids(name, x, INT32_MIN, INT32_MAX + 1, fill=-1)
+    becomes ``fill`` (default -1), a value the op masks as out of range."""
+    return narrow_ids(name, x, INT32_MIN, INT32_MAX + 1, fill=fill)
 
 
 def live_ids(ids, upper: int, *, lower: int = 0, pad: int = -1):

@@ -34,14 +34,15 @@ def check_float(name: str, arr) -> None:
     contract.check_dtype(name, arr, "floating")
 
 
-def index_array(name: str, arr, ranks) -> jax.Array:
+def index_array(name: str, arr, ranks, *, fill: int = -1) -> jax.Array:
     """Checks an index table (integer dtype, rank) and returns it as int32.
 
     Narrowed by :func:`pallas_kernels.contract.as_int32`: a concrete value beyond
-    int32 is a ``ValueError``; a traced one becomes -1 (then masked as out of range).
+    int32 is a ``ValueError``; a traced one becomes ``fill`` (an out-of-range value
+    for the argument, so the op masks it).
     """
     contract.check_rank(name, arr, ranks)
-    return jnp.asarray(contract.as_int32(name, arr))
+    return jnp.asarray(contract.as_int32(name, arr, fill=fill))
 
 
 def check_index_values(name: str, arr, num_lines: int, null_block_id: int) -> None:

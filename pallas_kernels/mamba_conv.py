@@ -158,7 +158,8 @@ def _normalize_update(x, conv_state, weight, bias, activation, conv_state_indice
         mc.check_index_values("conv_state_indices", idx, L, null_block_id)
         valid = mc.valid_index(idx, L, null_block_id)
     if spec:
-        na = mc.index_array("num_accepted_tokens", num_accepted_tokens, 1)
+        # beyond int32 (traced): S - W + 3, out of range like any other (window past S)
+        na = mc.index_array("num_accepted_tokens", num_accepted_tokens, 1, fill=S - W + 3)
         validation.check_shape("num_accepted_tokens", na, (nb,))
         validation.check_values_in_range("num_accepted_tokens", na, 0, S - W + 3)
         off = jnp.maximum(na - 1, 0)

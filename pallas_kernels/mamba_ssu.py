@@ -184,7 +184,8 @@ def _normalize(
     W = sbi.shape[1]
 
     if spec:
-        na = mc.index_array("num_accepted_tokens", num_accepted_tokens, 1)
+        # beyond int32 (traced): W + 1, out of range, so the sequence is masked
+        na = mc.index_array("num_accepted_tokens", num_accepted_tokens, 1, fill=W + 1)
         validation.check_shape("num_accepted_tokens", na, (N,))
         init_col = jnp.maximum(na - 1, 0)
         validation.check_values_in_range("num_accepted_tokens", na, 0, W + 1)

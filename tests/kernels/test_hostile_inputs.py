@@ -32,25 +32,27 @@ BIG = 2**32 + 1  # wraps to row 1 when narrowed to int32
 f32 = np.float32
 
 
-def _nan_state(shape):
-    return np.full(shape, np.nan, f32)
+def _poison_state(shape):
+    # Finite and unlike any value an op writes here: a stray write changes the bits
+    # (a NaN poison would not show a write computed from a NaN row).
+    return np.full(shape, 7.0, f32)
 
 
 def _ssu_args(T=2, L=4):
     x = np.ones((T, 1, 2), f32)
-    return dict(state=_nan_state((L, 1, 2, 2)), x=x, dt=x, A=-np.ones((1, 2, 2), f32),
+    return dict(state=_poison_state((L, 1, 2, 2)), x=x, dt=x, A=-np.ones((1, 2, 2), f32),
                 B=np.ones((T, 1, 2), f32), C=np.ones((T, 1, 2), f32))
 
 
 def _conv_args(T=2, L=4):
-    return dict(x=np.ones((T, 2), f32), conv_state=_nan_state((L, 2, 3)),
+    return dict(x=np.ones((T, 2), f32), conv_state=_poison_state((L, 2, 3)),
                 weight=np.ones((2, 4), f32))
 
 
 def _scan_args(T=2, L=4):
     x = np.ones((T, 1, 2), f32)
     return dict(x=x, dt=np.ones((T, 1), f32), A=-np.ones((1,), f32), B=np.ones((T, 1, 2), f32),
-                C=np.ones((T, 1, 2), f32), state=_nan_state((L, 1, 2, 2)))
+                C=np.ones((T, 1, 2), f32), state=_poison_state((L, 1, 2, 2)))
 
 
 # --------------------------------------------------------------------------
@@ -62,7 +64,7 @@ def _concrete_cases():
     i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
     s, c, sc = _ssu_args(T=1), _conv_args(T=1), _scan_args(T=1)
     cv = dict(x=np.ones((2, 1), f32), weight=np.ones((2, 4), f32), bias=None,
-              conv_states=_nan_state((4, 2, 3)))
+              conv_states=_poison_state((4, 2, 3)))
     comb = dict(input_ids=np.zeros((2,), np.int32), idx_mapping=np.array([0], np.int32),
                 last_sampled_tokens=np.array([7], np.int32),
                 query_start_loc=np.array([0, 2], np.int32), seq_lens=np.array([5], np.int32),
@@ -204,8 +206,8 @@ _X64_SCRIPT = textwrap.dedent(
     from pallas_kernels import (causal_conv1d_update, causal_conv1d_varlen,
         combine_sampled_and_draft_tokens, selective_scan_varlen, selective_state_update)
     f32, BIG = np.float32, 2**32 + 1
-    def nan(shape):
-        return np.full(shape, np.nan, f32)
+    def nan(shape):  # finite poison: a stray write computed from it changes the bits
+        return np.full(shape, 7.0, f32)
     def same(a, b, what):
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), what
@@ -219,6 +221,11 @@ _X64_SCRIPT = textwrap.dedent(
         f = jax.jit(lambda s, i: selective_state_update(s, x3, x3, A, x3, x3,
                                                         state_batch_indices=i, backend=be)[1])
         same(f(st, jnp.array([BIG], jnp.int64)), st, "ssu " + be)
+        # num_accepted_tokens 2**32 + 1 would wrap to the valid count 1
+        f = jax.jit(lambda s, na: selective_state_update(
+            s, x3, x3, A, x3, x3, state_batch_indices=np.array([[1]]), num_accepted_tokens=na,
+            backend=be)[1])
+        same(f(st, jnp.array([BIG], jnp.int64)), st, "ssu num_accepted_tokens " + be)
         cs = nan((4, 2, 3))
         f = jax.jit(lambda c, i: causal_conv1d_update(np.ones((1, 2), f32), c, np.ones((2, 4), f32),
                                                       conv_state_indices=i, backend=be)[1])
