@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-__all__ = ["to_jax", "to_numpy", "to_torch", "SUPPORTED_DTYPES"]
+__all__ = ["to_jax", "to_numpy", "to_torch", "torch_dtype", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (
     np.dtype(np.bool_),
@@ -52,7 +52,8 @@ def _torch():
     return torch
 
 
-def _torch_dtype(dt: np.dtype):
+def torch_dtype(dt: np.dtype):
+    """The torch dtype of numpy dtype ``dt`` (one of :data:`SUPPORTED_DTYPES`)."""
     torch = _torch()
     table = {
         np.dtype(np.bool_): torch.bool,
@@ -70,12 +71,12 @@ def _torch_dtype(dt: np.dtype):
     return table[dt]
 
 
-def _numpy_dtype(torch_dtype) -> np.dtype:
+def _numpy_dtype(tdtype) -> np.dtype:
     for dt in SUPPORTED_DTYPES:
-        if _torch_dtype(dt) == torch_dtype:
+        if torch_dtype(dt) == tdtype:
             return dt
     raise ValueError(
-        f"tensor dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {torch_dtype}"
+        f"tensor dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {tdtype}"
     )
 
 
@@ -97,7 +98,7 @@ def to_torch(x, device=None):
     if view is None:
         t = torch.from_numpy(a)
     else:
-        t = torch.from_numpy(a.view(view)).view(_torch_dtype(dt))
+        t = torch.from_numpy(a.view(view)).view(torch_dtype(dt))
     return t if device is None else t.to(device)
 
 
@@ -115,7 +116,7 @@ def to_numpy(t) -> np.ndarray:
     view = _BITS_VIEW.get(dt)
     if view is None:
         return t.numpy().copy()
-    return t.view(_torch_dtype(view)).numpy().copy().view(dt)
+    return t.view(torch_dtype(view)).numpy().copy().view(dt)
 
 
 def to_jax(t) -> jax.Array:

@@ -79,7 +79,7 @@ from unittest import mock
 
 import numpy as np
 
-from kvjax.testing.convert import _torch_dtype, to_numpy, to_torch
+from kvjax.testing.convert import to_numpy, to_torch, torch_dtype
 
 __all__ = [
     "INSTALL_COMMAND",
@@ -455,7 +455,7 @@ def causal_conv1d_update(
     v = _vllm()
     state_dtype, x_dtype = np.asarray(conv_state).dtype, np.asarray(x).dtype
     # vLLM's first step, x.to(conv_state.dtype), done before any upcast so it rounds the same.
-    x_in_state_dtype = _t(v, x, _torch_dtype(state_dtype))
+    x_in_state_dtype = _t(v, x, torch_dtype(state_dtype))
     xt, cst, wt, bt = _float_args(v, (x_in_state_dtype, conv_state, weight, bias))
     if query_start_loc is not None and max_query_len < 1:
         q = np.asarray(query_start_loc)
