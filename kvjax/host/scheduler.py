@@ -84,6 +84,9 @@ def check_request_fits(
 
 @dataclasses.dataclass
 class ScheduledRequest:
+    """One batch row of a step: ``num_tokens`` query tokens of ``req`` (a prefill chunk, or a
+    decode window ``1 + len(drafts)``) and the draft tokens proposed for it (empty in prefill)."""
+
     req: Request
     num_tokens: int
     drafts: list[int]

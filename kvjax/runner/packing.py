@@ -19,6 +19,9 @@ _NAMES = {np.dtype(np.int32).char: "int32", np.dtype(np.bool_).char: "bool", np.
 
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
+    """How :func:`pack` laid out a tree: its structure and each leaf's shape and dtype name, in
+    leaf order. Hashable (a static argument); ``size`` is the buffer length in int32 words."""
+
     treedef: jax.tree_util.PyTreeDef
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]

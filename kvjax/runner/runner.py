@@ -158,6 +158,9 @@ class StepInputs:
 
 @dataclasses.dataclass
 class StepOutput:
+    """One step's outputs on the host: batch row ``b`` sampled ``sampled[b, :num_sampled[b]]``
+    (accepted drafts, then the bonus or correction token); ``logits``: one row per logits index."""
+
     sampled: np.ndarray  # int32 [R, 1 + k]
     num_sampled: np.ndarray  # int32 [R]
     logits: np.ndarray  # float32 [L, vocab]

@@ -35,6 +35,7 @@ def _zero_fixed(ids, r):
 
 
 def zero_scenarios(cases):
+    """Scenarios of ``zero_blocks``: ``cases`` random, then the adversarial ones."""
     cmp = {"*": BITWISE}
     random_case = (_zero_random,
                    "random r in {1,2,4}, 5 ids in [-2, NKB/r) but not 0 (repeats allowed)")

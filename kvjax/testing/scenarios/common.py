@@ -111,7 +111,7 @@ class Scenario:
 
 def op_scenarios(op: str, cases: int, compare: Mapping[str, Compare], random_case: tuple,
                  fixed: list[tuple]) -> list[Scenario]:
-    """The scenarios of ``op``: ``cases`` random ones named ``random-<i>``, then the adversarial ones.
+    """The scenarios of ``op``: ``cases`` random ones (``random-<i>``), then the adversarial ones.
 
     Args:
       random_case: ``(make, description)`` of the random cases.
@@ -132,6 +132,7 @@ def scenario_seed(seed: int, scenario: Scenario) -> int:
 
 
 def normal(rng, shape, dtype=F32, scale=1.0):
+    """``scale`` * standard normal of ``shape``, drawn in float32, then cast to ``dtype``."""
     return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
 
 
@@ -176,4 +177,5 @@ def random_slots(rng, n, num_pad, num_slots, block_size, *, pad_at=None, dtype=n
 
 
 def pick(rng, options):
+    """One of ``options``, uniformly."""
     return options[int(rng.integers(len(options)))]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.testing.scenarios.common import (
-    BF16, BITWISE, DEAD_TOKEN, F16, F32, FP8, PAD, normal, op_scenarios, pick, poisoned, random_slots,
+    BF16, BITWISE, DEAD_TOKEN, F16, F32, FP8, PAD, normal, op_scenarios, pick, poisoned,
+    random_slots,
 )
 
 FLASH = dict(T=8, H=2, D=8, NB=6, BS=4)
@@ -88,6 +89,7 @@ def _flash_fp8_exact(seed):
 
 
 def flash_scenarios(cases):
+    """Scenarios of ``reshape_and_cache_flash``: ``cases`` random, then the adversarial ones."""
     T, BS = FLASH["T"], FLASH["BS"]
     cmp = {"*": BITWISE}
     random_case = (_flash_random,
@@ -161,6 +163,7 @@ def _mla_fp8_saturation(seed):
 
 
 def mla_scenarios(cases):
+    """Scenarios of ``concat_and_cache_mla``: ``cases`` random, then the adversarial ones."""
     T, BS = MLA["T"], MLA["BS"]
     cmp = {"*": BITWISE}
     random_case = (_mla_random,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.testing.scenarios.common import (
-    BF16, BITWISE, F32, NULL, SCAN_BF16, SCAN_F32, SSM_BF16, SSM_F32, nan_rows, normal, op_scenarios,
-    pick, poisoned,
+    BF16, BITWISE, F32, NULL, SCAN_BF16, SCAN_F32, SSM_BF16, SSM_F32, nan_rows, normal,
+    op_scenarios, pick, poisoned,
 )
 
 SSU = dict(L=10, T=6, H=4, P=4, N=8, G=2, K=3)
@@ -100,6 +100,7 @@ def _ssu_random(seed):
 
 
 def ssu_scenarios(cases):
+    """Scenarios of ``selective_state_update``: ``cases`` random, then the adversarial ones."""
     L = SSU["L"]
     f32, bf16 = {"*": SSM_F32}, {"*": SSM_BF16}
     random_case = (_ssu_random,
@@ -186,6 +187,7 @@ def _conv_random(seed):
 
 
 def conv_scenarios(cases):
+    """Scenarios of ``causal_conv1d_update``: ``cases`` random, then the adversarial ones."""
     L, dim, W = CONV["L"], CONV["dim"], CONV["W"]
     # out: float math -> tolerance; conv_state: a copy of x (cast to the state dtype) -> bitwise.
     f32 = {"out": SSM_F32, "conv_state": BITWISE}
@@ -292,11 +294,13 @@ def _prefill_scenarios(op, case, f32, bf16, cases):
 
 
 def scan_varlen_scenarios(cases):
+    """Scenarios of ``selective_scan_varlen``: ``cases`` random, then the adversarial ones."""
     return _prefill_scenarios("selective_scan_varlen", _scan_case, {"*": SCAN_F32},
                               {"*": SCAN_BF16}, cases)
 
 
 def conv_varlen_scenarios(cases):
+    """Scenarios of ``causal_conv1d_varlen``: ``cases`` random, then the adversarial ones."""
     return _prefill_scenarios("causal_conv1d_varlen", _conv_varlen_case,
                               {"out": SSM_F32, "conv_states": BITWISE},
                               {"out": SSM_BF16, "conv_states": BITWISE}, cases)

@@ -57,6 +57,7 @@ def _slotmap_case(reqs=None, *, r=1, gap_positions=True, last_block=False):
 
 
 def slotmap_scenarios(cases):
+    """Scenarios of ``compute_slot_mapping``: ``cases`` random, then the adversarial ones."""
     KBS, MAXB = SLOTMAP["KBS"], SLOTMAP["MAXB"]
     cmp = {"*": EXACT}
     random_case = (_slotmap_case(),
@@ -130,6 +131,7 @@ def _gather_case(writes=None, batch=None, *, r=1, sliding_window=None, stale_tai
 
 
 def gather_scenarios(cases):
+    """Scenarios of ``BlockTables.write_rows`` + ``gather``: ``cases`` random, then the adversarial ones."""
     NCB = GATHER["NCB"]
     cmp = {"*": EXACT}
     random_case = (_gather_case(),
@@ -233,6 +235,7 @@ def _reqstate_case(adds=None, steps=None):
 
 
 def reqstate_scenarios(cases):
+    """Scenarios of ``RequestState.add_requests`` + ``post_update``: ``cases`` random, then the adversarial ones."""
     MR, LEN = REQSTATE["MR"], REQSTATE["LEN"]
     cmp = {"*": EXACT, "added.temperature": BITWISE, "added.top_p": BITWISE,
            "updated.temperature": BITWISE, "updated.top_p": BITWISE}

@@ -70,6 +70,7 @@ def _combine_fixed(reqs, num_new):
 
 
 def combine_scenarios(cases):
+    """Scenarios of ``combine_sampled_and_draft_tokens``: ``cases`` random, then the adversarial ones."""
     cmp = {"*": EXACT}
     random_case = (_combine_random, "random decode / prefill / straddling rows, padding after them")
     fixed = [
