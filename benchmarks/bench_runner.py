@@ -48,6 +48,7 @@ def host_prep_us(n: int, repeats: int = 300) -> dict:
                        max_model_len=512, token_sizes=(n, 4 * n) if n > 1 else (1, 32))
     runner = Runner.__new__(Runner)  # packing needs only the config; skip params and compile
     runner.config = cfg
+    runner.sanitizer = None  # poison is off: no checked-mode inputs
     sched = _decode_ready(cfg, n)
     sch, prep = [], []
     for _ in range(repeats):

@@ -18,6 +18,7 @@ from kvjax.models.caches import KV_LAYOUTS
 from kvjax.runner import RunnerConfig
 from kvjax.runner.serving import check_overlap_supported
 from kvjax.runner.memory import available_memory, check_fits, estimate_memory
+from kvjax.runner.sanitizer import SanitizerError
 from kvjax.testing import difftest as dt
 from kvjax.testing.scenarios import OPS
 from pallas_kernels._backend import BACKENDS
@@ -93,9 +94,13 @@ def _demo(args, parser) -> int:
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    report, _ = serve(config, requests, strict=not args.no_strict,
-                      progress_stream=None if args.quiet else sys.stderr,
-                      compile_workers=args.compile_workers, overlap=args.overlap)
+    try:
+        report, _ = serve(config, requests, strict=not args.no_strict,
+                          progress_stream=None if args.quiet else sys.stderr,
+                          compile_workers=args.compile_workers, overlap=args.overlap)
+    except SanitizerError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
     print_summary(report, config)
     if args.json:
         report.settings["workload"] = args.workload or f"generated: {args.requests} requests, seed {args.seed}"
@@ -192,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="kernel backend (auto: Pallas on GPU/TPU, jnp reference on CPU)")
     demo.add_argument("--poison", action="store_true",
-                      help="fill the null block, free blocks and freed recurrent slots with NaN")
+                      help="checked mode: fill the null block, free blocks and freed recurrent slots with "
+                           "NaN and verify memory on the device after every step (exit 1 on a violation)")
     demo.add_argument("--no-strict", action="store_true", help="count serving-time compiles instead of failing")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
     demo.add_argument("--json", metavar="OUT", type=_json_out,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -25,6 +26,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.host.buckets import Bucket, BucketSpec
+from kvjax.runner import sanitizer
 from kvjax.runner.compile_guard import ServingGuard
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
 from kvjax.runner.packing import PackSpec, pack, unpack
@@ -61,7 +63,7 @@ class RunnerConfig:
     kv_layout: str = "flash"
     backend: str = "auto"
     seed: int = 0
-    poison: bool = False
+    poison: bool = False  # checked mode: NaN poison plus the memory checks of kvjax.runner.sanitizer
     token_sizes: tuple[int, ...] | None = None
     max_new_requests_per_step: int = 4
     matmul_precision: str = "highest"
@@ -139,6 +141,9 @@ class StepInputs:
         NaN when the runner poisons (all -1 otherwise).
       sched: the schedule (``R`` rows); drafts: int32 ``[R, k]``.
       state_indices: int32 ``[R, 1 + k]`` each row's recurrent slots.
+      expect_tables, expect_num_blocks, live_rows, live_slots: the host's view
+        after the step, for the sanitizer (per group ``[S, W]``, ``[G, S]``, bool
+        ``[S]``, bool ``[num_state_slots]``; empty unless the runner poisons).
     """
 
     cleared_rows: jax.Array
@@ -154,6 +159,10 @@ class StepInputs:
     sched: ScheduledBatch
     drafts: jax.Array
     state_indices: jax.Array
+    expect_tables: tuple[jax.Array, ...]
+    expect_num_blocks: jax.Array
+    live_rows: jax.Array
+    live_slots: jax.Array
 
 
 @dataclasses.dataclass
@@ -168,27 +177,29 @@ class StepOutput:
 
 @dataclasses.dataclass(frozen=True)
 class PendingOutput:
-    """A dispatched step's outputs, still on the device (JAX dispatch is asynchronous)."""
+    """A dispatched step's outputs, still on the device (JAX dispatch is asynchronous).
+
+    In checked mode ``checks`` holds the sanitizer's results and ``verdict`` raises
+    :class:`~kvjax.runner.sanitizer.SanitizerError` on a violation when they are fetched.
+    """
 
     sampled: jax.Array
     num_sampled: jax.Array
     logits: jax.Array
+    checks: jax.Array | None = None
+    verdict: Callable[[jax.Array], None] | None = None
 
     def fetch(self) -> StepOutput:
-        """Wait for the step and copy its outputs to the host."""
-        return StepOutput(np.asarray(self.sampled), np.asarray(self.num_sampled), np.asarray(self.logits))
+        """Wait for the step and copy its outputs to the host (checked mode: then judge it)."""
+        out = StepOutput(np.asarray(self.sampled), np.asarray(self.num_sampled), np.asarray(self.logits))
+        if self.verdict is not None:
+            self.verdict(self.checks)
+        return out
 
 
-def _fill(arrays, ids, value, r=1):
-    """Set kernel blocks ``b*r .. b*r+r-1`` for ids ``b >= 0`` of every array to ``value``."""
-    ids = ids.astype(jnp.int32)
-    rows = expand_to_kernel_blocks(ids, r)
-    ok = jnp.repeat(ids >= 0, r)
-    out = []
-    for a in arrays:
-        dest = jnp.where(ok, rows, a.shape[0])
-        out.append(a.at[dest].set(jnp.asarray(value, a.dtype), mode="drop"))
-    return out
+def _zero_fresh_kv(kv, ids, r, backend):
+    """Zero the step's fresh KV blocks (logical ids, ``-1`` pads) of every K/V array."""
+    return list(zero_blocks(kv, ids, kernel_blocks_per_block=r, backend=backend))
 
 
 def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
@@ -235,6 +246,8 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
         jnp.zeros((G, n_clear), jnp.int32),
         jnp.ones((n_clear,), jnp.bool_),
     )
+    if config.poison:  # add_requests must rewrite every field of its rows
+        req = sanitizer.poison_rows(req, inp.new.rows)
     req = req.add_requests(inp.new)
     tables = tables.write_rows(inp.write_rows, inp.write_ids, inp.write_num, inp.write_overwrite)
 
@@ -242,14 +255,22 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     kv = caches.kv_arrays
     states = caches.state_arrays
     if config.poison:
-        kv = _fill(kv, inp.poison_blocks, jnp.nan, r)
-        states = _fill(states, inp.poison_slots, jnp.nan)
-    kv = list(zero_blocks(kv, inp.zero_blocks, kernel_blocks_per_block=r, backend=config.backend))
+        kv = sanitizer.poison_ids(kv, inp.poison_blocks, r)
+        states = sanitizer.poison_ids(states, inp.poison_slots)
+    kv = _zero_fresh_kv(kv, inp.zero_blocks, r, config.backend)
     if states:
         states = list(zero_blocks(states, inp.zero_slots, backend=config.backend))
     caches = caches.replace_kv_arrays(kv).replace(
         conv_state=tuple(states[0::2]), ssm_state=tuple(states[1::2]),
     )
+    if config.poison:
+        g = config.model.kv_group
+        fresh = jnp.concatenate([
+            inp.zero_blocks, sanitizer.appended_ids(inp.write_rows, inp.write_ids[g], inp.write_num[g],
+                                                     tables.max_num_reqs)
+        ])
+        pre_checks = sanitizer.pre_forward_checks(req, caches, added_rows=inp.new.rows, fresh_blocks=fresh,
+                                                  fresh_slots=inp.zero_slots, r=r)
 
     sched = inp.sched
     k = config.num_speculative_tokens
@@ -276,7 +297,13 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     sampled, num_sampled = _greedy_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k)
     # The batch's rows: a row the bucket could not hold is padding there, and here.
     req = req.post_update(batch.idx_mapping, jnp.diff(batch.query_start_loc), sampled, num_sampled)
-    out = (sampled, num_sampled, logits)
+    checks = jnp.zeros((0, 1), jnp.int32)
+    if config.poison:
+        checks = sanitizer.encode({**pre_checks, **sanitizer.post_step_checks(
+            req, tables, caches, expect_tables=inp.expect_tables, expect_num_blocks=inp.expect_num_blocks,
+            live_rows=inp.live_rows, live_slots=inp.live_slots, r=r, kv_group=config.model.kv_group,
+        )})
+    out = (sampled, num_sampled, logits, checks)
     return DeviceState(requests=req, tables=tables, caches=caches), out
 
 
@@ -313,6 +340,12 @@ class Runner:
         self.executables: dict[Bucket, tuple[jax.stages.Compiled, PackSpec]] = {}
         self.compile_seconds = 0.0
         self.state = self._initial_state()
+        self.sanitizer = None
+        if config.poison:
+            self.sanitizer = sanitizer.Sanitizer(config.specs, config.max_num_seqs, config.num_state_slots)
+            s = self.state
+            self.sanitizer.set_layout(s.requests, s.tables, s.caches, r=config.kv_group.blocks_per_kv_block,
+                                      kv_group=config.model.kv_group)
 
     def _initial_state(self) -> DeviceState:
         c = self.config
@@ -323,7 +356,7 @@ class Runner:
             kv_layout=c.kv_layout,
         )
         if c.poison:  # every block and slot starts as garbage: only zeroed memory may be read
-            caches = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), caches)
+            caches = jax.tree.map(sanitizer.poison_like, caches)
         return DeviceState(
             requests=RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens),
             tables=BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks),
@@ -392,10 +425,18 @@ class Runner:
             if n and sc[0].req.state_slots:
                 sidx[:n] = [s.req.state_slots for s in sc]
             sched = ScheduledBatch(idx_mapping=idx, num_scheduled_tokens=q, num_draft_tokens=nd)
+        if self.sanitizer is not None:
+            expect = self.sanitizer.expectations(self.sanitizer.mirror.after(plan))
+        else:
+            expect = {"tables": tuple(np.zeros((0, s.table_width), np.int32) for s in c.specs),
+                      "num_blocks": np.zeros((len(c.specs), 0), np.int32),
+                      "live_rows": np.zeros((0,), np.bool_), "live_slots": np.zeros((0,), np.bool_)}
         return StepInputs(
             cleared_rows=cleared, new=new, write_rows=w_rows, write_ids=(w_ids,), write_num=w_num,
             write_overwrite=w_ow, zero_blocks=zb, zero_slots=zs, poison_blocks=pb, poison_slots=ps,
-            sched=sched, drafts=drafts, state_indices=sidx,
+            sched=sched, drafts=drafts, state_indices=sidx, expect_tables=expect["tables"],
+            expect_num_blocks=expect["num_blocks"], live_rows=expect["live_rows"],
+            live_slots=expect["live_slots"],
         )
 
     # --------------------------------------------------------- compiling
@@ -440,7 +481,7 @@ class Runner:
 
     # ------------------------------------------------------------ running
 
-    def _dispatch(self, bucket: Bucket, inputs: StepInputs) -> "PendingOutput":
+    def _dispatch(self, bucket: Bucket, inputs: StepInputs, step="dummy") -> "PendingOutput":
         try:
             exe, spec = self.executables[bucket]
         except KeyError:
@@ -449,18 +490,29 @@ class Runner:
         if got != spec:
             raise RuntimeError(f"step inputs do not match bucket {bucket}'s layout")
         with self.guard.serving():
-            self.state, (sampled, num_sampled, logits) = exe(self.params, self.state, buf)
-        return PendingOutput(sampled, num_sampled, logits)
+            self.state, (sampled, num_sampled, logits, checks) = exe(self.params, self.state, buf)
+        if self.sanitizer is None:
+            return PendingOutput(sampled, num_sampled, logits)
+        return PendingOutput(sampled, num_sampled, logits, checks, functools.partial(self.sanitizer.verdict, step))
 
     def _run(self, bucket: Bucket, inputs: StepInputs) -> StepOutput:
         return self._dispatch(bucket, inputs).fetch()
 
     def dispatch(self, plan: StepPlan) -> "PendingOutput":
-        """Enqueue one scheduled step and return at once; ``.fetch()`` waits for its outputs."""
-        return self._dispatch(plan.bucket, self.pack(plan))
+        """Enqueue one scheduled step and return at once; ``.fetch()`` waits for its outputs.
+
+        Checked mode (``poison``): ``.fetch()`` raises :class:`~kvjax.runner.sanitizer.SanitizerError`
+        when a memory invariant failed in the step (its state update has happened).
+        """
+        inputs = self.pack(plan)
+        if self.sanitizer is not None:
+            mirror = self.sanitizer.mirror.after(plan)
+            self.sanitizer.check_host(plan, mirror)
+            self.sanitizer.mirror = mirror
+        return self._dispatch(plan.bucket, inputs, step=plan.step)
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run one scheduled step through its bucket's executable."""
+        """Run one scheduled step through its bucket's executable (see :meth:`dispatch`)."""
         return self.dispatch(plan).fetch()
 
     def dummy_step(self, bucket: Bucket | None = None) -> StepOutput:
@@ -484,7 +536,18 @@ class Runner:
 
         return reference
 
+    def release_all(self) -> None:
+        """Free every request row on the device, as a new scheduler (every row free) expects;
+        in checked mode every block and slot but the null ones is poisoned."""
+        c = self.config
+        plan = StepPlan(step="release", bucket=self.buckets.buckets[0], scheduled=[], added=[],
+                        cleared_rows=list(range(c.max_num_seqs)), block_writes=[], blocks_to_zero=[],
+                        slots_to_zero=[], freed_blocks=list(range(1, c.num_blocks)),
+                        freed_slots=list(range(1, c.num_state_slots)))
+        self.execute(plan)
+
     def warm_up(self) -> None:
-        """One dummy step through every executable."""
+        """Start afresh (:meth:`release_all`), then one dummy step through every executable."""
+        self.release_all()
         for b in self.buckets.buckets:
             self.dummy_step(b)

@@ -8,6 +8,8 @@ from kvjax import (
     NULL_BLOCK_ID, PAD_SLOT_ID, BlockPool, BlockTables, KVGroupSpec, RequestRows, RequestState,
     ScheduledBatch, build_step_batch, dummy_step_batch,
 )
+from kvjax.testing.asserts import assert_bitwise
+from pallas_kernels.kv_write import reshape_and_cache_flash
 
 SPECS = (KVGroupSpec(block_size=4, max_num_blocks=4),)
 
@@ -21,18 +23,19 @@ def _one_request_state():
 def test_pr39444_dummy_step_after_real_step_writes_nothing_to_null_block():
     """A DP-idle dummy step used a zero-filled slot mapping: slot 0 is block 0, so the
     KV write put NaN into the null block. Here the dummy step's slots are all PAD, and
-    the KV write with them leaves a NaN-poisoned block 0 (and every other byte) unchanged."""
-    from pallas_kernels.kv_write import reshape_and_cache_flash
-
+    the KV write with them leaves a NaN-poisoned block 0 (and every other byte) unchanged.
+    The payload (finite K/V, distinct per token and for K and V) differs from the poison,
+    so a PAD token written anywhere changes bits."""
     s, t = _one_request_state()
     real = build_step_batch(s, t, ScheduledBatch.from_lists([1], [5], pad_to=2), num_tokens_padded=8)
     assert (np.asarray(real.slot_mappings[0, :5]) >= 0).all()
     dummy = dummy_step_batch(s, t, num_reqs_padded=2, num_tokens_padded=8)
     np.testing.assert_array_equal(dummy.slot_mappings, np.full((1, 8), PAD_SLOT_ID))
     cache = jnp.full((5, 4, 1, 2), jnp.nan, jnp.float32)
-    k = jnp.full((8, 1, 2), jnp.nan, jnp.float32)  # a dummy step's activations may be NaN
-    kc, vc = reshape_and_cache_flash(k, k, cache, cache, dummy.slot_mappings[0], backend="reference")
-    np.testing.assert_array_equal(np.asarray(kc).view(np.uint32), np.asarray(cache).view(np.uint32))
+    k = jnp.arange(1.0, 17.0, dtype=jnp.float32).reshape(8, 1, 2)
+    kc, vc = reshape_and_cache_flash(k, -k, cache, cache, dummy.slot_mappings[0], backend="reference")
+    assert_bitwise(kc, cache, "key_cache")
+    assert_bitwise(vc, cache, "value_cache")
 
 
 def test_pr35431_block_tables_pad_with_null_block_never_minus_one():

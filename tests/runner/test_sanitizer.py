@@ -1,0 +1,148 @@
+"""The checked mode (``RunnerConfig(poison=True)``): clean runs pass every check with no
+serving-time compile, and each memory invariant names the step, the array and the first
+offending index when the device state is corrupted behind the runner's back."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import NULL_BLOCK_ID
+from kvjax.cli.demo import serve
+from kvjax.host.scheduler import Request
+from kvjax.models import TinyHybridConfig
+from kvjax.runner import Runner, RunnerConfig
+from kvjax.runner import sanitizer
+from kvjax.runner.packing import pack
+from kvjax.runner.sanitizer import SanitizerError
+from kvjax.testing.asserts import assert_bitwise, bits
+
+FAST = {"xla_backend_optimization_level": 0}
+# One attention and one Mamba layer, one bucket: the smallest runner that has every kind of memory.
+SMALL = RunnerConfig(model=TinyHybridConfig(layer_types=("attn", "mamba")), block_size=4, num_blocks=12,
+                     max_model_len=24, max_num_seqs=2, max_num_batched_tokens=8, token_sizes=(8,), poison=True)
+# Three requests on two rows: a row is reused, blocks are freed, poisoned and handed out again.
+WORKLOAD = (("a", [1, 2, 3, 4, 5], 3, 0), ("b", [7, 8], 4, 0), ("c", [9, 9, 9, 9, 9, 9], 3, 1))
+
+
+def requests():
+    return [Request(i, list(p), m, a) for i, p, m, a in WORKLOAD]
+
+
+def small_runner() -> Runner:
+    r = Runner(SMALL, compiler_options=FAST)
+    r.precompile()
+    return r
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return small_runner()
+
+
+@pytest.fixture
+def restore(runner):
+    """Give the test a runner whose device state and host mirror are put back afterwards."""
+    saved, mirror = jax.device_get(runner.state), runner.sanitizer.mirror
+    yield runner
+    runner.state, runner.sanitizer.mirror = jax.device_put(saved), mirror
+
+
+def test_clean_workload_passes_every_check_with_no_serving_compile(runner):
+    report, _ = serve(SMALL, requests(), runner=runner, progress_stream=None)
+    assert report.all_match and report.nan_count == 0 and report.serving_compiles == 0
+    assert {inv for inv, _, _ in runner.sanitizer.layout} == set(sanitizer.INVARIANTS)
+
+
+def test_poison_is_a_payload_nan_and_fills_the_null_block(runner):
+    key0 = np.asarray(runner.state.caches.key[0])
+    assert (bits(key0[NULL_BLOCK_ID]) == 0x7FE5A5A5).all()
+    ssm = np.asarray(runner.state.caches.ssm_state[0])
+    assert (bits(ssm[NULL_BLOCK_ID]) == 0x7FE5A5A5).all()
+    # A computed NaN differs from the poison bitwise.
+    assert bits(np.asarray(jnp.float32(0) / jnp.float32(0))) != 0x7FE5A5A5
+
+
+def _set(state, where, index, value):
+    """``state`` with one element of one device array set (``where``: caches key/value/ssm_state
+    of layer 0, or a request field, or table 0)."""
+    if where in ("key", "value", "ssm_state"):
+        a = getattr(state.caches, where)[0]
+        return state.replace(caches=state.caches.replace(**{where: (a.at[index].set(value),)}))
+    if where == "table":
+        return state.replace(tables=state.tables.replace(tables=(state.tables.tables[0].at[index].set(value),)))
+    return state.replace(requests=state.requests.replace(**{where: getattr(state.requests, where).at[index].set(value)}))
+
+
+@pytest.mark.parametrize(
+    "where, index, value, invariant, array",
+    [
+        ("key", (0, 1, 0, 3), 1.0, "null_block_changed", "key[0]"),
+        ("ssm_state", (0, 2, 5, 1), 0.0, "null_slot_changed", "ssm_state[0]"),
+        ("last_sampled_tokens", (0,), 7, "free_row_not_reset", "last_sampled_tokens"),
+        ("table", (1, 2), 5, "device_table_differs", "block_tables[0]"),
+    ],
+)
+def test_each_corruption_is_reported_with_array_and_index(restore, where, index, value, invariant, array):
+    runner = restore
+    # Every row free on both sides, then one element corrupted.
+    runner.sanitizer.mirror = sanitizer.HostMirror(1)
+    state = runner.state.replace(
+        requests=type(runner.state.requests).create(SMALL.max_num_seqs, SMALL.max_model_len),
+        tables=type(runner.state.tables).create(SMALL.specs, SMALL.max_num_seqs, num_cache_blocks=SMALL.num_blocks),
+    )
+    runner.state = state
+    runner.dummy_step()  # consistent: passes
+    runner.state = _set(runner.state, where, index, value)
+    with pytest.raises(SanitizerError) as e:
+        runner.dummy_step()
+    err = e.value
+    assert (err.step, err.invariant, err.array, err.index) == ("dummy", invariant, array, index)
+    assert str(err) == f"sanitizer: step dummy: {invariant} in {array} at index {index}"
+
+
+def test_nan_in_a_live_block_is_reported_mid_run(restore):
+    runner = restore
+    runner.release_all()  # a new scheduler: every row free on the device too
+    sched = SMALL.make_scheduler()
+    sched.add_request(Request("live", [3, 1, 4, 1, 5, 9], 5, 0))
+    plan = sched.schedule()
+    out = runner.execute(plan)
+    sched.update(plan, out.sampled, out.num_sampled, out.logits)
+    (req,) = sched.running
+    block = req.blocks[0][-1]
+    runner.state = _set(runner.state, "value", (block, 3, 1, 2), jnp.nan)
+    plan = sched.schedule()
+    with pytest.raises(SanitizerError) as e:
+        runner.execute(plan)
+    assert (e.value.step, e.value.invariant, e.value.array) == (plan.step, "live_block_holds_nan", "value[0]")
+    assert e.value.index == (block, 3, 1, 2)
+
+
+def check_fresh_blocks_are_zero_past_the_written_tokens(runner):
+    """One prefill of 5 tokens (block size 4) into fully poisoned caches, run through the
+    executable directly (no sanitizer): the request's second block holds the written
+    token in slot 0 and bitwise zeros after it; every block it does not own keeps the
+    poison. Guards the zeroing of fresh KV blocks (PR 43990) without the sanitizer."""
+    runner.state = runner.state.replace(caches=jax.tree.map(sanitizer.poison_like, runner.state.caches))
+    sched = SMALL.make_scheduler()
+    sched.add_request(Request("z", [1, 2, 3, 4, 5], 1, 0))
+    plan = sched.schedule()
+    (s,) = plan.scheduled
+    owned = s.req.blocks[0]
+    assert len(owned) == 2
+    exe, _ = runner.executables[plan.bucket]
+    buf, _ = pack(runner.pack(plan))
+    runner.state, _ = exe(runner.params, runner.state, buf)
+    for name, cache in (("key[0]", runner.state.caches.key[0]), ("value[0]", runner.state.caches.value[0])):
+        got = np.asarray(cache)
+        expected = np.asarray(sanitizer.poison_like(cache)).copy()
+        expected[owned[0]] = got[owned[0]]
+        expected[owned[1], 0] = got[owned[1], 0]
+        expected[owned[1], 1:] = 0.0
+        assert not np.isnan(got[owned[0]]).any() and not np.isnan(got[owned[1], 0]).any(), name
+        assert_bitwise(got, expected, name)
+
+
+def test_fresh_blocks_are_zero_past_the_written_tokens(restore):
+    check_fresh_blocks_are_zero_past_the_written_tokens(restore)
