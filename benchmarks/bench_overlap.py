@@ -63,7 +63,7 @@ def measure(n: int, steps: int) -> dict:
 
     row = {"requests": n, "device_us": device_us}
     for overlap in (False, True):
-        runner.state = runner._initial_state()
+        runner.reset()
         sched = cfg.make_scheduler()
         for r in _requests(n, steps + 4):
             sched.add_request(r)

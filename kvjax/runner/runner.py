@@ -536,6 +536,13 @@ class Runner:
 
         return reference
 
+    def reset(self) -> None:
+        """Device state back to the initial one (checked mode: caches poisoned again and the
+        sanitizer's host mirror emptied, so both sides agree that every row is free)."""
+        self.state = self._initial_state()
+        if self.sanitizer is not None:
+            self.sanitizer.mirror = sanitizer.HostMirror(len(self.config.specs))
+
     def release_all(self) -> None:
         """Free every request row on the device, as a new scheduler (every row free) expects;
         in checked mode every block and slot but the null ones is poisoned."""

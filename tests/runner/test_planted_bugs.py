@@ -80,7 +80,7 @@ def test_bug_b_fresh_kv_blocks_not_zeroed(plant):
     runner = san.small_runner()
     with pytest.raises(AssertionError, match="key\\[0\\]: .* differ"):
         san.check_fresh_blocks_are_zero_past_the_written_tokens(runner)
-    runner.state = runner._initial_state()
+    runner.reset()
     with pytest.raises(SanitizerError) as e:
         serve(san.SMALL, san.requests(), runner=runner, progress_stream=None)
     # Step 0 hands out block 1 (LIFO pool) and it still holds poison.

@@ -85,13 +85,7 @@ def _set(state, where, index, value):
 )
 def test_each_corruption_is_reported_with_array_and_index(restore, where, index, value, invariant, array):
     runner = restore
-    # Every row free on both sides, then one element corrupted.
-    runner.sanitizer.mirror = sanitizer.HostMirror(1)
-    state = runner.state.replace(
-        requests=type(runner.state.requests).create(SMALL.max_num_seqs, SMALL.max_model_len),
-        tables=type(runner.state.tables).create(SMALL.specs, SMALL.max_num_seqs, num_cache_blocks=SMALL.num_blocks),
-    )
-    runner.state = state
+    runner.reset()  # every row free on both sides
     runner.dummy_step()  # consistent: passes
     runner.state = _set(runner.state, where, index, value)
     with pytest.raises(SanitizerError) as e:

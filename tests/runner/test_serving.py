@@ -24,7 +24,7 @@ def _workload(seed=3):
 
 
 def _serve(runner, overlap):
-    runner.state = runner._initial_state()
+    runner.reset()
     sched = CONFIG.make_scheduler()
     for r in _workload():
         sched.add_request(r)
