@@ -16,6 +16,7 @@ from kvjax.cli.workload import WorkloadError, generate_workload, load_workload, 
 from kvjax.models import TinyHybridConfig
 from kvjax.models.caches import KV_LAYOUTS
 from kvjax.runner import RunnerConfig
+from kvjax.runner.compile_guard import check_compiles_ahead
 from kvjax.runner.serving import check_overlap_supported
 from kvjax.runner.memory import available_memory, check_fits, estimate_memory
 from kvjax.runner.sanitizer import SanitizerError
@@ -69,6 +70,8 @@ def _demo(args, parser) -> int:
         config.bucket_spec  # validates token sizes
         if args.overlap:
             check_overlap_supported(config.num_speculative_tokens)
+        if not args.no_strict:
+            check_compiles_ahead(config.backend)
         available = available_memory()
         check_fits(estimate_memory(config, longest_request=0), *available)  # before any host structure
         fits = config.make_scheduler().check_fits

@@ -12,12 +12,32 @@ import warnings
 
 import jax
 
+from pallas_kernels import _backend
+
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class ServingCompileError(RuntimeError):
     """Something traced or compiled while serving (strict mode)."""
+
+
+def check_compiles_ahead(backend: str) -> None:
+    """``ValueError`` unless a step with kernel ``backend`` can be compiled ahead of time here.
+
+    The Pallas TPU interpreter (``backend="pallas"`` or ``"pallas_tpu"`` where there is no
+    TPU, or ``"auto"`` with ``KVJAX_INTERPRET=1`` on a CPU) runs each kernel through host
+    callbacks that trace when the step runs, so a strict :class:`ServingGuard` stops the
+    first step. The GPU kernels' interpreter lowers to plain XLA and compiles ahead of time.
+    """
+    choice = _backend.resolve(backend, None)
+    if choice.flavor == "tpu" and choice.interpret:
+        raise ValueError(
+            f"backend={backend!r} on {_backend.platform()} runs the TPU kernels through the Pallas "
+            "TPU interpreter, which traces at run time: the step cannot be compiled ahead of time. "
+            "Use --backend pallas_gpu (the GPU kernels, interpreted as XLA, compiled ahead of time) "
+            "or --backend reference, or pass --no-strict to run it with compiles at serving time"
+        )
 
 
 class CompileCounter:
