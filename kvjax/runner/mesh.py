@@ -223,8 +223,9 @@ def _rank_step(params, dstate, packed, *, config: RunnerConfig, bucket: Bucket, 
     (``config.model`` is one shard's, :func:`tp_shard_config`), add the axis back."""
     local = jax.tree.map(lambda a: a[0], dstate)
     buf = packed[0]
-    new, (sampled, num_sampled, logits) = step_fn(
-        params, local, buf, config=config, bucket=bucket, spec=spec, expert_axis=DATA, model_axis=MODEL
+    new, (sampled, num_sampled, logits, _) = step_fn(  # per-rank flags below, not the sanitizer
+        params, local, buf, config=config, bucket=bucket, spec=spec, expert_axis=DATA, model_axis=MODEL,
+        sanitize=False,
     )
     if check:
         flags = _check_flags(local, new, unpack(buf, spec), config.kv_group.blocks_per_kv_block)
@@ -280,6 +281,7 @@ class MeshRunner(Runner):
         me = jax.process_index()
         self.local_ranks = [d for d in range(D) if mesh.devices[d, 0].process_index == me]
         super().__init__(config, strict=strict, compiler_options=compiler_options)
+        self.sanitizer = None  # one host mirror cannot describe D ranks: the check flags do instead
         # One shard's initial state (uniform), tiled M times on its heads axis and D times
         # along a new leading axis.
         shard = jax.tree.map(np.asarray, self.state)

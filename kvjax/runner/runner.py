@@ -228,13 +228,18 @@ def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
 
 
 def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerConfig, bucket: Bucket,
-            spec: PackSpec, expert_axis: str | None = None, model_axis: str | None = None):
+            spec: PackSpec, expert_axis: str | None = None, model_axis: str | None = None,
+            sanitize: bool | None = None):
     """One whole step on the device (pure; ``dstate`` is donated by the runner).
 
     ``packed`` is the int32 buffer of :class:`StepInputs` made by :func:`kvjax.runner.packing.pack`.
     ``expert_axis``: run per data rank inside ``shard_map`` with MoE experts sharded over
-    that mesh axis, and heads over ``model_axis`` (:mod:`kvjax.runner.mesh`).
+    that mesh axis, and heads over ``model_axis`` (:mod:`kvjax.runner.mesh`). ``sanitize``
+    (default ``config.poison``): compute the checks of :mod:`kvjax.runner.sanitizer`, returned
+    as the last output (``int32 [0, 1]`` when off); the inputs must then carry the host's
+    expectations.
     """
+    sanitize = config.poison if sanitize is None else sanitize
     inp: StepInputs = unpack(packed, spec)
     req, tables, caches = dstate.requests, dstate.tables, dstate.caches
     G = tables.num_groups
@@ -263,7 +268,7 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     caches = caches.replace_kv_arrays(kv).replace(
         conv_state=tuple(states[0::2]), ssm_state=tuple(states[1::2]),
     )
-    if config.poison:
+    if sanitize:
         g = config.model.kv_group
         fresh = jnp.concatenate([
             inp.zero_blocks, sanitizer.appended_ids(inp.write_rows, inp.write_ids[g], inp.write_num[g],
@@ -298,7 +303,7 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     # The batch's rows: a row the bucket could not hold is padding there, and here.
     req = req.post_update(batch.idx_mapping, jnp.diff(batch.query_start_loc), sampled, num_sampled)
     checks = jnp.zeros((0, 1), jnp.int32)
-    if config.poison:
+    if sanitize:
         checks = sanitizer.encode({**pre_checks, **sanitizer.post_step_checks(
             req, tables, caches, expect_tables=inp.expect_tables, expect_num_blocks=inp.expect_num_blocks,
             live_rows=inp.live_rows, live_slots=inp.live_slots, r=r, kv_group=config.model.kv_group,

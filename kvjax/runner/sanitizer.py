@@ -76,7 +76,8 @@ INVARIANTS = (
 class SanitizerError(RuntimeError):
     """A memory invariant of the checked mode failed.
 
-    Attributes: ``step`` (the scheduler's step number, or ``"dummy"``),
+    Attributes: ``step`` (the scheduler's step number; ``"dummy"`` for an all-padding
+    step, ``"release"`` for :meth:`~kvjax.runner.Runner.release_all`),
     ``invariant`` (one of :data:`INVARIANTS` or a host check), ``array`` (its
     name) and ``index`` (the first offending index into that array).
     """
