@@ -38,7 +38,6 @@ array and the first offending index.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
@@ -279,7 +278,8 @@ class HostMirror:
 
     def after(self, plan) -> "HostMirror":
         """The mirror once ``plan`` (a :class:`~kvjax.host.scheduler.StepPlan`) is applied."""
-        m = copy.deepcopy(self)
+        m = HostMirror(self.num_groups, {row: [list(g) for g in ids] for row, ids in self.rows.items()},
+                       set(self.live_slots))
         if plan is None:
             return m
         for row in plan.cleared_rows:
@@ -334,7 +334,9 @@ class Sanitizer:
         for row, ids in mirror.rows.items():
             live[row] = True
             for g, spec in enumerate(self.specs):
-                k = np.asarray(expand_to_kernel_blocks(np.asarray(ids[g], np.int32), spec.blocks_per_kv_block))
+                k = np.asarray(ids[g], np.int32)
+                if spec.blocks_per_kv_block > 1:
+                    k = np.asarray(expand_to_kernel_blocks(k, spec.blocks_per_kv_block))
                 tables[g][row, : len(k)] = k
                 counts[g, row] = len(k)
         slots = np.zeros((self.num_state_slots,), np.bool_)
