@@ -42,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels.mamba_scan as mamba_scan_mod  # noqa: E402
+import kvjax.models.mamba_layer as mamba_layer_mod  # noqa: E402
 from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.runner import Runner, RunnerConfig  # noqa: E402
 from kvjax.runner.packing import pack  # noqa: E402
@@ -298,8 +299,10 @@ def main() -> int:
     global COMPILER_OPTIONS, DISPATCH
     DISPATCH = args.dispatch
     COMPILER_OPTIONS = json.loads(args.compiler_options) if args.compiler_options else None
-    mamba_scan_mod._CHUNK_STATE_SCAN = args.chunk_scan
-    mamba_scan_mod._ADAPT_CHUNK = not args.no_adapt_chunk
+    # The model's prefill scan with this run's ScanConfig (a static argument of the op).
+    scan_config = mamba_scan_mod.ScanConfig(adapt_chunk=not args.no_adapt_chunk, chunk_states=args.chunk_scan)
+    mamba_layer_mod.selective_scan_varlen = functools.partial(mamba_scan_mod.selective_scan_varlen,
+                                                              config=scan_config)
     res = {"tag": args.tag, "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
            "device": getattr(jax.devices()[0], "device_kind", str(jax.devices()[0])),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "compiler_options": COMPILER_OPTIONS,

@@ -16,6 +16,8 @@ Two jnp implementations with identical semantics:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -63,8 +65,8 @@ def _finish(y, x, D, z, mask):
 
 @_backend.register(OP_SCAN, "reference")
 def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                 D, dt_bias, z, *, softplus, null_block_id, chunk_size, interpret):
-    del chunk_size, interpret
+                 D, dt_bias, z, *, softplus, null_block_id, chunk_size, config, interpret):
+    del chunk_size, config, interpret
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
@@ -99,7 +101,7 @@ def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_init
     return out, state
 
 
-def _chunk_states(s_loc, lam, first, h_first):
+def _chunk_states(s_loc, lam, first, h_first, sequential: bool = False):
     """States entering and leaving each chunk: ``s_out[c] = lam[c] * s_in[c] + s_loc[c]``.
 
     ``s_in[c]`` is ``h_first[c]`` where ``first[c]`` (a request's first chunk), else
@@ -114,7 +116,7 @@ def _chunk_states(s_loc, lam, first, h_first):
     lam4 = lam[:, :, None, None]
     b = s_loc + jnp.where(reset, lam4 * h_first, 0.0)
 
-    if _CHUNK_STATE_SCAN == "sequential":  # benchmark knob: the former lax.scan
+    if sequential:
         def step(carry, inp):
             lam_c, b_c, r_c = inp
             out = jnp.where(r_c, b_c, lam_c * carry + b_c)
@@ -133,7 +135,7 @@ def _chunk_states(s_loc, lam, first, h_first):
     return s_in, s_out
 
 
-def _chunk_len(chunk_size: int, T: int, R: int) -> int:
+def _chunk_len(chunk_size: int, T: int, R: int, adapt: bool = True) -> int:
     """Tokens per chunk: ``chunk_size``, or fewer when the batch has many short requests.
 
     The chunk table is static: ``ceil(T / Q) + R`` chunks of ``Q`` tokens (each request may
@@ -142,29 +144,45 @@ def _chunk_len(chunk_size: int, T: int, R: int) -> int:
     is the power of two covering ``T / R`` tokens, at least ``_MIN_CHUNK``, at most
     ``chunk_size``. Long prefills (``T / R >= chunk_size``) keep ``chunk_size``.
     """
-    if not _ADAPT_CHUNK:
+    if not adapt:
         return chunk_size
     per_request = -(-T // max(R, 1))
     return int(min(chunk_size, max(_MIN_CHUNK, 1 << max(per_request - 1, 0).bit_length())))
 
 
 _MIN_CHUNK = 16
-_ADAPT_CHUNK = True  # benchmark knob (benchmarks/profile_gpu.py --no-adapt-chunk)
 
-# Benchmark knob (benchmarks/profile_gpu.py): "associative" (default) or "sequential".
-_CHUNK_STATE_SCAN = "associative"
+
+@dataclasses.dataclass(frozen=True)
+class ScanConfig:
+    """Knobs of the chunked form (a static argument; the reference flavour ignores them).
+
+    Attributes:
+      adapt_chunk: chunks shrink for batches of many short requests (see ``_chunk_len``);
+        False keeps ``chunk_size`` always.
+      chunk_states: how states pass between chunks: ``"associative"`` (an associative
+        scan, no loop) or ``"sequential"`` (a ``lax.scan``: an XLA while loop, which a GPU
+        runs one iteration after another).
+    """
+
+    adapt_chunk: bool = True
+    chunk_states: str = "associative"
+
+    def __post_init__(self):
+        if self.chunk_states not in ("associative", "sequential"):
+            raise ValueError(f"chunk_states must be 'associative' or 'sequential', got {self.chunk_states!r}")
 
 
 @_backend.register(OP_SCAN, "tpu", "gpu")
 def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                  D, dt_bias, z, *, softplus, null_block_id, chunk_size, interpret):
+                  D, dt_bias, z, *, softplus, null_block_id, chunk_size, config, interpret):
     del interpret
     f32 = jnp.float32
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
     L = state.shape[0]
-    Q = _chunk_len(chunk_size, T, R)
+    Q = _chunk_len(chunk_size, T, R, config.adapt_chunk)
     if R == 0 or T == 0:
         return jnp.zeros(x.shape, x.dtype), state
     goh = jnp.arange(H) // (H // G)
@@ -209,7 +227,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     s_loc = jnp.einsum("cjh,cjhp,cjhn->chpn", to_end, xs, Bh, precision="highest")
     lam = jnp.exp(cum[:, -1, :])  # [NC, H]
 
-    s_in, s_out = _chunk_states(s_loc, lam, first, h0[rc])
+    s_in, s_out = _chunk_states(s_loc, lam, first, h0[rc], config.chunk_states == "sequential")
     y_inter = jnp.exp(cum)[..., None] * jnp.einsum("cihn,chpn->cihp", Ch, s_in, precision="highest")
     zs = None
     if z is not None:
@@ -227,7 +245,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
 def selective_scan_varlen(
     x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
     D=None, dt_bias=None, z=None, dt_softplus=False, null_block_id=NULL_BLOCK_ID,
-    *, chunk_size=DEFAULT_CHUNK_SIZE, backend="auto", interpret=None,
+    *, chunk_size=DEFAULT_CHUNK_SIZE, config: ScanConfig = ScanConfig(), backend="auto", interpret=None,
 ):
     """Mamba2 selective scan over a packed varlen batch, with state-pool masking.
 
@@ -265,6 +283,7 @@ def selective_scan_varlen(
     Args:
       chunk_size: most tokens per chunk of the chunked form (static); batches of many
         short requests use fewer (see ``_chunk_len``).
+      config: :class:`ScanConfig` of the chunked form (static).
       backend, interpret: see :mod:`pallas_kernels._backend` (``interpret`` is
         validated but unused: there is no kernel).
 
@@ -306,4 +325,4 @@ def selective_scan_varlen(
                                  null_block_id)
     return _backend.run(OP_SCAN, choice, x, dt, A, B, C, state, qsl, ci, his, D, dt_bias, z,
                         softplus=bool(dt_softplus), null_block_id=null_block_id,
-                        chunk_size=chunk_size)
+                        chunk_size=chunk_size, config=config)

@@ -931,3 +931,26 @@ def test_public_names():
     params = list(inspect.signature(causal_conv1d_update).parameters)
     assert params[:10] == ["x", "conv_state", "weight", "bias", "activation", "conv_state_indices",
                            "num_accepted_tokens", "query_start_loc", "max_query_len", "null_block_id"]
+
+
+def test_scan_config_variants_agree_with_the_reference():
+    """The chunked form's knobs (ScanConfig) change how, never what."""
+    from pallas_kernels.mamba_scan import ScanConfig, selective_scan_varlen
+
+    rng = np.random.default_rng(7)
+    T, H, P, N, L = 11, 2, 4, 4, 4
+    x = jnp.asarray(rng.standard_normal((T, H, P)), jnp.float32)
+    dt = jnp.asarray(rng.uniform(0.1, 0.5, (T, H)), jnp.float32)
+    A = -jnp.asarray(rng.uniform(0.5, 1.5, (H,)), jnp.float32)
+    B = jnp.asarray(rng.standard_normal((T, 1, N)), jnp.float32)
+    C = jnp.asarray(rng.standard_normal((T, 1, N)), jnp.float32)
+    state = jnp.asarray(rng.standard_normal((L, H, P, N)), jnp.float32)
+    args = (x, dt, A, B, C, state, jnp.array([0, 4, 5, 11]), jnp.array([1, 2, 3]),
+            jnp.array([True, False, True]))
+    ref_out, ref_state = selective_scan_varlen(*args, backend="reference")
+    for cfg in (ScanConfig(), ScanConfig(adapt_chunk=False, chunk_states="sequential")):
+        out, st = selective_scan_varlen(*args, chunk_size=4, config=cfg, backend="pallas_gpu")
+        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(st, ref_state, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="chunk_states"):
+        ScanConfig(chunk_states="parallel")
