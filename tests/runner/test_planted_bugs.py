@@ -60,11 +60,12 @@ def _sanitized_run():
 
 
 def test_bug_a_pad_tokens_written_to_slot_0(plant):
-    def pad_to_slot_0(slot_mapping, num_slots):  # the reference's live-slot rule, with the bug
-        live = (slot_mapping >= 0) & (slot_mapping < num_slots)
-        return jnp.where(live, slot_mapping, 0).astype(jnp.int32)
+    original = kv_write.scatter_set
 
-    plant(kv_write, "_live_slots", pad_to_slot_0)
+    def pad_to_slot_0(flat, rows, values):  # the reference's drop row (PAD) redirected to slot 0
+        return original(flat, jnp.where(rows >= flat.shape[0], 0, rows), values)
+
+    plant(kv_write, "scatter_set", pad_to_slot_0)
     with pytest.raises(AssertionError, match="key_cache: .* first at \\(0, 0, 0, 0\\)"):
         seeds.test_pr39444_dummy_step_after_real_step_writes_nothing_to_null_block()
     with pytest.raises(SanitizerError) as e:
