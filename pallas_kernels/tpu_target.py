@@ -31,6 +31,10 @@ Inside :func:`lowering` the ops also treat the platform as a TPU
 (:func:`pallas_kernels._backend.platform` reads the abstract mesh's device), so
 ``backend="auto"``/``"pallas"``/``"pallas_tpu"`` pick the compiled Mosaic kernels,
 not the interpreter: the whole serving step lowers for TPU as it would run there.
+
+``shard_map`` replaces the abstract mesh inside its body by its own mesh's, whose
+device is the local one (a CPU); a sharded program meant to lower for TPU from
+here builds its ``shard_map`` on :func:`shard_map_mesh` ``(mesh)`` at trace time.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ __all__ = [
     "prepare_compiled_tpu",
     "resolve",
     "rpa_block_sizes",
+    "shard_map_mesh",
     "vmem_buffer_bytes",
 ]
 
@@ -197,6 +202,20 @@ def export(fn, *args, target: TpuTarget | str | None = None, **export_kwargs):
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     with lowering(target):
         return jax.export.export(jitted, platforms=("tpu",), **export_kwargs)(*args)
+
+
+def shard_map_mesh(mesh):
+    """The mesh a ``shard_map`` traced now should take: ``mesh`` itself, or inside
+    :func:`lowering` its abstract mesh with the target's TPU device.
+
+    Call it while tracing (in the jitted function), not when building the function:
+    a ``shard_map`` over the local (CPU) mesh would reset the device to the CPU in its
+    body, and its ops would pick the interpreter instead of the Mosaic kernels.
+    """
+    target = _mesh_target()
+    if target is None:
+        return mesh
+    return mesh.abstract_mesh.update(abstract_device=target.abstract_device())
 
 
 def _on_local_chip() -> bool:

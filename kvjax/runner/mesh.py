@@ -49,6 +49,7 @@ from kvjax.host.scheduler import StepPlan
 from kvjax.models import TinyHybridConfig, dense_forward
 from kvjax.runner.packing import PackSpec, pack, unpack
 from kvjax.runner.runner import DeviceState, Runner, RunnerConfig, StepInputs, StepOutput, step_fn
+from pallas_kernels import tpu_target
 
 DATA, MODEL = "data", "model"
 MESH_AXES = (DATA, MODEL)
@@ -323,10 +324,15 @@ class MeshRunner(Runner):
         out_specs = (self.state_specs, (P(DATA),) * 4)
         per_rank = functools.partial(_rank_step, config=self.shard_config, bucket=bucket, spec=spec,
                                      check=self.check)
-        # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
-        # replication of outputs is instead proved by the parity tests.
-        sm = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(self.param_specs, self.state_specs, P(DATA)),
-                           out_specs=out_specs, check_vma=False)
+
+        def sm(params, state, packed):
+            # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
+            # replication of outputs is instead proved by the parity tests. The mesh is picked at
+            # trace time: inside tpu_target.lowering, one whose device is the TPU target.
+            return jax.shard_map(per_rank, mesh=tpu_target.shard_map_mesh(self.mesh),
+                                 in_specs=(self.param_specs, self.state_specs, P(DATA)),
+                                 out_specs=out_specs, check_vma=False)(params, state, packed)
+
         named = functools.partial(jax.tree.map, lambda s: NamedSharding(self.mesh, s))
         # Explicit output shardings: XLA reports zero-size leaves (no drafts) as replicated.
         fn = jax.jit(sm, donate_argnums=(1,), compiler_options=self.compiler_options,

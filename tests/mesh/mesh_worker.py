@@ -3,8 +3,10 @@
 Usage: ``python tests/mesh/mesh_worker.py CASE [CASE ...]``, a case being
 ``DxM`` (serve the workload over that mesh), ``single`` (the plain single-device
 runner) or ``planted`` (a 2x1 run whose dummy steps get an all-zero slot
-mapping, as in vLLM PR 39444) or ``planted_stale`` (a 2x1 run whose dummy steps
-re-send the rank's previous inputs). Prints one JSON line per case.
+mapping, as in vLLM PR 39444), ``planted_stale`` (a 2x1 run whose dummy steps
+re-send the rank's previous inputs) or ``tpu_DxM`` (export every bucket's sharded
+step for TPU over that mesh, Mosaic kernels inside; nothing runs). Prints one JSON
+line per case.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kvjax.cli.demo import serve  # noqa: E402
@@ -26,13 +30,15 @@ from kvjax.cli.workload import validate_workload  # noqa: E402
 from kvjax.runner import Runner, RunnerConfig  # noqa: E402
 from kvjax.runner.mesh import MeshRunner, make_mesh  # noqa: E402
 from kvjax.state.block_tables import BlockTables  # noqa: E402
+from pallas_kernels import tpu_target  # noqa: E402
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def config(token_sizes=(16,)) -> RunnerConfig:
+def config(token_sizes=(16,), backend="auto") -> RunnerConfig:
     return RunnerConfig(model=MESH_MODEL, block_size=8, num_blocks=24, max_model_len=48, max_num_seqs=4,
-                        max_num_batched_tokens=max(token_sizes), token_sizes=token_sizes, poison=True)
+                        max_num_batched_tokens=max(token_sizes), token_sizes=token_sizes, poison=True,
+                        backend=backend)
 
 
 # Staggered arrivals and lengths: ranks go idle at different times.
@@ -79,7 +85,36 @@ def plant_stale_dummy_inputs():
     return patched(MeshRunner, "execute_ranks", make)
 
 
+def lower_for_tpu(D: int, M: int) -> list[dict]:
+    """Export every bucket's sharded step (TPU kernels, ``backend="pallas_tpu"``) for TPU over a
+    ``D x M`` mesh of host devices; per bucket, what the exported module holds."""
+    cfg = config((8, 16), backend="pallas_tpu")
+    runner = MeshRunner(cfg, make_mesh(D, M))
+    num_state_leaves = len(jax.tree.leaves(runner.state))
+    found = []
+    for bucket in runner.buckets.buckets:
+        fn, args, _ = runner.jitted_step(bucket)
+        avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
+        with jax.default_matmul_precision(cfg.matmul_precision):
+            exported = tpu_target.export(fn, *avals)
+        text = exported.mlir_module()
+        found.append({
+            "bucket": [bucket.num_tokens, bucket.num_reqs, bucket.num_logits],
+            "platforms": list(exported.platforms), "nr_devices": exported.nr_devices,
+            "tpu_custom_calls": text.count("stablehlo.custom_call @tpu_custom_call"),
+            "kernel_names": sorted(set(re.findall(r'kernel_name = "([^"]*)"', text))),
+            "aliased_outputs": text.count("tf.aliasing_output"), "state_leaves": num_state_leaves,
+            "host_callbacks": text.count("callback"),
+            "collectives": sorted({c for c in ("all_gather", "reduce_scatter", "all_reduce")
+                                   if f"stablehlo.{c}" in text}),
+        })
+    return found
+
+
 def run(case: str) -> dict:
+    if case.startswith("tpu_"):
+        D, M = (int(x) for x in case[4:].split("x"))
+        return {"case": case, "buckets": lower_for_tpu(D, M)}
     if case == "single":
         cfg = config()
         report, _ = serve(cfg, requests(), progress_stream=None,

@@ -196,3 +196,25 @@ def test_mesh_runner_rejects_a_mesh_without_data_and_model_axes():
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("x", "y"))
     with pytest.raises(ValueError, match=r"axes \('data', 'model'\)"):
         MeshRunner(RunnerConfig(), mesh)
+
+
+# Mosaic kernels in one rank's step (as in tests/runner/test_step_lowering.py): KV write, zeroing
+# of KV blocks and of state slots, token combine, conv and SSM updates (the last two unnamed).
+TPU_KERNELS_PER_STEP = 6
+
+
+def test_sharded_step_lowers_for_a_2x2_tpu_mesh():
+    """Every bucket's sharded step (data=2, model=2; TPU kernels inside, backend="pallas_tpu")
+    exports for TPU through jax.export on host devices: the Mosaic custom calls are in the module
+    (no interpreter callback), the state is donated (every leaf aliases an output), and the
+    program holds the mesh's collectives (MoE all-gather / reduce-scatter, TP all-reduce)."""
+    buckets = run_worker("tpu_2x2", timeout=300)["tpu_2x2"]["buckets"]
+    assert len(buckets) >= 2
+    for b in buckets:
+        assert b["platforms"] == ["tpu"] and b["nr_devices"] == 4, b
+        assert b["tpu_custom_calls"] == TPU_KERNELS_PER_STEP, b
+        assert {"zero_blocks_tpu", "kv_write_tpu", "combine_sampled_and_draft_tokens_tpu"} <= set(
+            b["kernel_names"]), b
+        assert b["host_callbacks"] == 0, b
+        assert b["aliased_outputs"] == b["state_leaves"] > 0, b
+        assert b["collectives"] == ["all_gather", "all_reduce", "reduce_scatter"], b

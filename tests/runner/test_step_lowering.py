@@ -4,7 +4,8 @@ The step is the one :class:`~kvjax.runner.Runner` compiles (``Runner.jitted_step
 ``step_fn`` jitted with the device state donated), exported for TPU through
 ``pallas_kernels.tpu_target.export`` with ``backend="pallas_tpu"``: the exported
 module must hold the Mosaic kernels (KV write, block zeroing, token combine, SSM and
-conv updates) and keep the state donated. A mesh-sharded step is not lowered here.
+conv updates) and keep the state donated. The mesh-sharded step (2x2) is lowered in
+tests/mesh/test_mesh.py (it needs several host devices, so a subprocess).
 """
 
 from __future__ import annotations
