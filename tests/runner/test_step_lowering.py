@@ -19,19 +19,21 @@ from kvjax.models import TinyHybridConfig
 from kvjax.runner.runner import Runner, RunnerConfig
 from pallas_kernels import tpu_target
 
-# name -> (config, Mosaic kernels per step): KV write, zeroing of KV and of states,
-# token combine, conv and SSM updates; with the RPA layout JAX's attention kernel too.
-CONFIGS = {
-    "plain": (RunnerConfig(backend="pallas_tpu", max_num_batched_tokens=8, max_num_seqs=4), 6),
-    "spec-fp8": (RunnerConfig(backend="pallas_tpu", num_speculative_tokens=1, kv_cache_dtype="fp8",
-                              max_num_batched_tokens=8, max_num_seqs=2), 6),
-    # K/V in JAX's ragged-paged-attention layout (write_kv_pages + JAX's RPA kernel, which
-    # needs head_dim % 128 == 0).
-    "rpa-layout": (RunnerConfig(model=TinyHybridConfig(head_dim=128), backend="pallas_tpu",
-                                kv_layout="rpa", max_num_batched_tokens=4, max_num_seqs=2), 7),
-}
 # Named Mosaic kernels every step runs (the Mamba updates are unnamed "kernel"s).
-NAMED = {"zero_blocks_tpu", "kv_write_tpu", "combine_sampled_and_draft_tokens_tpu"}
+COMMON = {"zero_blocks_tpu", "combine_sampled_and_draft_tokens_tpu"}
+# name -> (config, Mosaic kernels per step, named kernels): KV write, zeroing of KV and of
+# states, token combine, conv and SSM updates; with the RPA layout JAX's attention kernel too.
+CONFIGS = {
+    "plain": (RunnerConfig(backend="pallas_tpu", max_num_batched_tokens=8, max_num_seqs=4), 6,
+              COMMON | {"kv_write_tpu"}),
+    "spec-fp8": (RunnerConfig(backend="pallas_tpu", num_speculative_tokens=1, kv_cache_dtype="fp8",
+                              max_num_batched_tokens=8, max_num_seqs=2), 6, COMMON | {"kv_write_tpu"}),
+    # K/V in JAX's ragged-paged-attention layout (write_kv_pages' own TPU kernel + JAX's RPA
+    # kernel, which needs head_dim % 128 == 0).
+    "rpa-layout": (RunnerConfig(model=TinyHybridConfig(head_dim=128), backend="pallas_tpu",
+                                kv_layout="rpa", max_num_batched_tokens=4, max_num_seqs=2), 7,
+                   COMMON | {"kv_pages_tpu"}),
+}
 
 
 def _abstract(tree):
@@ -40,7 +42,7 @@ def _abstract(tree):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_bucket_lowers_for_tpu(name):
-    config, kernels_per_step = CONFIGS[name]
+    config, kernels_per_step, named = CONFIGS[name]
     runner = Runner(config)
     num_state_leaves = len(jax.tree.leaves(runner.state))
     assert len(runner.buckets.buckets) >= 2
@@ -50,7 +52,7 @@ def test_every_bucket_lowers_for_tpu(name):
             text = tpu_target.export(fn, *_abstract(args)).mlir_module()
         kernels = re.findall(r'kernel_name = "([^"]*)"', text)
         assert text.count("stablehlo.custom_call @tpu_custom_call") == kernels_per_step, bucket
-        assert NAMED <= set(kernels), (bucket, kernels)
+        assert named <= set(kernels), (bucket, kernels)
         # The donated state: every leaf aliases an output of the step.
         assert text.count("tf.aliasing_output") == num_state_leaves, bucket
 
