@@ -102,26 +102,38 @@ def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True,
     steps = run_to_completion(sched, runner, overlap=overlap, on_step=progress)
     serving = time.perf_counter() - t0
     bar.close()
-    results, nan_count = check_against_reference(runner, config, sched.finished)
-    generated = sum(len(r.output) for r in sched.finished)
     report = ServeReport(
+        **serve_report_fields(runner, config, [sched], steps=steps, serving=serving,
+                              buckets=config.bucket_spec.buckets),
+        settings=run_settings(config, strict=strict, compile_workers=compile_workers, overlap=overlap),
+    )
+    return report, runner
+
+
+def serve_report_fields(runner: Runner, config: RunnerConfig, schedulers, *, steps: int,
+                        serving: float, buckets) -> dict:
+    """The :class:`ServeReport` fields every serving loop reports: parity with the dense
+    reference, token and step counts, speed, compiles, preemptions and drafts, summed over
+    ``schedulers`` (one per data rank)."""
+    finished = [r for s in schedulers for r in s.finished]
+    results, nan_count = check_against_reference(runner, config, finished)
+    generated = sum(len(r.output) for r in finished)
+    return dict(
         requests=results,
         steps=steps,
         generated_tokens=generated,
         tokens_per_s=generated / serving if serving > 0 else 0.0,
         serving_seconds=serving,
-        buckets=[dataclasses.asdict(b) for b in config.bucket_spec.buckets],
+        buckets=[dataclasses.asdict(b) for b in buckets],
         executables=len(runner.executables),
         compile_seconds=runner.compile_seconds,
         serving_compiles=runner.guard.serving_compiles + runner.guard.serving_traces,
         nan_count=nan_count,
-        preemptions=sched.num_preemptions,
-        drafts_proposed=sched.num_drafts_proposed,
-        drafts_accepted=sched.num_drafts_accepted,
-        all_match=all(r["matches_reference"] for r in results.values()),
-        settings=run_settings(config, strict=strict, compile_workers=compile_workers, overlap=overlap),
+        preemptions=sum(s.num_preemptions for s in schedulers),
+        drafts_proposed=sum(s.num_drafts_proposed for s in schedulers),
+        drafts_accepted=sum(s.num_drafts_accepted for s in schedulers),
+        all_match=bool(results) and all(r["matches_reference"] for r in results.values()),
     )
-    return report, runner
 
 
 def check_against_reference(runner: Runner, config: RunnerConfig, finished: list[Request]):

@@ -18,7 +18,7 @@ from collections import deque
 
 import jax
 
-from kvjax.cli.demo import ServeReport, check_against_reference, print_summary, run_settings
+from kvjax.cli.demo import ServeReport, print_summary, run_settings, serve_report_fields
 from kvjax.testing.progress import Progress
 from kvjax.host.placement import least_loaded
 from kvjax.host.scheduler import Request
@@ -115,24 +115,9 @@ def serve_mesh(config: RunnerConfig, mesh, requests: list[Request], *, strict: b
         bar.update(sum(len(s.finished) for s in scheds.values()), f"step {steps_run}")
     serving = time.perf_counter() - t0
     bar.close()
-    finished = [r for s in scheds.values() for r in s.finished]
-    results, nan_count = check_against_reference(runner, config, finished)
-    generated = sum(len(r.output) for r in finished)
     report = MeshServeReport(
-        requests=results,
-        steps=steps_run,
-        generated_tokens=generated,
-        tokens_per_s=generated / serving if serving > 0 else 0.0,
-        serving_seconds=serving,
-        buckets=[dataclasses.asdict(x) for x in buckets],
-        executables=len(runner.executables),
-        compile_seconds=runner.compile_seconds,
-        serving_compiles=runner.guard.serving_compiles + runner.guard.serving_traces,
-        nan_count=nan_count,
-        preemptions=sum(s.num_preemptions for s in scheds.values()),
-        drafts_proposed=sum(s.num_drafts_proposed for s in scheds.values()),
-        drafts_accepted=sum(s.num_drafts_accepted for s in scheds.values()),
-        all_match=bool(results) and all(r["matches_reference"] for r in results.values()),
+        **serve_report_fields(runner, config, list(scheds.values()), steps=steps_run, serving=serving,
+                              buckets=buckets),
         settings=run_settings(config, strict=runner.guard.strict, compile_workers=compile_workers,
                               mesh=f"data={D},model={runner.mesh.shape[MODEL]}",
                               processes=jax.process_count()),
