@@ -11,6 +11,7 @@ both see the same machine load; the figure is the median of ``ServeReport.tokens
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -19,21 +20,10 @@ import time
 import jax
 
 from kvjax.cli.demo import serve
-from kvjax.cli.main import build_parser
+from kvjax.cli.main import build_parser, runner_config
 from kvjax.cli.workload import generate_workload, validate_workload
 from kvjax.models import TinyHybridConfig
-from kvjax.runner import Runner, RunnerConfig
-
-
-def demo_config(args, poison: bool) -> RunnerConfig:
-    """The RunnerConfig ``python -m kvjax demo`` builds from ``args`` (``--poison`` as given)."""
-    return RunnerConfig(
-        model=TinyHybridConfig(), block_size=args.block_size, num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_speculative_tokens=args.num_spec_tokens,
-        kv_cache_dtype=args.kv_cache_dtype, backend=args.backend, seed=args.seed, poison=poison,
-        token_sizes=args.token_sizes,
-    )
+from kvjax.runner import Runner
 
 
 def main() -> None:
@@ -47,7 +37,7 @@ def main() -> None:
                              vocab_size=model.vocab_size)
     runners = {}
     for poison in (False, True):
-        cfg = demo_config(args, poison)
+        cfg = dataclasses.replace(runner_config(args, model), poison=poison)
         runners[poison] = (cfg, Runner(cfg))
         runners[poison][1].precompile(workers=args.compile_workers)
     rates = {False: [], True: []}

@@ -12,7 +12,7 @@ import jax
 from kvjax.cli import mesh_demo
 from kvjax.cli.demo import print_summary, serve
 from kvjax.cli.trace import run_trace
-from kvjax.cli.workload import WorkloadError, generate_workload, load_workload, validate_workload
+from kvjax.cli.workload import generate_workload, load_workload, validate_workload
 from kvjax.models import TinyHybridConfig
 from kvjax.models.caches import KV_LAYOUTS
 from kvjax.runner import RunnerConfig
@@ -31,6 +31,25 @@ def _token_sizes(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
     return sizes
+
+
+def runner_config(args, model: TinyHybridConfig) -> RunnerConfig:
+    """The :class:`RunnerConfig` that ``demo`` options ``args`` describe, for ``model``."""
+    return RunnerConfig(
+        model=model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_speculative_tokens=args.num_spec_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_layout=args.kv_layout,
+        backend=args.backend,
+        seed=args.seed,
+        poison=args.poison,
+        token_sizes=args.token_sizes,
+    )
 
 
 def _demo(args, parser) -> int:
@@ -52,21 +71,7 @@ def _demo(args, parser) -> int:
     elif args.coordinator or args.num_processes != 1:
         parser.error("--coordinator / --num-processes need --mesh")
     try:
-        config = RunnerConfig(
-            model=model,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_speculative_tokens=args.num_spec_tokens,
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_layout=args.kv_layout,
-            backend=args.backend,
-            seed=args.seed,
-            poison=args.poison,
-            token_sizes=args.token_sizes,
-        )
+        config = runner_config(args, model)
         config.bucket_spec  # validates token sizes
         if args.overlap:
             check_overlap_supported(config.num_speculative_tokens)
