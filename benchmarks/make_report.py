@@ -867,6 +867,10 @@ def main():
     if os.path.exists(demo):
         with open(demo) as fh:
             parts += [fh.read()]
+    cpu = os.path.join(a.results, "cpu-notes.md")  # CPU-measured figures (sanitizer, overlap, memory)
+    if os.path.exists(cpu):
+        with open(cpu) as fh:
+            parts += [fh.read()]
     with open(a.out, "w") as fh:
         fh.write("\n".join(parts))
     print(f"wrote {a.out}" + (f" and {png}" if have_plot else " (no plot: matplotlib missing)"))
