@@ -16,7 +16,8 @@ the updated arrays — donate them at the enclosing ``jit`` to update in place):
 ==================================  =====================================================
 
 Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
-``"pallas_tpu"``, ``"pallas_gpu"``) and ``interpret=``, resolved in one place
+``"pallas_tpu"``, ``"pallas_gpu"``, ``"mosaic_gpu"``: the KV write and block zeroing
+only, :mod:`pallas_kernels.kv_mosaic_gpu`) and ``interpret=``, resolved in one place
 (:mod:`pallas_kernels._backend`); ops with GPU/TPU tuning knobs take a frozen
 ``config=`` (``KVWriteConfig``, ``ZeroBlocksConfig``, ``SSUConfig``, ``ConvConfig``).
 Sentinels and argument checks: :mod:`pallas_kernels.contract`. Which TPU the
@@ -36,6 +37,7 @@ from pallas_kernels.kv_write import (
     reshape_and_cache_flash as reshape_and_cache_flash,
 )
 from pallas_kernels.kv_pages import write_kv_pages as write_kv_pages
+from pallas_kernels import kv_mosaic_gpu as kv_mosaic_gpu  # registers the "mosaic_gpu" flavour
 from pallas_kernels.mamba import (
     ConvConfig as ConvConfig,
     SSUConfig as SSUConfig,

@@ -1,8 +1,8 @@
 """One place that decides which implementation of a kernel runs.
 
 Every op registers its implementations here (:func:`register`), one per
-*flavour*: ``"reference"`` (pure jnp, plain XLA), ``"tpu"`` (Mosaic TPU Pallas)
-and ``"gpu"`` (Pallas GPU). A public op resolves ``backend``/``interpret`` once
+*flavour*: ``"reference"`` (pure jnp, plain XLA), ``"tpu"`` (Mosaic TPU Pallas),
+``"gpu"`` (Pallas GPU, the Triton lowering) and ``"mosaic_gpu"`` (Pallas Mosaic GPU). A public op resolves ``backend``/``interpret`` once
 (:func:`choose`), before its argument checks, and calls :func:`run`, which
 calls the registered function under one shared ``jax.jit`` whose static arguments are the op, the
 flavour, the interpret mode and the op's static keyword arguments (tuning
@@ -15,6 +15,9 @@ configs are frozen dataclasses, so they are hashable static arguments).
   GPU lowering on GPU). On a CPU it runs the TPU kernel in interpret mode.
 * ``"pallas_tpu"`` / ``"pallas_gpu"``: that flavour, whatever the platform
   (interpret mode on a CPU).
+* ``"mosaic_gpu"``: the Mosaic GPU kernel (compiled only: JAX >= 0.11 on an NVIDIA GPU
+  of compute capability >= 9.0, else a ``ValueError`` saying what is missing). Only
+  explicitly: ``"auto"`` and ``"pallas"`` on a GPU pick the ``"gpu"`` (Triton) flavour.
 * ``"auto"`` (default): Pallas on TPU and GPU, the reference on CPU, unless
   ``KVJAX_INTERPRET=1`` is set, in which case the Pallas kernels run in
   interpret mode on CPU (the switch the test suite uses).
@@ -43,11 +46,15 @@ with warnings.catch_warnings():  # the Triton lowering is deprecated from JAX 0.
 
 from pallas_kernels import tpu_target
 
-BACKENDS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
-FLAVORS = ("reference", "tpu", "gpu")
+BACKENDS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu", "mosaic_gpu")
+FLAVORS = ("reference", "tpu", "gpu", "mosaic_gpu")
 INTERPRET_ENV = "KVJAX_INTERPRET"
 
-Flavor = Literal["reference", "tpu", "gpu"]
+Flavor = Literal["reference", "tpu", "gpu", "mosaic_gpu"]
+# The Mosaic GPU kernels pass the caches as mutable Refs (``jax.new_ref``) to
+# ``plgpu.kernel``; JAX 0.10 cannot trace that.
+MOSAIC_GPU_MIN_JAX = (0, 11)
+MOSAIC_GPU_MIN_CAPABILITY = (9, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +62,8 @@ class Choice:
     """The implementation a kernel call runs.
 
     Attributes:
-      flavor: ``"reference"``, ``"tpu"`` (Mosaic TPU kernel) or ``"gpu"``.
+      flavor: ``"reference"``, ``"tpu"`` (Mosaic TPU kernel), ``"gpu"`` (Pallas
+        Triton) or ``"mosaic_gpu"``.
       interpret: run the Pallas kernel through the interpreter.
     """
 
@@ -66,7 +74,7 @@ class Choice:
         """The ``interpret=`` argument this flavour's ``pallas_call`` takes.
 
         TPU: ``InterpretParams`` (race detection on, uninitialised memory NaN)
-        or ``False``; GPU: a bool; reference: ``False`` (no ``pallas_call``).
+        or ``False``; GPU: a bool; reference and Mosaic GPU: ``False``.
         """
         if self.flavor == "tpu" and self.interpret:
             return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
@@ -103,6 +111,13 @@ def resolve(backend: str, interpret: bool | None) -> Choice:
     plat = platform()
     if backend == "reference":
         return Choice("reference", False)
+    if backend == "mosaic_gpu":
+        if interpret:
+            raise ValueError(
+                'backend="mosaic_gpu" has no interpret mode; got interpret=True '
+                '(use backend="pallas_gpu" or "reference" on a CPU)')
+        check_mosaic_gpu(plat)
+        return Choice("mosaic_gpu", False)
     if backend == "auto":
         if plat in ("tpu", "gpu") and not interpret:
             return Choice(plat, False)
@@ -118,6 +133,41 @@ def resolve(backend: str, interpret: bool | None) -> Choice:
     if flavor == "tpu" and not interpret:
         tpu_target.prepare_compiled_tpu()  # Mosaic must not ask a CPU/GPU which TPU it is
     return Choice(flavor, interpret)
+
+
+def _jax_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def check_mosaic_gpu(plat: str | None = None) -> None:
+    """Raise ``ValueError`` unless the Mosaic GPU flavour can run here.
+
+    Needs: a GPU platform, an NVIDIA device of compute capability
+    >= :data:`MOSAIC_GPU_MIN_CAPABILITY`, and JAX >= :data:`MOSAIC_GPU_MIN_JAX`.
+    """
+    plat = platform() if plat is None else plat
+    need = (f"an NVIDIA GPU of compute capability >= "
+            f"{'.'.join(map(str, MOSAIC_GPU_MIN_CAPABILITY))} and JAX >= "
+            f"{'.'.join(map(str, MOSAIC_GPU_MIN_JAX))}")
+    if plat != "gpu":
+        raise ValueError(f'backend="mosaic_gpu" needs {need}; got platform {plat!r}')
+    if _jax_version() < MOSAIC_GPU_MIN_JAX:
+        raise ValueError(f'backend="mosaic_gpu" needs {need}; got JAX {jax.__version__}')
+    device, cap = _gpu_capability()
+    if cap is None or cap < MOSAIC_GPU_MIN_CAPABILITY:
+        raise ValueError(
+            f'backend="mosaic_gpu" needs {need}; got device {device} with compute '
+            f"capability {'unknown' if cap is None else '.'.join(map(str, cap))}")
+
+
+def _gpu_capability() -> tuple[str, tuple[int, ...] | None]:
+    """The first device and its CUDA compute capability (None when it reports none)."""
+    device = jax.devices()[0]
+    try:
+        cap = tuple(int(p) for p in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):
+        cap = None
+    return str(device), cap
 
 
 # --------------------------------------------------------------------------

@@ -67,7 +67,9 @@ def test_every_op_registers_a_reference_and_its_flavours():
         assert "reference" in _backend.flavors(op), op
     assert _backend.flavors("causal_conv1d_varlen") == ("reference",)
     assert _backend.flavors("selective_scan_varlen") == ("reference", "tpu", "gpu")
-    for op in set(OPS) - {"causal_conv1d_varlen"}:
+    for op in ("kv_write", "zero_blocks"):
+        assert _backend.flavors(op) == ("reference", "tpu", "gpu", "mosaic_gpu"), op
+    for op in set(OPS) - {"causal_conv1d_varlen", "kv_write", "zero_blocks"}:
         assert _backend.flavors(op) == ("reference", "tpu", "gpu"), op
 
 

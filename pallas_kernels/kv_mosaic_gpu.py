@@ -1,0 +1,196 @@
+"""Mosaic GPU flavour (``backend="mosaic_gpu"``) of the flash KV write and of block zeroing.
+
+Same contracts as :func:`pallas_kernels.kv_write.reshape_and_cache_flash` and
+:func:`pallas_kernels.block_zero.zero_blocks` (slot / id masking included); this module
+only registers the ``"mosaic_gpu"`` implementations of their ops. Needs JAX >= 0.11 on an
+NVIDIA GPU of compute capability >= 9.0 (bulk async copies); :func:`pallas_kernels._backend.resolve`
+rejects the backend elsewhere.
+
+In place: ``plgpu.kernel`` takes no ``input_output_aliases``, so each cache is wrapped in a
+mutable ``jax.new_ref``, the kernel writes the Refs (``out_type=()``), and the updated
+values are read back from the Refs; under a jit that donates the caches, XLA keeps the
+donated buffers (no copy).
+
+KV write (flash layout; ``concat_and_cache_mla`` runs the reference on this flavour):
+a 1-D grid of CTAs, one warpgroup each, ``bt`` tokens per CTA. Per token, its slot is
+read as a scalar from global memory, and its K and V rows (``[H, D]``, contiguous in the
+source and in the cache) go global -> shared -> global by bulk async copies, both
+predicated on the token being live (``t < N``, ``0 <= slot < num_slots``): a skipped
+token copies nothing, and its barrier completes at once. fp8: the rows are quantised by
+XLA before the kernel with :func:`pallas_kernels.kv_write.quantize_fp8` (the reference's
+own arithmetic), so the cache bytes equal the reference's; the kernel copies fp8 rows.
+
+Block zeroing: a zero-filled shared-memory buffer per element width, one CTA per id,
+bulk stores of it over every kernel block of the id in every array (viewed as
+same-width unsigned ints ``[num_kernel_blocks, E]``), predicated on the id being live
+(not padding, not the null block, in range).
+
+Limits (``NotImplementedError`` at trace time): a K/V row must be a multiple of 128
+bytes, and a kernel block of a zeroed array a multiple of 16 bytes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _backend
+from pallas_kernels import contract as validation
+from pallas_kernels.block_zero import (
+    OP_ZERO, _UINT_OF_WIDTH, _live_ids as _zero_live_ids, _uint_view)
+from pallas_kernels.contract import NULL_BLOCK_ID
+from pallas_kernels.kv_write import _FLASH_SEGMENTS, OP_WRITE, _reference_write, quantize_fp8
+
+__all__ = ["ROW_BYTES_MULTIPLE", "ZERO_CHUNK_BYTES", "tokens_per_cta"]
+
+# Bytes of a K/V row must be a multiple of this: each of the warpgroup's 128 threads
+# announces an equal share of a bulk copy's bytes on its barrier.
+ROW_BYTES_MULTIPLE = 128
+# Bulk copies move multiples of 16 bytes.
+_BULK_ALIGN = 16
+# Bytes of the shared-memory zeros buffer (one per element width) of the zeroing kernel.
+ZERO_CHUNK_BYTES = 16384
+_GRID_AXIS = "cta"
+
+
+def tokens_per_cta(n: int) -> int:
+    """Tokens one CTA writes: 1 up to 511 tokens, then 2, 4, 8 (at most 8) so that a call
+    keeps at least 256 CTAs."""
+    per = max(1, n // 256)
+    return int(min(8, 1 << (per.bit_length() - 1)))
+
+
+# --------------------------------------------------------------------------
+# KV write
+# --------------------------------------------------------------------------
+
+
+@_backend.register(OP_WRITE, "mosaic_gpu")
+def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
+    if segments != _FLASH_SEGMENTS:  # the MLA layout: no Mosaic kernel, the reference
+        return _reference_write(slot_mapping, sources, caches, scales, segments=segments,
+                                config=config, interpret=interpret)
+    n = slot_mapping.shape[0]
+    num_blocks, block_size = caches[0].shape[:2]
+    num_slots = num_blocks * block_size
+    row_shape = caches[0].shape[2:]
+    if scales is not None:  # quantised by XLA with the reference's arithmetic
+        sources = tuple(quantize_fp8(s[:n], sc) for s, sc in zip(sources, scales))
+    row_bytes = int(np.prod(row_shape)) * np.dtype(caches[0].dtype).itemsize
+    if row_bytes % ROW_BYTES_MULTIPLE:
+        raise NotImplementedError(
+            f"the mosaic_gpu KV write copies whole [H, D] rows whose bytes must be a multiple "
+            f"of {ROW_BYTES_MULTIPLE}; got H, D = {tuple(row_shape)} of "
+            f"{np.dtype(caches[0].dtype)} ({row_bytes} bytes)")
+    if slot_mapping.dtype != jnp.int32:  # a traced int64 mapping: masked before narrowing
+        slot_mapping = validation.live_ids(slot_mapping, num_slots)
+    bt = tokens_per_cta(n)
+    num_ctas = pl.cdiv(n, bt)
+    dtype = caches[0].dtype
+
+    def body(slots_ref, k_ref, v_ref, kc_ref, vc_ref, k_smem, v_smem, bars):
+        # slots_ref GMEM i32[N]; k_ref / v_ref GMEM [T, H, D]; kc_ref / vc_ref the caches
+        # (mutable Refs) [num_blocks, block_size, H, D]; k_smem / v_smem SMEM [bt, H, D];
+        # bars: one barrier per token row (its K and V loads).
+        first = jax.lax.axis_index(_GRID_AXIS) * bt
+        live, blk, off = [], [], []
+        for i in range(bt):
+            t = first + i
+            in_batch = t < n
+            slot = slots_ref[jnp.where(in_batch, t, 0)]
+            ok = in_batch & (slot >= 0) & (slot < num_slots)
+            s = jnp.where(ok, slot, 0)  # skipped copies keep in-range addresses
+            live.append(ok)
+            blk.append(jax.lax.div(s, jnp.int32(block_size)))
+            off.append(jax.lax.rem(s, jnp.int32(block_size)))
+            row = jnp.where(ok, t, 0)
+            for src, stage in ((k_ref, k_smem), (v_ref, v_smem)):
+                plgpu.copy_gmem_to_smem(
+                    src.at[row], stage.at[i], bars.at[i], predicate=ok,
+                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        for i in range(bt):
+            plgpu.barrier_wait(bars.at[i])
+            for stage, dst in ((k_smem, kc_ref), (v_smem, vc_ref)):
+                plgpu.copy_smem_to_gmem(stage.at[i], dst.at[blk[i], off[i]], predicate=live[i])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(),
+        scratch_types=[
+            plgpu.SMEM((bt,) + tuple(row_shape), dtype),
+            plgpu.SMEM((bt,) + tuple(row_shape), dtype),
+            plgpu.Barrier(num_arrivals=2, num_barriers=bt),
+        ],
+        grid=(num_ctas,),
+        grid_names=(_GRID_AXIS,),
+        kernel_name="kv_write_mosaic_gpu",
+    )
+    refs = [jax.new_ref(c) for c in caches]
+    kernel(slot_mapping, sources[0], sources[1], *refs)
+    return tuple(r[...] for r in refs)
+
+
+# --------------------------------------------------------------------------
+# Block zeroing
+# --------------------------------------------------------------------------
+
+
+@_backend.register(OP_ZERO, "mosaic_gpu")
+def _mosaic_zero(block_ids, arrays, *, r, config, interpret):
+    del config, interpret
+    num_kernel_blocks = arrays[0].shape[0]
+    num_logical_blocks = num_kernel_blocks // r
+    views = [_uint_view(a).reshape(num_kernel_blocks, -1) for a in arrays]
+    for k, v in enumerate(views):
+        block_bytes = v.shape[1] * np.dtype(v.dtype).itemsize
+        if block_bytes % _BULK_ALIGN:
+            raise NotImplementedError(
+                f"the mosaic_gpu zeroing kernel stores whole kernel blocks whose bytes must "
+                f"be a multiple of {_BULK_ALIGN}; caches[{k}] has {block_bytes}")
+    if block_ids.dtype != jnp.int32:
+        block_ids = _zero_live_ids(block_ids, num_logical_blocks)
+    widths = sorted({np.dtype(v.dtype).itemsize for v in views})
+    chunk = {w: ZERO_CHUNK_BYTES // w for w in widths}  # elements of each zeros buffer
+    n_arr = len(views)
+
+    def body(ids_ref, *refs):
+        # ids_ref GMEM int32[N]; refs: n_arr mutable Refs [num_kernel_blocks, E_a], then one
+        # SMEM zeros buffer per element width (ascending).
+        out_refs, zero_refs = refs[:n_arr], dict(zip(widths, refs[n_arr:]))
+        for w in widths:
+            zero_refs[w][...] = jnp.zeros((chunk[w],), zero_refs[w].dtype)
+        plgpu.commit_smem()
+        b = ids_ref[jax.lax.axis_index(_GRID_AXIS)]
+        live = (b > NULL_BLOCK_ID) & (b < num_logical_blocks)
+        first = jnp.where(live, b, 0) * r
+        for out, v in zip(out_refs, views):
+            width = v.shape[1]
+            zeros = zero_refs[np.dtype(v.dtype).itemsize]
+            step = chunk[np.dtype(v.dtype).itemsize]
+            for j in range(r):
+                for start in range(0, width, step):
+                    size = min(step, width - start)
+                    plgpu.copy_smem_to_gmem(
+                        zeros.at[pl.ds(0, size)], out.at[first + j, pl.ds(start, size)],
+                        predicate=live)
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(),
+        scratch_types=[plgpu.SMEM((chunk[w],), _UINT_OF_WIDTH[w]) for w in widths],
+        grid=(block_ids.shape[0],),
+        grid_names=(_GRID_AXIS,),
+        kernel_name="zero_blocks_mosaic_gpu",
+    )
+    refs = [jax.new_ref(v) for v in views]
+    kernel(block_ids, *refs)
+    return tuple(
+        jax.lax.bitcast_convert_type(ref[...].reshape(a.shape), a.dtype)
+        for ref, a in zip(refs, arrays)
+    )
+
