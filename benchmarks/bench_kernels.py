@@ -22,7 +22,9 @@ Implementations per op: ``pallas`` (kvjax's GPU kernel, ``backend="pallas_gpu"``
 ``xla_unique`` (the same scatter with ``unique_indices=True``; invalid rows sent
 to distinct out-of-range indices so the promise holds) and ``torch`` (the same
 op in torch on the same GPU: ``index_copy_`` / ``index_fill_`` / a vectorised
-torch SSM update). The first versions of the kernels were measured the same way
+torch SSM update); for the flash write and ``zero_blocks`` also ``mosaic_gpu`` (the Mosaic
+GPU kernels, ``backend="mosaic_gpu"``; only where JAX >= 0.11 runs on an H100-class GPU,
+with a device-time column like ``pallas``). The first versions of the kernels were measured the same way
 (``pallas_v0`` rows in ``results/2026-11-22-h100-call1.json``).
 
 Method: every JAX figure is one compiled executable that calls the op 50 times
@@ -76,6 +78,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels import _backend  # noqa: E402
 from pallas_kernels import KVWriteConfig, SSUConfig, ZeroBlocksConfig  # noqa: E402
 from pallas_kernels.block_zero import zero_blocks  # noqa: E402
 from pallas_kernels.kv_write import (  # noqa: E402
@@ -116,6 +119,18 @@ CALLS = 50  # op calls per executable / per CUDA graph
 SKIP_IMPLS: set = set()  # --skip-impls (a CPU smoke run skips the slow interpreted kernels)
 GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 TORCH_GPU = torch is not None and torch.cuda.is_available()
+
+
+def _mosaic_gpu_ok() -> bool:
+    """True where backend="mosaic_gpu" can run (JAX >= 0.11, an H100-class GPU)."""
+    try:
+        _backend.check_mosaic_gpu()
+    except ValueError:
+        return False
+    return True
+
+
+MOSAIC = GPU and _mosaic_gpu_ok()  # mosaic_gpu rows (flash write, zero_blocks) only there
 START = time.perf_counter()
 
 
@@ -452,7 +467,7 @@ def run_case(meta: dict, impls: list[Impl], carry, sets, *, mains: Callable,
                 match = err <= tol
             samples, carry = time_jax(exe, carry, sets, budget_s)
             dev = {}
-            if GPU and im.name == "pallas" and not sweep:  # device kernel time (profiler)
+            if GPU and im.name in ("pallas", "mosaic_gpu") and not sweep:  # device kernel time
                 box = [carry]
 
                 def once():
@@ -650,6 +665,9 @@ def bench_flash(T: int, fp8: bool, sz: dict, *, sweep_variants=None, budget=0.5)
         run_case(meta, impls, (kc, vc), sets, mains=lambda c: c, sweep=True, budget_s=budget)
         return
     impls = [Impl("pallas", pallas), Impl("xla", xla), Impl("xla_unique", xla_u)]
+    if MOSAIC:
+        impls.append(Impl("mosaic_gpu", lambda c, s, k, i: reshape_and_cache_flash(
+            s[0], s[1], c[0], c[1], s[2], *extra, backend="mosaic_gpu")))
 
     def torch_setup(ref):
         dev = "cuda" if TORCH_GPU else "cpu"
@@ -849,6 +867,9 @@ def bench_zero(n_ids: int, sz: dict, *, sweep_variants=None, budget=0.5):
                  mains=lambda c: c, sweep=True, budget_s=budget, ceiling="write")
         return
     impls = [Impl("pallas", pallas), Impl("xla", xla), Impl("xla_unique", xla_u)]
+    if MOSAIC:
+        impls.append(Impl("mosaic_gpu", lambda c, s, k, i: zero_blocks(
+            c, s[0], backend="mosaic_gpu")))
 
     def torch_setup(ref):
         dev = "cuda" if TORCH_GPU else "cpu"
@@ -1258,6 +1279,7 @@ def main() -> int:
     RES.path = args.json
     RES.meta = metadata()
     RES.meta["argv"] = sys.argv[1:]
+    RES.meta["mosaic_gpu_rows"] = MOSAIC
     if VLLM is not None:
         RES.meta["vllm"] = "0.33.0 (Triton kernels from the wheel, benchmarks: vllm_triton rows)"
     RES.save()
