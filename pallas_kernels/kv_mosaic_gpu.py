@@ -39,8 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _backend
 from pallas_kernels import contract as validation
-from pallas_kernels.block_zero import (
-    OP_ZERO, _UINT_OF_WIDTH, _live_ids as _zero_live_ids, _uint_view)
+from pallas_kernels.block_zero import OP_ZERO, _UINT_OF_WIDTH, _live_ids as _zero_live_ids
 from pallas_kernels.contract import NULL_BLOCK_ID
 from pallas_kernels.kv_write import _FLASH_SEGMENTS, OP_WRITE, _reference_write, quantize_fp8
 
@@ -139,12 +138,18 @@ def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, in
 # --------------------------------------------------------------------------
 
 
+def _unsigned(a):
+    """``a`` bitcast to the unsigned int of its width (the zeros buffers' dtypes)."""
+    u = _UINT_OF_WIDTH[np.dtype(a.dtype).itemsize]
+    return a if a.dtype == u else jax.lax.bitcast_convert_type(a, u)
+
+
 @_backend.register(OP_ZERO, "mosaic_gpu")
 def _mosaic_zero(block_ids, arrays, *, r, config, interpret):
     del config, interpret
     num_kernel_blocks = arrays[0].shape[0]
     num_logical_blocks = num_kernel_blocks // r
-    views = [_uint_view(a).reshape(num_kernel_blocks, -1) for a in arrays]
+    views = [_unsigned(a).reshape(num_kernel_blocks, -1) for a in arrays]
     for k, v in enumerate(views):
         block_bytes = v.shape[1] * np.dtype(v.dtype).itemsize
         if block_bytes % _BULK_ALIGN:
