@@ -125,6 +125,8 @@ def narrow_ids(name: str, x, lo: int, hi: int, *, fill: int, allow=()) -> jax.Ar
         return jax.numpy.asarray(np.asarray(x).astype(np.int32))
     x = jax.numpy.asarray(x)
     info = jax.numpy.iinfo(x.dtype)
+    if lo <= info.min and hi > info.max:  # every value is in range: no op to add
+        return x.astype(jax.numpy.int32)
     ok = jax.numpy.ones(x.shape, bool)
     if lo > info.min:  # bounds outside the dtype hold already (and would not convert)
         ok &= x >= lo

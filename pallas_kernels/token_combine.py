@@ -57,9 +57,10 @@ Implementations (picked by :func:`pallas_kernels._backend.resolve`):
   ``pl.when`` (a row that writes nothing issues nothing);
   ``logits_indices`` is an SMEM output resident for the whole grid.
 * GPU (Pallas Triton, see :func:`pallas_kernels._backend.gpu_compiler_params`):
-  one program per batch row; masked vector stores for the logits rows and
-  the drafts, a one-lane masked store for the last sampled token;
-  ``input_ids`` and a zero-filled ``logits_indices`` are aliased to the outputs.
+  one program per batch row, one launch per call; masked vector stores for
+  the logits rows and the drafts, a one-lane masked store for the last sampled
+  token; ``input_ids`` is aliased to the output, and ``logits_indices`` is not
+  pre-filled: the kernel writes each entry once, the zeros included.
 
 All implementations return identical arrays. ``input_ids`` is aliased to the
 returned ids, so a caller that donates it gets the update in place.
@@ -267,29 +268,37 @@ def _gpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
          num_logits, num_new, interpret):
     R, T = idx.shape[0], input_ids.shape[0]
     max_num_reqs, S = drafts.shape
+    NL = num_logits
     lanes = pl.next_power_of_2(S + num_new)  # Triton blocks are powers of two
     draft_lanes = pl.next_power_of_2(max(S, 1))
-    drafts_in = drafts if S else jnp.zeros((max_num_reqs, 1), jnp.int32)
+    rows = pl.next_power_of_2(R)
+    zero_w = min(pl.next_power_of_2(NL), 64)  # lanes of one zero store
+    chunk = min(pl.next_power_of_2(NL), 1024)  # logits entries per pass of the unordered path
 
-    def kernel(idx_ref, qsl_ref, seq_ref, cu_ref, prefill_ref, last_ref, drafts_ref,
-               _ids_in, _li_in, ids_ref, li_ref):
+    def kernel(*refs):
         # Inputs:  idx_ref i32[R], qsl_ref i32[>=R+1], seq_ref i32[>=R], cu_ref i32[>=R+1],
-        #          prefill_ref i32[MR], last_ref i32[MR], drafts_ref i32[MR, max(S, 1)],
-        #          _ids_in i32[T], _li_in i32[num_logits] zeros (aliased to the outputs)
-        # Outputs: ids_ref i32[T], li_ref i32[num_logits]
+        #          prefill_ref i32[MR], last_ref i32[MR], drafts_ref i32[MR, S] (only if S > 0),
+        #          _ids_in i32[T] (aliased to ids_ref)
+        # Outputs: ids_ref i32[T], li_ref i32[num_logits] (not initialised: every entry is
+        #          written below)
+        idx_ref, qsl_ref, seq_ref, cu_ref, prefill_ref, last_ref = refs[:6]
+        drafts_ref = refs[6] if S else None
+        ids_ref, li_ref = refs[-2:]
         b = pl.program_id(0)
-        s, ok, nl, start, decode, write_last = _row_terms(
-            idx_ref[b], cu_ref[b], cu_ref[b + 1], qsl_ref[b], qsl_ref[b + 1], seq_ref[b],
-            lambda row: prefill_ref[row],
-            max_num_reqs=max_num_reqs, num_spec=S, num_new=num_new,
-            num_logits=num_logits, num_tokens=T,
-        )
+
+        def terms(r):
+            return _row_terms(
+                idx_ref[r], cu_ref[r], cu_ref[r + 1], qsl_ref[r], qsl_ref[r + 1], seq_ref[r],
+                lambda row: prefill_ref[row],
+                max_num_reqs=max_num_reqs, num_spec=S, num_new=num_new,
+                num_logits=NL, num_tokens=T,
+            )
+
+        s, ok, nl, start, decode, write_last = terms(b)
         # Every window starts at an index >= 0 (masked-off rows use 0), so no
         # lane address is negative even where its store is masked.
         base = jnp.where(ok, start, 0)
-        first_logit = jnp.where(ok, cu_ref[b], 0)
         lane = jnp.arange(lanes, dtype=jnp.int32)
-        _backend.triton.store(li_ref.at[pl.ds(first_logit, lanes)], base + lane, mask=ok & (lane < nl))
         if num_new:
             one = jnp.arange(1, dtype=jnp.int32)
             token = _backend.triton.load(last_ref.at[pl.ds(s, 1)])
@@ -303,20 +312,78 @@ def _gpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
                 mask=decode & (j < nl - num_new),
             )
 
+        # logits_indices: every entry is written exactly once, by one program.
+        # With cu_num_logits[:R+1] non-decreasing (always, for a call that passes
+        # the concrete checks) the rows' ranges [cu[b], cu[b+1]), clipped to
+        # [0, NL), tile [cu[0], cu[R]): row b writes its values (a live, well
+        # formed row) or zeros over its range, and the entries before cu[0] and
+        # after cu[R] are zeroed by all programs in turn. Otherwise (a decreasing
+        # cu_num_logits under jit) ranges may overlap, and program 0 builds the
+        # whole array row by row, as the reference's scatter does.
+        r = jnp.arange(rows, dtype=jnp.int32)
+        lo = _backend.triton.load(cu_ref.at[pl.ds(0, rows)], mask=r < R, other=0)
+        hi = _backend.triton.load(cu_ref.at[r + 1], mask=r < R, other=0)  # gathered: r + 1 <= R
+        ordered = jnp.max(jnp.where(hi < lo, 1, 0)) == 0
+        clip = lambda v: jnp.minimum(jnp.maximum(v, 0), NL)  # noqa: E731
+        zl = jnp.arange(zero_w, dtype=jnp.int32)
+
+        def zero(lo_e, hi_e, first, step):
+            # zeros over [lo_e, hi_e), stores first, first + step, ... of zero_w lanes
+            per = step * zero_w  # a Python int (or int32): the count stays int32 under x64
+            n = (jnp.maximum(hi_e - lo_e - first * zero_w, 0) + (per - 1)) // per
+
+            def body(i, carry):
+                e0 = lo_e + (first + i * step) * zero_w
+                _backend.triton.store(li_ref.at[pl.ds(e0, zero_w)], jnp.zeros((zero_w,), jnp.int32),
+                                      mask=e0 + zl < hi_e)
+                return carry
+
+            jax.lax.fori_loop(0, n, body, 0)
+
+        @pl.when(ordered & ok)
+        def _values():
+            _backend.triton.store(li_ref.at[pl.ds(cu_ref[b], lanes)], start + lane, mask=lane < nl)
+
+        @pl.when(ordered & jnp.logical_not(ok))
+        def _masked_row():
+            zero(clip(cu_ref[b]), clip(cu_ref[b + 1]), 0, 1)
+
+        @pl.when(ordered)
+        def _outside_rows():
+            zero(0, clip(cu_ref[0]), b, R)
+            zero(clip(cu_ref[R]), NL, b, R)
+
+        @pl.when(jnp.logical_not(ordered) & (b == 0))
+        def _unordered():
+            def pass_body(c, carry):
+                e = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+
+                def row_body(q, v):
+                    _, ok_q, nl_q, start_q, _, _ = terms(q)
+                    cs_q = cu_ref[q]
+                    hit = ok_q & (e >= cs_q) & (e - cs_q < nl_q)
+                    return jnp.where(hit, start_q + (e - cs_q), v)
+
+                v = jax.lax.fori_loop(0, R, row_body, jnp.zeros((chunk,), jnp.int32))
+                _backend.triton.store(li_ref.at[pl.ds(c * chunk, chunk)], v, mask=e < NL)
+                return carry
+
+            jax.lax.fori_loop(0, pl.cdiv(NL, chunk), pass_body, 0)
+
+    inputs = [idx, qsl, seq_lens, cu, prefill_len, last] + ([drafts] if S else []) + [input_ids]
     call = pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((T,), jnp.int32),
-            jax.ShapeDtypeStruct((num_logits,), jnp.int32),
+            jax.ShapeDtypeStruct((NL,), jnp.int32),
         ),
         grid=(R,),
-        input_output_aliases={7: 0, 8: 1},
+        input_output_aliases={len(inputs) - 1: 0},
         compiler_params=_backend.gpu_compiler_params(),
         interpret=interpret,
         name="combine_sampled_and_draft_tokens_gpu",
     )
-    zeros = jnp.zeros((num_logits,), jnp.int32)
-    return call(idx, qsl, seq_lens, cu, prefill_len, last, drafts_in, input_ids, zeros)
+    return call(*inputs)
 
 
 # --------------------------------------------------------------------------
