@@ -83,7 +83,7 @@ def np_quantize(x, scale):
     return y.astype(FP8)
 
 
-def write_inputs(rng, t, h, d, bs, n, fp8):
+def write_inputs(rng, t, h, d, bs, n, fp8, all_pad=False):
     num_blocks = max(8, 2 * t // bs + 4)
     num_slots = num_blocks * bs
     cdt = FP8 if fp8 else BF16
@@ -103,6 +103,8 @@ def write_inputs(rng, t, h, d, bs, n, fp8):
             slots[i] = specials[(i // 9) % len(specials)]
     if n >= 3:
         slots[n - 1] = PAD_SLOT_ID  # the last token is padding
+    if all_pad:
+        slots[:] = PAD_SLOT_ID
     return key, value, caches, slots, num_slots
 
 
@@ -133,13 +135,14 @@ def run_write(impl, key, value, caches, slots, fp8, scale):
     return [np.asarray(o) for o in outs], same
 
 
-def write_case(t, h, d, bs, n=None, fp8=False, seed=0):
+def write_case(t, h, d, bs, n=None, fp8=False, seed=0, all_pad=False):
     n = t if n is None else n
-    name = f"write {'fp8' if fp8 else 'bf16'} T={t} N={n} H={h} D={d} bs={bs}"
+    name = (f"write {'fp8' if fp8 else 'bf16'} T={t} N={n} H={h} D={d} bs={bs}"
+            + (" all PAD" if all_pad else ""))
 
     def check():
         rng = np.random.default_rng(seed + 7 * t + h + d + bs)
-        key, value, caches, slots, num_slots = write_inputs(rng, t, h, d, bs, n, fp8)
+        key, value, caches, slots, num_slots = write_inputs(rng, t, h, d, bs, n, fp8, all_pad)
         scale = 0.37
         want = write_expected(key, value, caches, slots, num_slots, fp8, scale)
         errs = []
@@ -159,18 +162,18 @@ def write_case(t, h, d, bs, n=None, fp8=False, seed=0):
 
 
 def write_unsupported_case():
-    """fp8 rows of 64 bytes are below the kernel's 128-byte granularity: a clear error."""
+    """fp8 rows of 8 bytes are below the kernel's 16-byte granularity: a clear error."""
 
     def check():
         rng = np.random.default_rng(1)
-        key, value, caches, slots, _ = write_inputs(rng, 4, 1, 64, 16, 4, True)
+        key, value, caches, slots, _ = write_inputs(rng, 4, 1, 8, 16, 4, True)
         try:
             run_write("mosaic_gpu", key, value, caches, slots, True, 0.5)
         except NotImplementedError as e:
-            return "" if "128" in str(e) else f"NotImplementedError without the limit: {e}"
-        return "expected NotImplementedError for 64-byte fp8 rows"
+            return "" if "multiple of 16" in str(e) else f"NotImplementedError without the limit: {e}"
+        return "expected NotImplementedError for 8-byte fp8 rows"
 
-    run_case("write fp8 H=1 D=64 raises NotImplementedError", check)
+    run_case("write fp8 H=1 D=8 raises NotImplementedError", check)
 
 
 # --------------------------------------------------------------------------
@@ -246,8 +249,12 @@ def main() -> int:
             write_case(t, 1, 64, 32)
         write_case(16, 8, 128, 32, n=11)
         write_case(256, 1, 64, 16, n=200)
+        write_case(1, 8, 128, 16, all_pad=True)
+        write_case(16, 1, 64, 16, all_pad=True)
         for t in (1, 16, 256):
             write_case(t, 8, 128, 16, fp8=True)
+        for t in (7, 256):
+            write_case(t, 1, 64, 32, fp8=True)
         write_unsupported_case()
         for r in (1, 2):
             zero_case(r, 9)

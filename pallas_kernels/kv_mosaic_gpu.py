@@ -25,8 +25,8 @@ bulk stores of it over every kernel block of the id in every array (viewed as
 same-width unsigned ints ``[num_kernel_blocks, E]``), predicated on the id being live
 (not padding, not the null block, in range).
 
-Limits (``NotImplementedError`` at trace time): a K/V row must be a multiple of 128
-bytes, and a kernel block of a zeroed array a multiple of 16 bytes.
+Limits (``NotImplementedError`` at trace time): a K/V row and a kernel block of a zeroed
+array must each be a multiple of 16 bytes.
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ from pallas_kernels.kv_write import _FLASH_SEGMENTS, OP_WRITE, _reference_write,
 
 __all__ = ["ROW_BYTES_MULTIPLE", "ZERO_CHUNK_BYTES", "tokens_per_cta"]
 
-# Bytes of a K/V row must be a multiple of this: each of the warpgroup's 128 threads
-# announces an equal share of a bulk copy's bytes on its barrier.
-ROW_BYTES_MULTIPLE = 128
-# Bulk copies move multiples of 16 bytes.
-_BULK_ALIGN = 16
+# Bulk async copies move multiples of 16 bytes between 16-byte aligned addresses: a K/V
+# row (and a kernel block of a zeroed array) must be a multiple of this many bytes.
+ROW_BYTES_MULTIPLE = 16
+_BULK_ALIGN = ROW_BYTES_MULTIPLE
 # Bytes of the shared-memory zeros buffer (one per element width) of the zeroing kernel.
 ZERO_CHUNK_BYTES = 16384
 _GRID_AXIS = "cta"

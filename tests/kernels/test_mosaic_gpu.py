@@ -81,9 +81,11 @@ def _trace_write(h, d, dtype, fp8):
         k, k, c, c, jax.ShapeDtypeStruct((4,), jnp.int32))
 
 
-def test_rows_below_128_bytes_are_not_implemented():
-    with pytest.raises(NotImplementedError, match=r"multiple of 128; got H, D = \(1, 64\)"):
-        _trace_write(1, 64, kv_write.FP8_DTYPE, True)
+def test_rows_not_a_multiple_of_16_bytes_are_not_implemented():
+    with pytest.raises(NotImplementedError, match=r"multiple of 16; got H, D = \(1, 8\)"):
+        _trace_write(1, 8, kv_write.FP8_DTYPE, True)
+    with pytest.raises(NotImplementedError, match=r"multiple of 16; got H, D = \(3, 4\)"):
+        _trace_write(3, 4, jnp.bfloat16, False)
 
 
 def test_zero_blocks_below_16_bytes_are_not_implemented():
