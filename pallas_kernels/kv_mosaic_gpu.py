@@ -14,9 +14,10 @@ donated buffers (no copy).
 KV write (flash layout; ``concat_and_cache_mla`` runs the reference on this flavour):
 a 1-D grid of CTAs, one warpgroup each, ``bt`` tokens per CTA. Per token, its slot is
 read as a scalar from global memory, and its K and V rows (``[H, D]``, contiguous in the
-source and in the cache) go global -> shared -> global by bulk async copies, both
-predicated on the token being live (``t < N``, ``0 <= slot < num_slots``): a skipped
-token copies nothing, and its barrier completes at once. fp8: the rows are quantised by
+source and in the cache) go global -> shared -> global by bulk async copies. The loads
+are predicated on ``t < N`` only (they start while the slot is read), the stores on the
+token being live (``t < N``, ``0 <= slot < num_slots``): a skipped token stores nothing,
+and a token past ``N`` loads nothing (its barrier completes at once). fp8: the rows are quantised by
 XLA before the kernel with :func:`pallas_kernels.kv_write.quantize_fp8` (the reference's
 own arithmetic), so the cache bytes equal the reference's; the kernel copies fp8 rows.
 
@@ -94,21 +95,23 @@ def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, in
         # (mutable Refs) [num_blocks, block_size, H, D]; k_smem / v_smem SMEM [bt, H, D];
         # bars: one barrier per token row (its K and V loads).
         first = jax.lax.axis_index(_GRID_AXIS) * bt
+        tokens = [first + i for i in range(bt)]
+        in_batch = [t < n for t in tokens]
+        # The row loads depend only on t < N, so they start while the slots are read.
+        for i, (t, inb) in enumerate(zip(tokens, in_batch)):
+            row = jnp.where(inb, t, 0)
+            for src, stage in ((k_ref, k_smem), (v_ref, v_smem)):
+                plgpu.copy_gmem_to_smem(
+                    src.at[row], stage.at[i], bars.at[i], predicate=inb,
+                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         live, blk, off = [], [], []
-        for i in range(bt):
-            t = first + i
-            in_batch = t < n
-            slot = slots_ref[jnp.where(in_batch, t, 0)]
-            ok = in_batch & (slot >= 0) & (slot < num_slots)
-            s = jnp.where(ok, slot, 0)  # skipped copies keep in-range addresses
+        for t, inb in zip(tokens, in_batch):
+            slot = slots_ref[jnp.where(inb, t, 0)]
+            ok = inb & (slot >= 0) & (slot < num_slots)
+            s = jnp.where(ok, slot, 0)  # skipped stores keep in-range addresses
             live.append(ok)
             blk.append(jax.lax.div(s, jnp.int32(block_size)))
             off.append(jax.lax.rem(s, jnp.int32(block_size)))
-            row = jnp.where(ok, t, 0)
-            for src, stage in ((k_ref, k_smem), (v_ref, v_smem)):
-                plgpu.copy_gmem_to_smem(
-                    src.at[row], stage.at[i], bars.at[i], predicate=ok,
-                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         for i in range(bt):
             plgpu.barrier_wait(bars.at[i])
             for stage, dst in ((k_smem, kc_ref), (v_smem, vc_ref)):
