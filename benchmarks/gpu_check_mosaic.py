@@ -245,7 +245,7 @@ def main() -> int:
     else:
         for t in (1, 7, 16, 256, 4096):
             write_case(t, 8, 128, 16)
-        for t in (1, 7, 16, 256):
+        for t in (1, 7, 16, 256, 600, 1100):  # 600, 1100: 2 and 4 tokens per CTA
             write_case(t, 1, 64, 32)
         write_case(16, 8, 128, 32, n=11)
         write_case(256, 1, 64, 16, n=200)
