@@ -27,6 +27,9 @@ Variants (``exe`` = the executable, ``in`` = how the packed int32 input is passe
 * ``noop_donated`` / ``noop_kept``: an executable taking the step's argument tree that
   only touches the input (state donated and returned, or not donated and not returned):
   the cost of passing the arguments; ``noop_buf``: the input alone;
+* ``packed[opts]`` / ``packed_stable[opts]``: the Runner's ``layout="packed"`` (params one
+  array per dtype, rows and tables one buffer, outputs one buffer) without / with
+  ``stable_input=True``, called through ``Runner.enqueue``;
 * ``stable_out[...]`` / ``closed_params[...]`` / ``step[...]`` take any of the option sets.
 
 Child processes (``--no-children`` skips them; GPU only), each with its own environment,
@@ -41,7 +44,9 @@ run the ``n`` of ``--child-requests`` (JAX reads these settings once per process
   summarised per variant under ``vlog``; its timings include the logging, not reported;
 * ``vmm_skip_temp`` (``XLA_PYTHON_CLIENT_ALLOCATOR=vmm``,
   ``--xla_gpu_command_buffer_update_mode=SKIP_TEMP``: temporaries at stable virtual
-  addresses, so only nodes touching moved arguments or outputs are updated), ``vmm``,
+  addresses, so only nodes touching moved arguments or outputs are updated),
+  ``vmm_skip_profiled`` (``SKIP_PROFILED``: after 3 profiled runs, arguments and outputs
+  that move are mapped to stable virtual addresses too), ``vmm``,
   ``cuda_async`` (allocators) and ``tfrt_client`` (``XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1``).
 
 ``hlo_params`` is the executable's parameter count (``jax.jit`` drops unused arguments before
@@ -281,6 +286,19 @@ def variants(runner: Runner, runner_opt: str, buf_np: np.ndarray, which: list[st
                     runner.state, outs = exe(runner.state, get(nxt()))
                     return outs
                 yield v, inp, call, len(jax.tree.leaves(args)), hp
+        elif kind in ("packed", "packed_stable"):  # the Runner's packed layout (+ stable input)
+            pr = Runner(runner.config, compiler_options=OPTIONS[opt], layout="packed",
+                        stable_input=kind == "packed_stable")
+            pr.precompile()
+            pr.state = jax.tree.map(jax.numpy.copy, runner.state)
+            bucket = pr.buckets.buckets[0]
+            exe = pr.executables[bucket][0]
+            leaves = len(jax.tree.leaves((pr._param_groups, pr._pstate.rows, pr._pstate.caches, dev_same)))
+            for inp, get in inputs.items():
+                def call(pr=pr, bucket=bucket, get=get):
+                    return pr.enqueue(bucket, get(nxt())).packed
+                yield v, inp, call, leaves, hlo_param_count(exe)
+            del pr, exe
         elif kind == "noop":
             donated = jax.jit(lambda p, s, b: (s, b[:1] + 1), donate_argnums=(1,)).lower(
                 runner.params, runner.state, dev_same).compile()
@@ -301,9 +319,9 @@ def variants(runner: Runner, runner_opt: str, buf_np: np.ndarray, which: list[st
             raise ValueError(f"unknown variant {v!r}")
 
 
-TRACED = {("step[cmdbuf]", "np"), ("step[cmdbuf]", "dev_same"), ("stable_out[cmdbuf]", "dev_same"),
-          ("step[xla]", "np"), ("step[xla]", "dev_same"), ("stable_out[xla]", "dev_same"),
-          ("step[nocmdbuf]", "np")}
+TRACED = {("step[cmdbuf]", "np"), ("packed_stable[cmdbuf]", "np"),  # device time; host events with graphs off
+          ("step[xla]", "np"), ("step[xla]", "dev_same"), ("stable_out[xla]", "dev_same"),  # env_cmdbuf child
+          ("packed_stable[xla]", "np")}
 
 
 def host_costs(runner: Runner, buf_np: np.ndarray, reps: int) -> dict:
@@ -372,18 +390,21 @@ def probe(n: int, steps: int, rounds: int, which: list[str], trace: bool, rows: 
 # --------------------------------------------------------------------------- child processes
 
 CMDBUF_FLAGS = " ".join(f"--{k}={v}" for k, v in GPU_COMPILER_OPTIONS.items())
+CHILD_VARIANTS = "step[xla],stable_out[xla],packed_stable[xla]"
 VLOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_MAX_VLOG_LEVEL": "0",
             "TF_CPP_VMODULE": "command_executor=1,command_buffer_cmd=1,command_buffer_thunk=3"}
 # name -> (environment added, variants, extra arguments); XLA_FLAGS are appended to the caller's
 CHILDREN = {
     "env_cmdbuf": ({"XLA_FLAGS": CMDBUF_FLAGS + " --xla_enable_command_buffers_during_profiling=true"},
-                   "step[xla],stable_out[xla]", ["--trace"]),
-    "vlog": ({"XLA_FLAGS": CMDBUF_FLAGS, **VLOG_ENV}, "step[xla],stable_out[xla]", ["--steps", "6", "--rounds", "1"]),
+                   CHILD_VARIANTS, ["--trace"]),
+    "vlog": ({"XLA_FLAGS": CMDBUF_FLAGS, **VLOG_ENV}, CHILD_VARIANTS, ["--steps", "6", "--rounds", "1"]),
     "vmm_skip_temp": ({"XLA_FLAGS": CMDBUF_FLAGS + " --xla_gpu_command_buffer_update_mode=SKIP_TEMP",
-                       "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}, "step[xla],stable_out[xla]", []),
+                       "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}, CHILD_VARIANTS, []),
     "vmm_skip_temp_vlog": ({"XLA_FLAGS": CMDBUF_FLAGS + " --xla_gpu_command_buffer_update_mode=SKIP_TEMP",
-                            "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", **VLOG_ENV}, "step[xla],stable_out[xla]",
+                            "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm", **VLOG_ENV}, CHILD_VARIANTS,
                            ["--steps", "6", "--rounds", "1"]),
+    "vmm_skip_profiled": ({"XLA_FLAGS": CMDBUF_FLAGS + " --xla_gpu_command_buffer_update_mode=SKIP_PROFILED",
+                           "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}, CHILD_VARIANTS, []),
     "vmm": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}, "step[xla]", []),
     "cuda_async": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"}, "step[xla]", []),
     "tfrt_client": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"}, "step[xla]", []),
@@ -461,11 +482,12 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", default="8,64")
     ap.add_argument("--steps", type=int, default=40, help="calls back to back per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--variants", default="step[cmdbuf],step[xla],step[nocmdbuf],stable_out[cmdbuf],"
-                    "closed_params[cmdbuf],noop")
+    ap.add_argument("--variants", default="step[cmdbuf],step[nocmdbuf],stable_out[cmdbuf],packed[cmdbuf],"
+                    "packed_stable[cmdbuf],noop", help="also: step[xla], closed_params[cmdbuf], ...")
     ap.add_argument("--trace", action="store_true", help="profiler traces of selected variants")
     ap.add_argument("--no-children", action="store_true", help="skip the child processes")
-    ap.add_argument("--children", default=",".join(CHILDREN), help="which child processes")
+    ap.add_argument("--children", default="env_cmdbuf,vlog,vmm_skip_temp,vmm_skip_profiled,tfrt_client",
+                    help=f"which child processes, of {','.join(CHILDREN)}")
     ap.add_argument("--child-requests", default="64", help="request counts of the child processes")
     ap.add_argument("--child-timeout", type=int, default=150)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

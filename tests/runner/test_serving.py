@@ -1,7 +1,9 @@
-"""The overlapped serving loop gives bitwise the lockstep loop's tokens and logits."""
+"""The overlapped serving loop, and the packed argument layout, give bitwise the lockstep loop's
+tokens and logits."""
 
 import random
 
+import jax
 import numpy as np
 import pytest
 
@@ -70,3 +72,30 @@ def test_a_readmitted_request_waits_for_its_pending_tokens():
     req.output[1] = 9  # what resolving the step in flight writes
     serving._refresh_added(plan)
     assert plan.added == [(2, [5, 6, 7, 9], 2)] and not serving._needs_values(plan)
+
+
+def test_packed_layout_is_bitwise_the_tree_layout(runner):
+    """Runner(layout="packed", stable_input=True): params, rows and outputs cross as packed
+    buffers; tokens, logits and the final device state are bitwise the tree layout's, in
+    both loops, with the sanitizer's checks on."""
+    packed = Runner(CONFIG, compiler_options=FAST, layout="packed", stable_input=True)
+    packed.precompile()
+    base = _serve(runner, overlap=False)
+    base_state = jax.device_get(runner.state)
+    for overlap in (False, True):
+        steps, pre, got = _serve(packed, overlap=overlap)
+        assert (steps, pre) == base[:2]
+        for rid, req in base[2].items():
+            assert got[rid].output == req.output, rid
+            la, lb = np.stack(req.logits), np.stack(got[rid].logits)
+            assert np.array_equal(la.view(np.uint32), lb.view(np.uint32)), rid
+        for a, b in zip(jax.tree.leaves(base_state), jax.tree.leaves(jax.device_get(packed.state)), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert packed.guard.serving_compiles + packed.guard.serving_traces == 0
+
+
+def test_packed_layout_options_are_checked():
+    with pytest.raises(ValueError, match="layout must be one of .* got 'flat'"):
+        Runner(CONFIG, layout="flat")
+    with pytest.raises(ValueError, match="stable_input=True needs layout='packed'"):
+        Runner(CONFIG, stable_input=True)
