@@ -1,6 +1,7 @@
 """Host/device overlap of the serving loop: how long the device waits for the host per step.
 
     PYTHONPATH=. python benchmarks/bench_overlap.py [--requests 8,64,256] [--steps 40] [--json OUT]
+        [--layouts default,tree,packed,packed+stable]
 
 For N decoding requests of the tiny model (one bucket of N tokens and N rows), measures per
 decode step, medians over ``--steps`` steps after warm-up:
@@ -11,7 +12,12 @@ decode step, medians over ``--steps`` steps after warm-up:
 * ``lockstep_us`` / ``overlap_us``: wall time per step of :func:`run_to_completion` with
   ``overlap=False`` / ``True``;
 * ``gap_us = overlap_us - device_us``: the wall time per step the device sits idle between
-  two steps when the host plans step N+1 while step N runs (``lockstep_gap_us`` likewise).
+  two steps when the host plans step N+1 while step N runs (``lockstep_gap_us`` likewise);
+* ``enqueue_us``: host time per call of the back-to-back dispatches of ``device_us`` (when it
+  equals ``device_us`` the host's dispatch, not the device, sets the floor).
+
+``--layouts``: the Runner's argument layouts to measure (``default``: the Runner's default;
+``tree``; ``packed``; ``packed+stable``: ``layout="packed", stable_input=True``), one row each.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ import numpy as np
 from kvjax.host.scheduler import Request
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner.packing import pack
+
+LAYOUTS = {"default": {}, "tree": {"layout": "tree"}, "packed": {"layout": "packed"},
+           "packed+stable": {"layout": "packed", "stable_input": True}}
 from kvjax.runner.serving import run_to_completion
 
 
@@ -43,25 +52,26 @@ def _requests(n: int, decode_steps: int) -> list[Request]:
             for i in range(n)]
 
 
-def measure(n: int, steps: int) -> dict:
+def measure(n: int, steps: int, layout: str = "default") -> dict:
     cfg = _config(n)
-    runner = Runner(cfg)
+    runner = Runner(cfg, **LAYOUTS[layout])
     runner.precompile(workers=2)
     runner.warm_up()
     bucket = cfg.bucket_spec.buckets[0]
     buf, _ = pack(runner.pack(None, bucket))
-    exe, _ = runner.executables[bucket]
-    with runner.guard.serving():  # device floor: back-to-back dispatches of one step
-        for _ in range(3):
-            runner.state, out = exe(runner.params, runner.state, buf)
-        jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            runner.state, out = exe(runner.params, runner.state, buf)
-        jax.block_until_ready(out)
-        device_us = (time.perf_counter() - t0) / steps * 1e6
+    # device floor: back-to-back dispatches of one step
+    for _ in range(3):
+        out = runner.enqueue(bucket, buf)
+    out.fetch()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = runner.enqueue(bucket, buf)
+    t1 = time.perf_counter()
+    out.fetch()
+    device_us = (time.perf_counter() - t0) / steps * 1e6
 
-    row = {"requests": n, "device_us": device_us}
+    row = {"requests": n, "layout": runner.layout + ("+stable" if runner.stable_input else ""),
+           "device_us": device_us, "enqueue_us": (t1 - t0) / steps * 1e6}
     for overlap in (False, True):
         runner.reset()
         sched = cfg.make_scheduler()
@@ -97,11 +107,19 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", default="8,64,256", help="comma-separated request counts")
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per loop")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--layouts", default="default", help=f"comma-separated, of {','.join(LAYOUTS)}")
     a = ap.parse_args(argv)
+    layouts = a.layouts.split(",")
+    for name in layouts:
+        if name not in LAYOUTS:
+            ap.error(f"--layouts: {name!r} is not one of {', '.join(LAYOUTS)}")
     rows = []
     for n in (int(x) for x in a.requests.split(",")):
-        rows.append(measure(n, a.steps))
-        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in rows[-1].items()}))
+        for name in layouts:
+            rows.append(measure(n, a.steps, name))
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                  flush=True)
+            jax.clear_caches()
     meta = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
             "platform": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
             "method": __doc__.split("\n\n", 2)[1].strip()}
