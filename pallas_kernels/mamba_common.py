@@ -66,11 +66,20 @@ def sequence_bounds(cu, num_tokens: int):
     in order. Comparisons only, so no offset arithmetic can overflow.
     """
     lo, hi = cu[:-1], cu[1:]
-    good = (lo >= 0) & (hi >= lo) & (hi <= num_tokens)
+    good = offsets_good(lo, hi, num_tokens)
     ok = jnp.cumsum(jnp.logical_not(good).astype(jnp.int32)) == 0
     bos = jnp.where(ok, lo, num_tokens).astype(jnp.int32)
     lens = jnp.where(ok, hi - jnp.where(ok, lo, 0), 0).astype(jnp.int32)
     return bos, lens
+
+
+def offsets_good(lo, hi, num_tokens: int):
+    """Sequence ``[lo, hi)`` is well formed on its own: ``0 <= lo <= hi <= num_tokens``.
+
+    :func:`sequence_bounds` makes sequence ``b`` real only if this holds for every
+    sequence up to ``b`` (kernels that read the offsets themselves apply the same rule).
+    """
+    return (lo >= 0) & (hi >= lo) & (hi <= num_tokens)
 
 
 def offsets(name: str, cu, n: int, num_tokens: int):

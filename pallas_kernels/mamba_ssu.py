@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,13 +41,20 @@ OP_SSU = "selective_state_update"
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["state", "x", "dt", "A", "B", "C", "D", "dt_bias", "z", "bos", "lens",
-                 "src", "src_ok", "dst", "dst_ok"],
-    meta_fields=["dt_softplus", "per_token", "has_heads", "varlen"],
+    data_fields=["state", "x", "dt", "A", "B", "C", "D", "dt_bias", "z", "cu", "sbi", "dsbi",
+                 "na"],
+    meta_fields=["dt_softplus", "num_seqs", "null", "has_heads"],
 )
 @dataclasses.dataclass(frozen=True)
 class _SSUArgs:
-    """Canonical "with heads" arguments of one call."""
+    """Canonical "with heads" arguments of one call; index tables as passed (int32).
+
+    The per-sequence tables the kernels need (:class:`_Tables`) follow from them by
+    one rule (:func:`_first_column`, :func:`_reads`, :func:`_writes`,
+    :func:`pallas_kernels.mamba_common.sequence_bounds`): vectorised in
+    :func:`_tables` for the reference and the TPU kernel, per sequence inside the
+    GPU kernel.
+    """
 
     state: jax.Array  # [L, H, P, Ns]
     x: jax.Array  # [T, H, P]
@@ -57,22 +65,89 @@ class _SSUArgs:
     D: jax.Array | None  # [H, Pd]
     dt_bias: jax.Array | None  # [H, Pb]
     z: jax.Array | None  # [T, H, P]
+    cu: jax.Array | None  # [N + 1] cu_seqlens (varlen), else None: token b is sequence b
+    sbi: jax.Array | None  # [>= N, W] state_batch_indices, None: sequence b uses row b
+    dsbi: jax.Array | None  # [>= N, Wd] dst_state_batch_indices, None: sbi (in place)
+    na: jax.Array | None  # [N] num_accepted_tokens (speculative path), else None
     dt_softplus: bool
+    num_seqs: int  # N
+    null: int  # null_block_id
+    has_heads: bool
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu is not None
+
+    @property
+    def per_token(self) -> bool:
+        """Speculative path: token i stores to dst[:, i]; else the final store to dst[:, 0]."""
+        return self.na is not None
+
+
+class _Tables(NamedTuple):
+    """Per-sequence tables of one call (vectorised form)."""
+
     bos: jax.Array  # [N] int32, first token of each sequence
     lens: jax.Array  # [N] int32
     src: jax.Array  # [N] int32, state row read (only where src_ok)
     src_ok: jax.Array  # [N] bool
     dst: jax.Array  # [N, Wd] int32
     dst_ok: jax.Array  # [N, Wd] bool (already includes src_ok)
-    per_token: bool  # spec path: token i stores to dst[:, i]; else final store to dst[:, 0]
-    has_heads: bool
-    varlen: bool
+
+
+def _first_column(na, W: int):
+    """(column, exists): the ``state_batch_indices`` column a sequence reads its initial
+    state from, ``max(num_accepted_tokens - 1, 0)`` (1 outside the speculative path),
+    and whether the table has that column."""
+    col = jnp.maximum(na - 1, 0)
+    return col, col < W
+
+
+def _reads(col_ok, src, L: int, null: int):
+    """The sequence reads state row ``src``: its column exists and the row is real."""
+    return col_ok & mc.valid_index(src, L, null)
+
+
+def _writes(src_ok, dst, L: int, null: int):
+    """The sequence writes row ``dst``: it read a real row and ``dst`` is real."""
+    return src_ok & mc.valid_index(dst, L, null)
+
+
+def _tables(a: _SSUArgs) -> _Tables:
+    """The per-sequence tables, vectorised (reference and TPU kernel)."""
+    L = a.state.shape[0]
+    T = a.x.shape[0]
+    N = a.num_seqs
+    if a.cu is None:
+        bos, lens = jnp.arange(N, dtype=jnp.int32), jnp.ones((N,), jnp.int32)
+    else:
+        bos, lens = mc.sequence_bounds(a.cu, T)
+    if a.sbi is None:
+        src = jnp.arange(N, dtype=jnp.int32)
+        src_ok = jnp.ones((N,), bool)
+        return _Tables(bos, lens, src, src_ok, src[:, None], src_ok[:, None])
+    sbi = a.sbi[:N]
+    dsbi = sbi if a.dsbi is None else a.dsbi[:N]
+    W = sbi.shape[1]
+    init_col, col_ok = _first_column(a.na if a.per_token else jnp.ones((N,), jnp.int32), W)
+    src = jnp.take_along_axis(sbi, jnp.where(col_ok, init_col, 0)[:, None], axis=1)[:, 0]
+    src_ok = _reads(col_ok, src, L, a.null)
+    if a.per_token:
+        return _Tables(bos, lens, src, src_ok, dsbi, _writes(src_ok[:, None], dsbi, L, a.null))
+    dcol_ok = init_col < dsbi.shape[1]
+    dst = jnp.take_along_axis(dsbi, jnp.where(dcol_ok, init_col, 0)[:, None], axis=1)
+    return _Tables(bos, lens, src, src_ok, dst, _writes((src_ok & dcol_ok)[:, None], dst, L, a.null))
 
 
 def _normalize(
     state, x, dt, A, B, C, D, dt_bias, z, dt_softplus, state_batch_indices,
     dst_state_batch_indices, null_block_id, num_accepted_tokens, cu_seqlens,
 ) -> _SSUArgs:
+    """Checks every argument and returns the canonical form.
+
+    Under ``jit`` (traced int32 indices) this adds no op: the index rules run in
+    the kernels (the GPU flavour is then one launch per call).
+    """
     null_block_id = mc.check_int_arg("null_block_id", null_block_id)
     validation.check_rank("state", state, (3, 4))
     has_heads = np.ndim(state) == 4
@@ -112,8 +187,9 @@ def _normalize(
             raise ValueError(f"A must have shape [{P}, {Ns}] (size-1 axes broadcast), got {list(A.shape)}")
         validation.check_shape("B", B, (T, Ns))
         validation.check_shape("C", C, (T, Ns))
-        state, x, dt, A = state[:, None], x[:, None], dt[:, None], A[None]
-        B, C = B[:, None], C[:, None]
+        state, x = _unit_axis(state, 1), _unit_axis(x, 1)
+        dt, A = _unit_axis(dt, 1), _unit_axis(A, 0)
+        B, C = _unit_axis(B, 1), _unit_axis(C, 1)
     if G == 0 or H % G:
         raise ValueError(f"B must have a group count dividing nheads={H}, got {G} groups (B shape {list(B.shape)})")
 
@@ -129,7 +205,7 @@ def _normalize(
         validation.check_rank(name, arr, 1)
         if arr.shape[0] not in (1, P):
             raise ValueError(f"{name} must have shape [{P}] (or [1]), got {list(arr.shape)}")
-        return arr[None]
+        return _unit_axis(arr, 0)
 
     D = per_head("D", D)
     dt_bias = per_head("dt_bias", dt_bias)
@@ -137,17 +213,17 @@ def _normalize(
         mc.check_float("z", z)
         validation.check_shape("z", z, (T, H, P) if has_heads else (T, P))
         if not has_heads:
-            z = z[:, None]
+            z = _unit_axis(z, 1)
 
-    varlen = cu_seqlens is not None
-    if varlen:
+    if cu_seqlens is not None:
         validation.check_rank("cu_seqlens", cu_seqlens, 1)
         if cu_seqlens.shape[0] < 1:
             raise ValueError("cu_seqlens must have shape [N+1] with N >= 0, got [0]")
         N = cu_seqlens.shape[0] - 1
+        cu = mc.offsets("cu_seqlens", cu_seqlens, N, T)
     else:
         N = T
-    bos, lens = mc.segments(cu_seqlens, N, T)
+        cu = None
 
     spec = num_accepted_tokens is not None
     if state_batch_indices is None:
@@ -157,57 +233,50 @@ def _normalize(
             raise ValueError("num_accepted_tokens requires a 2-D state_batch_indices [N, max_seqlen]")
         if L < N:
             raise ValueError(f"state must have at least N={N} rows when state_batch_indices is None, got {L}")
-        src = jnp.arange(N, dtype=jnp.int32)
-        src_ok = jnp.ones((N,), bool)
-        dst = src[:, None]
-        dst_ok = src_ok[:, None]
-        return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, bool(dt_softplus), bos, lens,
-                        src, src_ok, dst, dst_ok, False, has_heads, varlen)
+        return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, cu, None, None, None,
+                        bool(dt_softplus), N, null_block_id, has_heads)
 
-    sbi = mc.index_array("state_batch_indices", state_batch_indices, (1, 2))
-    if sbi.ndim == 1:
-        sbi = sbi[:, None]
-    if sbi.shape[0] < N:
-        raise ValueError(f"state_batch_indices must have at least N={N} rows, got shape {list(sbi.shape)}")
-    sbi = sbi[:N]
-    if dst_state_batch_indices is None:
-        dsbi = sbi
-    else:
-        dsbi = mc.index_array("dst_state_batch_indices", dst_state_batch_indices, (1, 2))
-        if dsbi.ndim == 1:
-            dsbi = dsbi[:, None]
-        if dsbi.shape[0] < N:
-            raise ValueError(f"dst_state_batch_indices must have at least N={N} rows, got shape {list(dsbi.shape)}")
-        dsbi = dsbi[:N]
-    mc.check_index_values("state_batch_indices", sbi, L, null_block_id)
-    mc.check_index_values("dst_state_batch_indices", dsbi, L, null_block_id)
+    def table(name, arr):
+        t = mc.index_array(name, arr, (1, 2))
+        if t.ndim == 1:
+            t = t.reshape(t.shape[0], 1)
+        if t.shape[0] < N:
+            raise ValueError(f"{name} must have at least N={N} rows, got shape {list(t.shape)}")
+        mc.check_index_values(name, _head_rows(t, N), L, null_block_id)
+        return t
+
+    sbi = table("state_batch_indices", state_batch_indices)
+    dsbi = None if dst_state_batch_indices is None else table(
+        "dst_state_batch_indices", dst_state_batch_indices)
     W = sbi.shape[1]
-
+    na = None
     if spec:
         # beyond int32 (traced): W + 1, out of range, so the sequence is masked
         na = mc.index_array("num_accepted_tokens", num_accepted_tokens, 1, fill=W + 1)
         validation.check_shape("num_accepted_tokens", na, (N,))
-        init_col = jnp.maximum(na - 1, 0)
         validation.check_values_in_range("num_accepted_tokens", na, 0, W + 1)
-        vals = validation.concrete_values(lens)
-        if vals is not None and vals.size and int(vals.max()) > dsbi.shape[1]:
-            raise ValueError(
-                f"cu_seqlens: a sequence has {int(vals.max())} tokens but dst_state_batch_indices "
-                f"has only {dsbi.shape[1]} columns (one per token in the speculative path)")
-    else:
-        init_col = jnp.zeros((N,), jnp.int32)
-    col_ok = init_col < W
-    src = jnp.take_along_axis(sbi, jnp.where(col_ok, init_col, 0)[:, None], axis=1)[:, 0]
-    src_ok = col_ok & mc.valid_index(src, L, null_block_id)
-    if spec:
-        dst = dsbi
-        dst_ok = src_ok[:, None] & mc.valid_index(dsbi, L, null_block_id)
-    else:
-        dcol_ok = init_col < dsbi.shape[1]
-        dst = jnp.take_along_axis(dsbi, jnp.where(dcol_ok, init_col, 0)[:, None], axis=1)
-        dst_ok = (src_ok & dcol_ok)[:, None] & mc.valid_index(dst, L, null_block_id)
-    return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, bool(dt_softplus), bos, lens,
-                    src, src_ok, dst, dst_ok, spec, has_heads, varlen)
+        cu_vals = None if cu is None else validation.concrete_values(cu)
+        if cu is None or cu_vals is not None:
+            lens = np.ones((N,), np.int32) if cu is None else np.asarray(mc.sequence_bounds(cu_vals, T)[1])
+            Wd = W if dsbi is None else dsbi.shape[1]
+            if lens.size and int(lens.max()) > Wd:
+                raise ValueError(
+                    f"cu_seqlens: a sequence has {int(lens.max())} tokens but dst_state_batch_indices "
+                    f"has only {Wd} columns (one per token in the speculative path)")
+    return _SSUArgs(state, x, dt, A, B, C, D, dt_bias, z, cu, sbi, dsbi, na,
+                    bool(dt_softplus), N, null_block_id, has_heads)
+
+
+def _unit_axis(arr, axis: int):
+    """``arr`` with a size-1 axis inserted at ``axis`` (a reshape: no copy, no op on a GPU)."""
+    shape = list(np.shape(arr))
+    return jnp.reshape(arr, shape[:axis] + [1] + shape[axis:])
+
+
+def _head_rows(t, n: int):
+    """The first ``n`` rows of a concrete table (for its value check), else ``t``."""
+    v = validation.concrete_values(t)
+    return t if v is None else v[:n]
 
 
 # --------------------------------------------------------------------------- #
@@ -258,19 +327,20 @@ def _ssu_reference(a: _SSUArgs, *, config: SSUConfig, interpret):
     T = a.x.shape[0]
     G = a.B.shape[1]
     goh = jnp.arange(H) // (H // G)
-    if a.bos.shape[0] == 0 or T == 0:
+    if a.num_seqs == 0 or T == 0:
         return jnp.zeros(a.x.shape, a.x.dtype), state
-    h0 = _gather_initial(state, a.src, a.src_ok)
+    tab = _tables(a)
+    h0 = _gather_initial(state, tab.src, tab.src_ok)
 
     if not a.varlen:
         # One token per sequence: fully vectorised.
         h1, y = _step_math(h0, a.x, a.dt, a.A, a.B, a.C, a.D, a.dt_bias, a.z, a.dt_softplus, goh)
-        tgt = jnp.where(a.dst_ok[:, 0], a.dst[:, 0], L)
+        tgt = jnp.where(tab.dst_ok[:, 0], tab.dst[:, 0], L)
         state = scatter_set(state, tgt, h1)
         return y.astype(a.x.dtype), state
 
-    seg, pos, tvalid = mc.token_segment_ids(a.bos, a.lens, T)
-    Wd = a.dst.shape[1]
+    seg, pos, tvalid = mc.token_segment_ids(tab.bos, tab.lens, T)
+    Wd = tab.dst.shape[1]
     zs = a.z if a.z is not None else jnp.zeros((T, 0), a.x.dtype)
 
     def body(carry, inp):
@@ -282,11 +352,11 @@ def _ssu_reference(a: _SSUArgs, *, config: SSUConfig, interpret):
                            zt if a.z is not None else None, a.dt_softplus, goh)
         if a.per_token:
             col = jnp.minimum(i, Wd - 1)
-            wr = ok & (i < Wd) & a.dst_ok[b, col]
-            d = a.dst[b, col]
+            wr = ok & (i < Wd) & tab.dst_ok[b, col]
+            d = tab.dst[b, col]
         else:
-            wr = ok & (i == a.lens[b] - 1) & a.dst_ok[b, 0]
-            d = a.dst[b, 0]
+            wr = ok & (i == tab.lens[b] - 1) & tab.dst_ok[b, 0]
+            d = tab.dst[b, 0]
         st = scatter_set(st, jnp.where(wr, d, L), hn)
         return (hn, st), jnp.where(ok, y, 0.0)
 
@@ -323,10 +393,11 @@ def _ssu_tpu(a: _SSUArgs, *, config: SSUConfig, interpret):
     T = a.x.shape[0]
     G = a.B.shape[1]
     ratio = H // G
-    N = a.bos.shape[0]
-    Wd = a.dst.shape[1]
+    N = a.num_seqs
     if N == 0 or T == 0:
         return jnp.zeros(a.x.shape, a.x.dtype), state
+    tab = _tables(a)
+    Wd = tab.dst.shape[1]
 
     x_hm = jnp.swapaxes(a.x, 0, 1)  # [H, T, P]
     dt_hm = jnp.swapaxes(a.dt, 0, 1)  # [H, T, Pdt]
@@ -346,8 +417,8 @@ def _ssu_tpu(a: _SSUArgs, *, config: SSUConfig, interpret):
             ("accumulator", (P, Ns), jnp.float32, 1),
         ], hint=f"the kernel holds all {T} tokens of a head in VMEM: pass fewer tokens per call")
 
-    prefetch = (a.bos, a.lens, a.src, a.src_ok.astype(jnp.int32),
-                a.dst.reshape(-1), a.dst_ok.astype(jnp.int32).reshape(-1))
+    prefetch = (tab.bos, tab.lens, tab.src, tab.src_ok.astype(jnp.int32),
+                tab.dst.reshape(-1), tab.dst_ok.astype(jnp.int32).reshape(-1))
     n_pf = len(prefetch)
 
     def head_spec(last):
@@ -511,14 +582,19 @@ def _ssu_gpu_tile(P: int, Ns: int, cfg: SSUConfig) -> tuple[int, int]:
 @_backend.register(OP_SSU, "gpu")
 def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
     """Pallas GPU kernel: one program per (sequence, head, block of ``dim``), masked
-    loads/stores (the structure of vLLM's Triton kernel, with larger blocks)."""
+    loads/stores (the structure of vLLM's Triton kernel, with larger blocks).
+
+    One launch per call: the kernel reads the index tables as passed and applies the
+    rules of :func:`_tables` per sequence, and writes every token of ``out`` (the
+    tokens outside every sequence get zeros from the programs in turn), so nothing
+    runs before or after it.
+    """
     state = a.state
     L, H, P, Ns = state.shape
     T = a.x.shape[0]
     G = a.B.shape[1]
     ratio = H // G
-    N = a.bos.shape[0]
-    Wd = a.dst.shape[1]
+    N = a.num_seqs
     if N == 0 or T == 0:
         return jnp.zeros(a.x.shape, a.x.dtype), state
     BM, num_warps = _ssu_gpu_tile(P, Ns, config)
@@ -529,36 +605,29 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
     has_D, has_bias, has_z = a.D is not None, a.dt_bias is not None, a.z is not None
     per_token = a.per_token
     softplus = a.dt_softplus
+    varlen = a.varlen
+    has_sbi, has_dsbi = a.sbi is not None, a.dsbi is not None
+    W = a.sbi.shape[1] if has_sbi else 1
+    Wd = a.dsbi.shape[1] if has_dsbi else W
+    null = a.null
+    NB = mc.pow2(N)
 
-    inputs = [a.bos, a.lens, a.src, a.src_ok.astype(jnp.int32), a.dst.reshape(-1),
-              a.dst_ok.astype(jnp.int32).reshape(-1), a.x, a.dt, a.B, a.C, a.A]
-    if has_D:
-        inputs.append(a.D)
-    if has_bias:
-        inputs.append(a.dt_bias)
-    if has_z:
-        inputs.append(a.z)
-    # Varlen: tokens outside every sequence read 0, so out starts as zeros
-    # (aliased). Otherwise every token is its own sequence and the kernel
-    # writes all of out: no zero fill, one launch less.
-    zero_out = a.varlen
-    if zero_out:
-        inputs.append(jnp.zeros(a.x.shape, a.x.dtype))
+    optional = [a.cu, a.sbi, a.dsbi, a.na]
+    inputs = [v for v in optional if v is not None] + [a.x, a.dt, a.B, a.C, a.A]
+    inputs += [v for v in (a.D, a.dt_bias, a.z) if v is not None]
     inputs.append(state)
-    n_in = len(inputs)
-    n_aliased = 2 if zero_out else 1
-    one_token = not a.varlen
 
     def kernel(*refs):
         it = iter(refs)
-        bos_ref, len_ref, src_ref, srcok_ref, dst_ref, dstok_ref = (next(it) for _ in range(6))
+        cu_ref, sbi_ref, dsbi_ref, na_ref = (next(it) if v is not None else None for v in optional)
         x_ref, dt_ref, B_ref, C_ref, A_ref = (next(it) for _ in range(5))
         D_ref = next(it) if has_D else None
         bias_ref = next(it) if has_bias else None
         z_ref = next(it) if has_z else None
-        for _ in range(n_aliased):  # aliased inputs ([out zeros,] state)
-            next(it)
+        next(it)  # state input, aliased to state_ref
         out_ref, state_ref = next(it), next(it)
+        if not has_dsbi:
+            dsbi_ref = sbi_ref
         f32 = jnp.float32
         b = pl.program_id(0)
         h = pl.program_id(1)
@@ -572,6 +641,29 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
         mask2 = mask_m[:, None] & mask_n[None, :]
         ds_m = pl.ds(m0, BM)
         ds_n = pl.ds(zero, BN)
+
+        # The sequence: tokens t0 .. t0 + n_tok - 1 (mc.sequence_bounds, per sequence).
+        if varlen:
+            j = jnp.arange(NB, dtype=jnp.int32)
+            lo = _backend.triton.load(cu_ref.at[pl.ds(zero, NB)], mask=j < N, other=0)
+            hi = _backend.triton.load(cu_ref.at[j + 1], mask=j < N, other=0)
+            # k: the number of leading well-formed sequences; sequence b is real iff b < k
+            k = jnp.min(jnp.where(mc.offsets_good(lo, hi, T) | (j >= N), N, j))
+            real = b < k
+            t0 = jnp.where(real, cu_ref[b], T)
+            n_tok = jnp.where(real, cu_ref[b + 1] - jnp.where(real, cu_ref[b], 0), 0)
+        else:
+            t0, n_tok = b, 1
+
+        # Its state rows (_tables, per sequence).
+        if not has_sbi:
+            src, src_ok = b, True
+        elif W == 0:
+            src, src_ok = zero, False
+        else:
+            col, col_ok = _first_column(na_ref[b] if per_token else 1, W)
+            src = sbi_ref[b, jnp.where(col_ok, col, 0)]
+            src_ok = _reads(col_ok, src, L, null)
 
         def load_vec(ref, t, width):
             # row [t, h, :] of a [T, H, width] array, width in {1, P}
@@ -595,21 +687,21 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
         D = load_head_vec(D_ref, D_ref.shape[1]) if has_D else None
         bias = load_head_vec(bias_ref, bias_ref.shape[1]) if has_bias else None
 
-        src_ok = srcok_ref[b] != 0
-
         def read_state():
-            v = _backend.triton.load(state_ref.at[src_ref[b], h, ds_m, ds_n], mask=mask2, other=0.0,
+            v = _backend.triton.load(state_ref.at[src, h, ds_m, ds_n], mask=mask2, other=0.0,
                           eviction_policy=evict)
             return v.astype(f32)
 
-        h0 = jax.lax.cond(src_ok, read_state, lambda: jnp.zeros((BM, BN), f32))
+        if src_ok is True:
+            h0 = read_state()
+        elif src_ok is False:
+            h0 = jnp.zeros((BM, BN), f32)
+        else:
+            h0 = jax.lax.cond(src_ok, read_state, lambda: jnp.zeros((BM, BN), f32))
 
         def write_state(row, val):
             _backend.triton.store(state_ref.at[row, h, ds_m, ds_n], val.astype(state_ref.dtype), mask=mask2,
                        eviction_policy=evict)
-
-        t0 = bos_ref[b]
-        n_tok = len_ref[b]
 
         def body(i, hc):
             t = t0 + i
@@ -623,14 +715,14 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
             Bv = _backend.triton.load(B_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
             Cv = _backend.triton.load(C_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
             hn = hc * dA + (Bv[None, :] * dt[:, None]) * x[:, None]
-            if per_token:
+            if per_token and Wd > 0:
                 @pl.when(i < Wd)
                 def _():
-                    k = b * Wd + i
+                    d = dsbi_ref[b, i]
 
-                    @pl.when(dstok_ref[k] != 0)
+                    @pl.when(_writes(src_ok, d, L, null))
                     def _():
-                        write_state(dst_ref[k], hn)
+                        write_state(d, hn)
             y = jnp.sum(hn * Cv[None, :], axis=1)
             if has_D:
                 y = y + x * D
@@ -641,18 +733,45 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
             return hn
 
         # Without cu_seqlens every sequence is one token: no loop.
-        hf = body(jnp.int32(0), h0) if one_token else jax.lax.fori_loop(0, n_tok, body, h0)
-        if not per_token:
-            @pl.when((dstok_ref[b * Wd] != 0) & (n_tok > 0))
-            def _():
-                write_state(dst_ref[b * Wd], hf)
+        hf = body(zero, h0) if not varlen else jax.lax.fori_loop(0, n_tok, body, h0)
+        if not per_token and Wd > 0:
+            if has_sbi:
+                d = dsbi_ref[b, 0]
+                store = _writes(src_ok, d, L, null)
+            else:
+                d, store = b, True
+            if varlen:
+                store = store & (n_tok > 0)
+            if store is True:
+                write_state(d, hf)
+            else:
+                @pl.when(store)
+                def _():
+                    write_state(d, hf)
+
+        if varlen:
+            # Tokens outside every sequence (before cu[0], after the last real one,
+            # all of them when none is real) read 0: zeroed by program b at b, b + N, ...
+            first = jnp.where(k > 0, cu_ref[zero], T)
+            last = jnp.where(k > 0, cu_ref[k], T)
+            zeros = jnp.zeros((BM,), out_ref.dtype)
+
+            def zero_tokens(lo_t, hi_t):
+                def zbody(i, carry):
+                    _backend.triton.store(out_ref.at[lo_t + b + i * N, h, ds_m], zeros, mask=mask_m)
+                    return carry
+
+                jax.lax.fori_loop(0, (jnp.maximum(hi_t - lo_t - b, 0) + (N - 1)) // N, zbody, 0)
+
+            zero_tokens(zero, first)
+            zero_tokens(last, T)
 
     out, state = pl.pallas_call(
         kernel,
         grid=(N, H, pl.cdiv(P, BM)),
         out_shape=[jax.ShapeDtypeStruct(a.x.shape, a.x.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={n_in - 2: 0, n_in - 1: 1} if zero_out else {n_in - 1: 1},
+        input_output_aliases={len(inputs) - 1: 1},
         compiler_params=_backend.gpu_compiler_params(num_warps),
         interpret=interpret,
     )(*inputs)
@@ -741,6 +860,6 @@ def selective_state_update(
                       num_accepted_tokens, cu_seqlens)
     out, new_state = _backend.run(OP_SSU, choice, args, config=config)
     if not args.has_heads:
-        out = out[:, 0]
+        out = out.reshape(x.shape)
         new_state = new_state.reshape(state.shape)
     return out, new_state

@@ -1,4 +1,4 @@
-"""The GPU flavour of ``combine_sampled_and_draft_tokens``
+"""The GPU flavour of ``selective_state_update`` and ``combine_sampled_and_draft_tokens``
 is one launch per call, and still masks like the reference.
 
 On a GPU every XLA op outside a ``pallas_call`` (index checks, tables, a zero fill,
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_kernels import combine_sampled_and_draft_tokens
+from pallas_kernels import combine_sampled_and_draft_tokens, selective_state_update
 
 #: Primitives that cost no launch: XLA turns them into bitcasts.
 FREE = {"reshape", "squeeze"}
@@ -49,7 +49,85 @@ def assert_one_launch(fn, *args):
     assert ops == {"pallas_call": 1}, f"ops outside the kernel (each a launch on a GPU): {dict(ops)}"
 
 
-i32 = np.int32
+f32, i32 = np.float32, np.int32
+H, P, NS, G, L = 4, 8, 16, 2, 9
+
+
+def _ssu_inputs(T, heads=True):
+    rng = np.random.default_rng(T)
+    x = rng.normal(size=(T, H, P)).astype(f32)
+    a = dict(x=x, dt=rng.normal(size=(T, H, 1)).astype(f32),
+             A=-np.exp(rng.normal(size=(H, 1, 1))).astype(f32),
+             B=rng.normal(size=(T, G, NS)).astype(f32), C=rng.normal(size=(T, G, NS)).astype(f32),
+             D=rng.normal(size=(H, 1)).astype(f32), dt_bias=rng.normal(size=(H, 1)).astype(f32),
+             z=rng.normal(size=(T, H, P)).astype(f32))
+    state = rng.normal(size=(L, H, P, NS)).astype(f32)
+    if not heads:
+        a = dict(x=x[:, 0], dt=a["dt"][:, 0], A=np.full((P, NS), -1.0, f32), B=a["B"][:, 0],
+                 C=a["C"][:, 0], D=a["D"][0], dt_bias=a["dt_bias"][0], z=a["z"][:, 0])
+        state = state[:, 0]
+    return state, a
+
+
+# Index arguments of each SSU form; None = not passed.
+SSU_FORMS = {
+    "decode": dict(T=3, sbi=np.array([4, 0, 2], i32)),
+    "decode-no-heads": dict(T=3, sbi=np.array([4, 0, 2], i32), heads=False),
+    "no-indices": dict(T=3),
+    "src-dst": dict(T=3, sbi=np.array([[4], [0], [2]], i32), dsbi=np.array([5, 6, 0], i32)),
+    "spec": dict(T=2, sbi=np.array([[3, 4], [5, 6]], i32), na=np.array([2, 1], i32)),
+    "varlen-spec": dict(T=6, sbi=np.array([[3, 4, 0], [5, 6, 7]], i32), na=np.array([1, 3], i32),
+                        cu=np.array([1, 3, 5], i32)),
+    "varlen": dict(T=6, sbi=np.array([3, 5, 0], i32), dsbi=np.array([6, 7, 8], i32),
+                   cu=np.array([0, 2, 2, 5], i32)),
+}
+
+
+def _ssu_call(form, backend, interpret):
+    f = SSU_FORMS[form]
+    state, a = _ssu_inputs(f["T"], f.get("heads", True))
+    idx = {k: f[k] for k in ("sbi", "dsbi", "na", "cu") if k in f}
+
+    def call(state, a, idx):
+        return selective_state_update(
+            state, a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], a["z"], True,
+            idx.get("sbi"), idx.get("dsbi"), 0, idx.get("na"), idx.get("cu"),
+            backend=backend, interpret=interpret)
+
+    return call, (state, a, idx)
+
+
+@pytest.mark.parametrize("form", sorted(SSU_FORMS))
+def test_ssu_gpu_is_one_launch(form):
+    call, args = _ssu_call(form, "pallas_gpu", False)
+    assert_one_launch(call, *args)
+
+
+def test_ssu_gpu_lowers_for_cuda():
+    for form in ("decode", "varlen-spec"):
+        call, args = _ssu_call(form, "pallas_gpu", False)
+        text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call") == 1, form
+
+
+def _ssu_varlen_spec(backend, interpret):
+    state, a = _ssu_inputs(6)
+    sbi, na = np.array([[3, 4, 0], [5, 6, 7]], i32), np.array([1, 3], i32)
+    return jax.jit(lambda st, cu: selective_state_update(
+        st, a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], a["z"], True,
+        sbi, None, 0, na, cu, backend=backend, interpret=interpret)), state
+
+
+_SSU_JIT = {b: _ssu_varlen_spec(b, i) for b, i in (("reference", None), ("pallas_gpu", True))}
+
+
+@pytest.mark.parametrize("cu", [[1, 3, 5], [2, 2, 6], [0, 7, 1], [-1, 2, 4]], ids=str)
+def test_ssu_gpu_tokens_outside_sequences_read_zero(cu):
+    """Tokens before the first sequence, after the last real one, or after a bad offset."""
+    (want_out, want_st), (got_out, got_st) = (
+        [np.asarray(v) for v in f(state, np.array(cu, i32))] for f, state in _SSU_JIT.values())
+    assert got_out.tobytes() == want_out.tobytes()
+    assert got_st.tobytes() == want_st.tobytes()
 
 
 # combine_sampled_and_draft_tokens: R rows, MR request rows, S drafts, T tokens, NL logits.
