@@ -204,6 +204,30 @@ def ssu_cases(rng, interp, big):
         require(ok, f"out differs (rel err {e:.2e})")
         check_state(s, s2, state, {1, 3}, 2e-5)
 
+    @case("ssu varlen under jit: tokens outside every sequence are 0 (out is not pre-filled)")
+    def _():
+        T = 8
+        c, state = ssu_inputs(rng, T, H, P, N, 1, 8, tied=True)
+        state = poison(state, [0, 1, 2, 3, 6, 7])
+        sbi = np.array([4, 5], np.int32)
+        outs = {}
+        for backend, interpret in (("pallas_gpu", interp), ("reference", None)):
+            outs[backend] = jax.jit(lambda s, cu, be=backend, it=interpret: selective_state_update(
+                s, c["x"], c["dt"], c["A"], c["B"], c["C"], D=c["D"], z=c["z"],
+                state_batch_indices=sbi, dst_state_batch_indices=sbi, cu_seqlens=cu,
+                backend=be, interpret=it))
+        # before cu[0]; after cu[N]; after a bad offset (past T, decreasing, negative)
+        for cu in ([2, 4, 5], [0, 3, 3], [0, 3, 20], [1, 4, 2], [-1, 3, 4]):
+            cu = np.array(cu, np.int32)
+            o, s = jax.block_until_ready(outs["pallas_gpu"](jnp.asarray(state), cu))
+            o2, s2 = outs["reference"](jnp.asarray(state), cu)
+            o, o2 = np.asarray(o, np.float32), np.asarray(o2, np.float32)
+            zero = ~np.asarray(o2 != 0).any(axis=(1, 2))
+            require(not o[zero].any(), f"cu={cu.tolist()}: tokens outside the sequences not 0")
+            ok, e = close(o, o2, 2e-5)
+            require(ok, f"cu={cu.tolist()}: out differs (rel err {e:.2e})")
+            check_state(s, s2, state, {4, 5}, 2e-5)
+
 
 # --------------------------------------------------------------------------- #
 # causal_conv1d_update

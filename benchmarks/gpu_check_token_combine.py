@@ -21,7 +21,9 @@ larger than needed, ``last_sampled_tokens`` as ``[MR]`` and ``[MR, 1]``, int64
 index arrays (x64); and, under ``jit`` where values are not checked,
 out-of-range and negative request rows and every kind of malformed row
 (too many / too few logits rows, logits past ``num_logits``, a query past
-``input_ids``, logits rows before the query start). Then: a donated
+``input_ids``, logits rows before the query start, a decreasing
+``cu_num_logits`` whose padded rows' ranges cover a live row's: the kernel
+writes every ``logits_indices`` entry itself, zeros included). Then: a donated
 ``input_ids`` is updated in place (same buffer, aliased in the compiled
 module, small temporary memory), and repeated calls give identical results.
 """
@@ -325,7 +327,13 @@ def _():
     def negative_cu(a):  # row 0 starts before 0
         a["cu_num_logits"][0] = -2
 
-    for name, change in (("too many logits rows", too_many), ("too few", too_few),
+    def decreasing_cu(a):  # padded rows 1, 2: row 2's range [0, 4) covers live row 0's
+        a["idx_mapping"][1:3] = -1
+        a["cu_num_logits"][2:] = [0, 4, 6, 6, 6]
+        a["query_start_loc"][3] = a["query_start_loc"][2]
+
+    for name, change in (("decreasing cu_num_logits", decreasing_cu),
+                         ("too many logits rows", too_many), ("too few", too_few),
                          ("past num_logits", past_num_logits), ("query past input_ids", query_past_ids),
                          ("logits rows before the query", logits_before_query),
                          ("negative cu_num_logits", negative_cu)):
