@@ -31,7 +31,7 @@ import numpy as np
 
 from pallas_kernels.block_zero import zero_blocks
 from pallas_kernels.contract import PAD_SLOT_ID
-from pallas_kernels.kv_write import reshape_and_cache_flash
+from pallas_kernels.kv_write import KVWriteConfig, reshape_and_cache_flash
 
 FP8 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
@@ -119,12 +119,12 @@ def write_expected(key, value, caches, slots, num_slots, fp8, scale):
     return outs
 
 
-def run_write(impl, key, value, caches, slots, fp8, scale):
+def run_write(impl, key, value, caches, slots, fp8, scale, config=KVWriteConfig()):
     mode = "fp8" if fp8 else "auto"
 
     def f(k, v, kc, vc, sm):
         s = jnp.float32(scale) if fp8 else None
-        return reshape_and_cache_flash(k, v, kc, vc, sm, mode, s, s, backend=impl)
+        return reshape_and_cache_flash(k, v, kc, vc, sm, mode, s, s, backend=impl, config=config)
 
     fn = jax.jit(f, donate_argnums=(2, 3))
     kc, vc = (jax.device_put(c) for c in caches)
@@ -135,10 +135,11 @@ def run_write(impl, key, value, caches, slots, fp8, scale):
     return [np.asarray(o) for o in outs], same
 
 
-def write_case(t, h, d, bs, n=None, fp8=False, seed=0, all_pad=False):
+def write_case(t, h, d, bs, n=None, fp8=False, seed=0, all_pad=False, **knobs):
     n = t if n is None else n
+    config = KVWriteConfig(**knobs)
     name = (f"write {'fp8' if fp8 else 'bf16'} T={t} N={n} H={h} D={d} bs={bs}"
-            + (" all PAD" if all_pad else ""))
+            + (" all PAD" if all_pad else "") + "".join(f" {k}={v}" for k, v in knobs.items()))
 
     def check():
         rng = np.random.default_rng(seed + 7 * t + h + d + bs)
@@ -147,7 +148,8 @@ def write_case(t, h, d, bs, n=None, fp8=False, seed=0, all_pad=False):
         want = write_expected(key, value, caches, slots, num_slots, fp8, scale)
         errs = []
         for impl in IMPLS:
-            got, same = run_write(impl, key, value, caches, slots, fp8, scale)
+            got, same = run_write(impl, key, value, caches, slots, fp8, scale,
+                                  config if impl == "mosaic_gpu" else KVWriteConfig())
             for which, g, w, s in zip(("key_cache", "value_cache"), got, want, same):
                 m = same_bits(g, w)
                 if m:
@@ -186,7 +188,7 @@ def zero_case(r, n_ids, seed=0):
 
     def check():
         rng = np.random.default_rng(seed + r)
-        nkb = 40 * r
+        nkb = max(40, n_ids + 20) * r
         nlb = nkb // r
         arrays = [
             rng.uniform(-1, 1, (nkb, 16, 8, 128)).astype(np.float32).astype(BF16),
@@ -254,11 +256,16 @@ def main() -> int:
         for t in (1, 16, 256):
             write_case(t, 8, 128, 16, fp8=True)
         for t in (7, 256):
-            write_case(t, 1, 64, 32, fp8=True)
+            write_case(t, 1, 64, 32, fp8=True)  # quantised by XLA (64-element rows)
+        write_case(4096, 8, 128, 16, fp8=True)
+        write_case(256, 8, 128, 16, fp8=True, mosaic_fp8_in_kernel=False)
+        write_case(100, 8, 128, 16, fp8=True, mosaic_tokens_per_cta=4)
+        write_case(100, 8, 128, 16, mosaic_tokens_per_cta=8)
         write_unsupported_case()
         for r in (1, 2):
             zero_case(r, 9)
         zero_case(1, 1)
+        zero_case(1, 700)  # one group of arrays per id
     failed = [r["name"] for r in RESULTS if not r["ok"]]
     info.update(seconds=round(time.perf_counter() - t0, 2), passed=len(RESULTS) - len(failed),
                 total=len(RESULTS), failed=failed, cases=RESULTS,

@@ -21,8 +21,9 @@ and a token past ``N`` loads nothing (its barrier completes at once). fp8: the r
 XLA before the kernel with :func:`pallas_kernels.kv_write.quantize_fp8` (the reference's
 own arithmetic), so the cache bytes equal the reference's; the kernel copies fp8 rows.
 
-Block zeroing: a zero-filled shared-memory buffer per element width, one CTA per id,
-bulk stores of it over every kernel block of the id in every array (viewed as
+Block zeroing: a zero-filled shared-memory buffer per element width; a 2-D grid of CTAs
+(id, group of arrays, :func:`array_groups`), each storing the buffer by bulk copies over
+every kernel block of its id in each array of its group (arrays viewed as
 same-width unsigned ints ``[num_kernel_blocks, E]``), predicated on the id being live
 (not padding, not the null block, in range).
 
@@ -53,6 +54,9 @@ _BULK_ALIGN = ROW_BYTES_MULTIPLE
 # Bytes of the shared-memory zeros buffer (one per element width) of the zeroing kernel.
 ZERO_CHUNK_BYTES = 16384
 _GRID_AXIS = "cta"
+_GROUP_AXIS = "group"
+# The zeroing kernel splits the arrays over CTAs until a call has about this many CTAs.
+ZERO_MIN_CTAS = 512
 
 
 def tokens_per_cta(n: int) -> int:
@@ -62,9 +66,22 @@ def tokens_per_cta(n: int) -> int:
     return int(min(8, 1 << (per.bit_length() - 1)))
 
 
+def array_groups(num_ids: int, num_arrays: int) -> int:
+    """Groups of arrays the zeroing kernel spreads over CTAs: 1 (one CTA per id zeroes every
+    array) when the ids alone give :data:`ZERO_MIN_CTAS` CTAs, up to one group per array."""
+    return int(min(num_arrays, max(1, -(-ZERO_MIN_CTAS // max(num_ids, 1)))))
+
+
 # --------------------------------------------------------------------------
 # KV write
 # --------------------------------------------------------------------------
+
+
+def fp8_in_kernel(row_shape, config) -> bool:
+    """Whether the fp8 quantisation runs in the kernel (else XLA quantises before it): when
+    ``config.mosaic_fp8_in_kernel`` and a row has a multiple of 128 elements (one register
+    layout over the warpgroup's 128 threads)."""
+    return bool(config.mosaic_fp8_in_kernel) and int(np.prod(row_shape)) % 128 == 0
 
 
 @_backend.register(OP_WRITE, "mosaic_gpu")
@@ -75,25 +92,34 @@ def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, in
     n = slot_mapping.shape[0]
     num_blocks, block_size = caches[0].shape[:2]
     num_slots = num_blocks * block_size
-    row_shape = caches[0].shape[2:]
-    if scales is not None:  # quantised by XLA with the reference's arithmetic
+    row_shape = tuple(caches[0].shape[2:])
+    quantize = scales is not None and fp8_in_kernel(row_shape, config)
+    if scales is not None and not quantize:  # quantised by XLA, the reference's arithmetic
         sources = tuple(quantize_fp8(s[:n], sc) for s, sc in zip(sources, scales))
-    row_bytes = int(np.prod(row_shape)) * np.dtype(caches[0].dtype).itemsize
-    if row_bytes % ROW_BYTES_MULTIPLE:
-        raise NotImplementedError(
-            f"the mosaic_gpu KV write copies whole [H, D] rows whose bytes must be a multiple "
-            f"of {ROW_BYTES_MULTIPLE}; got H, D = {tuple(row_shape)} of "
-            f"{np.dtype(caches[0].dtype)} ({row_bytes} bytes)")
+    for dt in {np.dtype(sources[0].dtype), np.dtype(caches[0].dtype)}:
+        row_bytes = int(np.prod(row_shape)) * dt.itemsize
+        if row_bytes % ROW_BYTES_MULTIPLE:
+            raise NotImplementedError(
+                f"the mosaic_gpu KV write copies whole [H, D] rows whose bytes must be a "
+                f"multiple of {ROW_BYTES_MULTIPLE}; got H, D = {row_shape} of {dt} "
+                f"({row_bytes} bytes)")
     if slot_mapping.dtype != jnp.int32:  # a traced int64 mapping: masked before narrowing
         slot_mapping = validation.live_ids(slot_mapping, num_slots)
-    bt = tokens_per_cta(n)
+    bt = config.mosaic_tokens_per_cta or tokens_per_cta(n)
     num_ctas = pl.cdiv(n, bt)
-    dtype = caches[0].dtype
+    scale_args = list(scales) if quantize else []
 
-    def body(slots_ref, k_ref, v_ref, kc_ref, vc_ref, k_smem, v_smem, bars):
-        # slots_ref GMEM i32[N]; k_ref / v_ref GMEM [T, H, D]; kc_ref / vc_ref the caches
-        # (mutable Refs) [num_blocks, block_size, H, D]; k_smem / v_smem SMEM [bt, H, D];
-        # bars: one barrier per token row (its K and V loads).
+    def body(slots_ref, k_ref, v_ref, *refs):
+        # slots_ref GMEM i32[N]; k_ref / v_ref GMEM [T, H, D];
+        # fp8 in kernel only: k_scale / v_scale GMEM f32[H, D];
+        # kc_ref / vc_ref the caches (mutable Refs) [num_blocks, block_size, H, D];
+        # k_smem / v_smem SMEM [bt, H, D] (source dtype);
+        # fp8 in kernel only: kq_smem / vq_smem SMEM fp8[bt, H, D], scale_smem f32[2, H, D];
+        # bars: one barrier per token row (its K and V loads), then the scales' barrier.
+        if quantize:
+            ks_ref, vs_ref, kc_ref, vc_ref, k_smem, v_smem, kq_smem, vq_smem, scale_smem, bars = refs
+        else:
+            kc_ref, vc_ref, k_smem, v_smem, bars = refs
         first = jax.lax.axis_index(_GRID_AXIS) * bt
         tokens = [first + i for i in range(bt)]
         in_batch = [t < n for t in tokens]
@@ -104,6 +130,10 @@ def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, in
                 plgpu.copy_gmem_to_smem(
                     src.at[row], stage.at[i], bars.at[i], predicate=inb,
                     oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        if quantize:
+            for j, sc in enumerate((ks_ref, vs_ref)):
+                plgpu.copy_gmem_to_smem(sc, scale_smem.at[j], bars.at[bt],
+                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         live, blk, off = [], [], []
         for t, inb in zip(tokens, in_batch):
             slot = slots_ref[jnp.where(inb, t, 0)]
@@ -112,26 +142,37 @@ def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, in
             live.append(ok)
             blk.append(jax.lax.div(s, jnp.int32(block_size)))
             off.append(jax.lax.rem(s, jnp.int32(block_size)))
+        if quantize:
+            plgpu.barrier_wait(bars.at[bt])
+            stores = ((kq_smem, kc_ref), (vq_smem, vc_ref))
+        else:
+            stores = ((k_smem, kc_ref), (v_smem, vc_ref))
         for i in range(bt):
             plgpu.barrier_wait(bars.at[i])
-            for stage, dst in ((k_smem, kc_ref), (v_smem, vc_ref)):
+            if quantize:
+                for j, (stage, q) in enumerate(((k_smem, kq_smem), (v_smem, vq_smem))):
+                    q.at[i][...] = quantize_fp8(stage.at[i][...], scale_smem.at[j][...],
+                                                divide=jnp.divide)
+                plgpu.commit_smem()
+            for stage, dst in stores:
                 plgpu.copy_smem_to_gmem(stage.at[i], dst.at[blk[i], off[i]], predicate=live[i])
         plgpu.wait_smem_to_gmem(0)
 
+    scratch = [plgpu.SMEM((bt,) + row_shape, sources[0].dtype)] * 2
+    if quantize:
+        scratch += [plgpu.SMEM((bt,) + row_shape, caches[0].dtype)] * 2
+        scratch += [plgpu.SMEM((2,) + row_shape, jnp.float32)]
+    scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=bt + quantize)]
     kernel = plgpu.kernel(
         body,
         out_type=(),
-        scratch_types=[
-            plgpu.SMEM((bt,) + tuple(row_shape), dtype),
-            plgpu.SMEM((bt,) + tuple(row_shape), dtype),
-            plgpu.Barrier(num_arrivals=2, num_barriers=bt),
-        ],
+        scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=(_GRID_AXIS,),
         kernel_name="kv_write_mosaic_gpu",
     )
     refs = [jax.new_ref(c) for c in caches]
-    kernel(slot_mapping, sources[0], sources[1], *refs)
+    kernel(slot_mapping, sources[0], sources[1], *scale_args, *refs)
     return tuple(r[...] for r in refs)
 
 
@@ -163,10 +204,12 @@ def _mosaic_zero(block_ids, arrays, *, r, config, interpret):
     widths = sorted({np.dtype(v.dtype).itemsize for v in views})
     chunk = {w: ZERO_CHUNK_BYTES // w for w in widths}  # elements of each zeros buffer
     n_arr = len(views)
+    groups = array_groups(block_ids.shape[0], n_arr)
 
     def body(ids_ref, *refs):
         # ids_ref GMEM int32[N]; refs: n_arr mutable Refs [num_kernel_blocks, E_a], then one
-        # SMEM zeros buffer per element width (ascending).
+        # SMEM zeros buffer per element width (ascending). CTA (i, g) zeroes id i in the
+        # arrays of group g (arrays a with a * groups // n_arr == g).
         out_refs, zero_refs = refs[:n_arr], dict(zip(widths, refs[n_arr:]))
         for w in widths:
             zero_refs[w][...] = jnp.zeros((chunk[w],), zero_refs[w].dtype)
@@ -174,24 +217,34 @@ def _mosaic_zero(block_ids, arrays, *, r, config, interpret):
         b = ids_ref[jax.lax.axis_index(_GRID_AXIS)]
         live = (b > NULL_BLOCK_ID) & (b < num_logical_blocks)
         first = jnp.where(live, b, 0) * r
-        for out, v in zip(out_refs, views):
-            width = v.shape[1]
-            zeros = zero_refs[np.dtype(v.dtype).itemsize]
-            step = chunk[np.dtype(v.dtype).itemsize]
-            for j in range(r):
-                for start in range(0, width, step):
-                    size = min(step, width - start)
-                    plgpu.copy_smem_to_gmem(
-                        zeros.at[pl.ds(0, size)], out.at[first + j, pl.ds(start, size)],
-                        predicate=live)
+        group = jax.lax.axis_index(_GROUP_AXIS)
+
+        def zero_group(g):
+            for a in range(n_arr):
+                if a * groups // n_arr != g:
+                    continue
+                out, width = out_refs[a], views[a].shape[1]
+                zeros = zero_refs[np.dtype(views[a].dtype).itemsize]
+                step = chunk[np.dtype(views[a].dtype).itemsize]
+                for j in range(r):
+                    for start in range(0, width, step):
+                        size = min(step, width - start)
+                        plgpu.copy_smem_to_gmem(
+                            zeros.at[pl.ds(0, size)], out.at[first + j, pl.ds(start, size)],
+                            predicate=live)
+
+        if groups == 1:
+            zero_group(0)
+        for g in range(groups if groups > 1 else 0):
+            pl.when(group == g)(lambda g=g: zero_group(g))
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
         body,
         out_type=(),
         scratch_types=[plgpu.SMEM((chunk[w],), _UINT_OF_WIDTH[w]) for w in widths],
-        grid=(block_ids.shape[0],),
-        grid_names=(_GRID_AXIS,),
+        grid=(block_ids.shape[0], groups),
+        grid_names=(_GRID_AXIS, _GROUP_AXIS),
         kernel_name="zero_blocks_mosaic_gpu",
     )
     refs = [jax.new_ref(v) for v in views]

@@ -92,6 +92,10 @@ class KVWriteConfig:
       gpu_fp8_max_tokens_per_program: the same bound when quantising to fp8.
       gpu_tokens_per_program, gpu_num_warps: fixed values instead of the rules.
       gpu_eviction: eviction policy of the GPU row loads and stores (None: default).
+      mosaic_tokens_per_cta: tokens one CTA of the Mosaic GPU kernel writes (None: the
+        rule of ``pallas_kernels.kv_mosaic_gpu.tokens_per_cta``).
+      mosaic_fp8_in_kernel: the Mosaic GPU kernel quantises to fp8 itself (rows of a
+        multiple of 128 elements); False: XLA quantises before it.
     """
 
     tpu_tokens_per_step: int = 8
@@ -102,6 +106,8 @@ class KVWriteConfig:
     gpu_tokens_per_program: int | None = None
     gpu_num_warps: int | None = None
     gpu_eviction: str | None = None
+    mosaic_tokens_per_cta: int | None = None
+    mosaic_fp8_in_kernel: bool = True
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)

@@ -69,6 +69,19 @@ def test_tokens_per_cta():
         == [1, 1, 2, 4, 4, 8, 8]
 
 
+def test_array_groups():
+    groups = kv_mosaic_gpu.array_groups
+    assert [groups(n, 64) for n in (1, 8, 64, 511, 512, 1024)] == [64, 64, 8, 2, 1, 1]
+    assert groups(1, 3) == 3 and groups(0, 2) == 2
+
+
+def test_fp8_in_kernel_rule():
+    rule = kv_mosaic_gpu.fp8_in_kernel
+    assert rule((8, 128), kv_write.KVWriteConfig())
+    assert not rule((1, 64), kv_write.KVWriteConfig())
+    assert not rule((8, 128), kv_write.KVWriteConfig(mosaic_fp8_in_kernel=False))
+
+
 def _trace_write(h, d, dtype, fp8):
     choice = Choice("mosaic_gpu", False)
     k = jax.ShapeDtypeStruct((4, h, d), jnp.bfloat16)
