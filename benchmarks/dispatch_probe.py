@@ -29,7 +29,8 @@ Variants (``exe`` = the executable, ``in`` = how the packed int32 input is passe
   the cost of passing the arguments; ``noop_buf``: the input alone;
 * ``packed[opts]`` / ``packed_stable[opts]``: the Runner's ``layout="packed"`` (params one
   array per dtype, rows and tables one buffer, outputs one buffer) without / with
-  ``stable_input=True``, called through ``Runner.enqueue``;
+  ``stable_input=True``, called through ``Runner.enqueue`` (which also queues the output's
+  copy to the host, as serving does; the other variants call the executables bare);
 * ``stable_out[...]`` / ``closed_params[...]`` / ``step[...]`` take any of the option sets.
 
 Child processes (``--no-children`` skips them; GPU only), each with its own environment,
@@ -197,7 +198,7 @@ def make_runner(n: int, opts: dict) -> tuple[Runner, np.ndarray]:
     packed input of its next step."""
     cfg = RunnerConfig(max_num_seqs=n, max_num_batched_tokens=max(n, 8), num_blocks=4 * n + 8,
                        max_model_len=64, token_sizes=(max(n, 8),))
-    runner = Runner(cfg, compiler_options=opts)
+    runner = Runner(cfg, compiler_options=opts, layout="tree")  # the variants call its executables
     sched = cfg.make_scheduler()
     for i in range(n):
         sched.add_request(Request(f"r{i}", [1 + i % 200], 10_000, 0))
@@ -390,7 +391,7 @@ def probe(n: int, steps: int, rounds: int, which: list[str], trace: bool, rows: 
 # --------------------------------------------------------------------------- child processes
 
 CMDBUF_FLAGS = " ".join(f"--{k}={v}" for k, v in GPU_COMPILER_OPTIONS.items())
-CHILD_VARIANTS = "step[xla],stable_out[xla],packed_stable[xla]"
+CHILD_VARIANTS = "step[xla],packed_stable[xla]"
 VLOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_MAX_VLOG_LEVEL": "0",
             "TF_CPP_VMODULE": "command_executor=1,command_buffer_cmd=1,command_buffer_thunk=3"}
 # name -> (environment added, variants, extra arguments); XLA_FLAGS are appended to the caller's
@@ -482,11 +483,11 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", default="8,64")
     ap.add_argument("--steps", type=int, default=40, help="calls back to back per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--variants", default="step[cmdbuf],step[nocmdbuf],stable_out[cmdbuf],packed[cmdbuf],"
-                    "packed_stable[cmdbuf],noop", help="also: step[xla], closed_params[cmdbuf], ...")
+    ap.add_argument("--variants", default="step[cmdbuf],packed[cmdbuf],packed_stable[cmdbuf],noop",
+                    help="also: step[xla], step[nocmdbuf], stable_out[cmdbuf], closed_params[cmdbuf], ...")
     ap.add_argument("--trace", action="store_true", help="profiler traces of selected variants")
     ap.add_argument("--no-children", action="store_true", help="skip the child processes")
-    ap.add_argument("--children", default="env_cmdbuf,vlog,vmm_skip_temp,vmm_skip_profiled,tfrt_client",
+    ap.add_argument("--children", default="vlog,vmm_skip_temp,vmm_skip_temp_vlog,vmm_skip_profiled,tfrt_client",
                     help=f"which child processes, of {','.join(CHILDREN)}")
     ap.add_argument("--child-requests", default="64", help="request counts of the child processes")
     ap.add_argument("--child-timeout", type=int, default=150)

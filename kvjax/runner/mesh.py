@@ -281,7 +281,7 @@ class MeshRunner(Runner):
         self.check = config.poison if check is None else bool(check)
         me = jax.process_index()
         self.local_ranks = [d for d in range(D) if mesh.devices[d, 0].process_index == me]
-        super().__init__(config, strict=strict, compiler_options=compiler_options)
+        super().__init__(config, strict=strict, compiler_options=compiler_options, layout="tree")
         self.sanitizer = None  # one host mirror cannot describe D ranks: the check flags do instead
         # One shard's initial state (uniform), tiled M times on its heads axis and D times
         # along a new leading axis.

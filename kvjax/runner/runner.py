@@ -352,6 +352,13 @@ def default_compiler_options() -> dict | None:
     return dict(GPU_COMPILER_OPTIONS) if jax.default_backend() == "gpu" else None
 
 
+def default_layout() -> str:
+    """The Runner's argument layout when none is given: ``"packed"`` on a GPU, where the host's
+    cost per argument, per output and per transfer sets the step rate (figures in
+    BENCHMARKS.md), ``"tree"`` elsewhere."""
+    return "packed" if jax.default_backend() == "gpu" else "tree"
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedState:
     """The device state as the packed layout passes it: the request rows and block tables
@@ -372,19 +379,22 @@ class Runner:
       config: sizes and options.
       strict: a trace or compile at serving time raises (else a counted warning).
       compiler_options: XLA options of the step executables (None: :func:`default_compiler_options`).
-      layout: how a step's arguments cross into the executable. ``"tree"``: params, state
+      layout: how a step's arguments cross into the executable (None: :func:`default_layout`).
+        ``"tree"``: params, state
         and outputs leaf by leaf (~53 arguments, 25 outputs). ``"packed"``: the params as one
         array per dtype, request rows and block tables as one int32 buffer, the caches as
         they are, and the four outputs as one int32 buffer (~12 arguments, 10 outputs: less
         host work per call). Results are bitwise the same.
-      stable_input: (packed layout) the step first copies its packed input into an area of
-        the donated rows buffer and reads it from there, so only that copy refers to the
-        per-step input buffer (an XLA command buffer then updates one node for it, not
-        every reader).
+      stable_input: (packed layout; None: on with it) the step first copies its packed input
+        into an area of the donated rows buffer and reads it from there, so only that copy
+        refers to the per-step input buffer (an XLA command buffer then updates one node for
+        it, not every reader).
     """
 
     def __init__(self, config: RunnerConfig, *, strict: bool = True, compiler_options: dict | None = None,
-                 layout: str = "tree", stable_input: bool = False):
+                 layout: str | None = None, stable_input: bool | None = None):
+        layout = default_layout() if layout is None else layout
+        stable_input = layout == "packed" if stable_input is None else stable_input
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if stable_input and layout != "packed":
@@ -585,7 +595,10 @@ class Runner:
 
     def enqueue(self, bucket: Bucket, buf, step="dummy") -> "PendingOutput":
         """Call ``bucket``'s executable on a packed input (numpy or device int32 buffer, the
-        layout of :meth:`pack` then :func:`~kvjax.runner.packing.pack`); returns at once."""
+        layout of :meth:`pack` then :func:`~kvjax.runner.packing.pack`); returns at once.
+        The outputs' device-to-host copies are queued right behind the step, so that
+        :meth:`PendingOutput.fetch` finds them on the host.
+        """
         exe, _ = self.executables[bucket]
         verdict = None if self.sanitizer is None else functools.partial(self.sanitizer.verdict, step)
         with self.guard.serving():
@@ -593,9 +606,12 @@ class Runner:
                 p = self._pstate
                 rows, caches, out = exe(self._param_groups, p.rows, p.caches, buf)
                 self._pstate = PackedState(rows=rows, caches=caches)
+                out.copy_to_host_async()
                 return PendingOutput(None, None, None, verdict=verdict, packed=out,
                                      packed_spec=self._out_specs[bucket])
             self.state, (sampled, num_sampled, logits, checks) = exe(self.params, self.state, buf)
+        for a in (sampled, num_sampled, logits) + ((checks,) if verdict is not None else ()):
+            a.copy_to_host_async()
         return PendingOutput(sampled, num_sampled, logits, checks, verdict)
 
     def _run(self, bucket: Bucket, inputs: StepInputs) -> StepOutput:

@@ -1,4 +1,5 @@
-"""The Runner's default XLA options: command buffers on a GPU, XLA's defaults elsewhere."""
+"""The Runner's defaults: XLA command buffers and the packed argument layout on a GPU, XLA's
+options and the tree layout elsewhere."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def test_no_compiler_options_off_gpu(monkeypatch):
     for platform in ("cpu", "tpu"):
         monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
         assert runner_mod.default_compiler_options() is None
+
+
+def test_default_layout_is_packed_on_gpu_only(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert runner_mod.default_layout() == "packed"
+    for platform in ("cpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
+        assert runner_mod.default_layout() == "tree"
