@@ -662,7 +662,8 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
             src, src_ok = zero, False
         else:
             col, col_ok = _first_column(na_ref[b] if per_token else 1, W)
-            src = sbi_ref[b, jnp.where(col_ok, col, 0)]
+            # int32 `zero`, not a Python 0: Triton lowered that literal to an i1 here
+            src = sbi_ref[b, jnp.where(col_ok, col, zero)]
             src_ok = _reads(col_ok, src, L, null)
 
         def load_vec(ref, t, width):
