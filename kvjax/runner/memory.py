@@ -132,12 +132,13 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
 
 
 def available_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
-    """``(bytes, where)``: free memory of ``device`` (default: the first JAX device).
+    """``(bytes, where)``: free memory of ``device`` (default: this process's first device;
+    in a multi-process run the global first device may belong to another process).
 
     Accelerators: ``bytes_limit - bytes_in_use`` from ``memory_stats()``. CPU: the
     host's ``MemAvailable`` (``/proc/meminfo``), else ``None`` (unknown).
     """
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:

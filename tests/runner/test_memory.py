@@ -91,3 +91,22 @@ def test_demo_refuses_a_configuration_that_cannot_fit_before_compiling(flags, na
     err = capsys.readouterr().err
     assert "needs an estimated" in err and "GiB" in err and "16 GiB of available host RAM" in err
     assert named in err.split("is sized by", 1)[1]
+
+
+class _Device:
+    def __init__(self, stats, platform="gpu"):
+        self.platform, self.device_kind, self._stats = platform, "NVIDIA H200", stats
+
+    def memory_stats(self):
+        if self._stats is None:
+            raise RuntimeError("MemoryStats is only supported for addressable PjRt devices.")
+        return self._stats
+
+
+def test_available_memory_asks_this_process_device(monkeypatch):
+    # In a two-process run jax.devices()[0] can be the other process's GPU, which has no stats.
+    from kvjax.runner import memory
+
+    monkeypatch.setattr(memory.jax, "devices", lambda: [_Device(None)])
+    monkeypatch.setattr(memory.jax, "local_devices", lambda: [_Device({"bytes_limit": 10, "bytes_in_use": 4})])
+    assert memory.available_memory() == (6, "NVIDIA H200 memory")
