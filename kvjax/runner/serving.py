@@ -52,13 +52,16 @@ def _apply_counts(sched: Scheduler, plan: StepPlan) -> list[tuple[Request, int, 
 def _resolve(step: _InFlight) -> None:
     """Wait for ``step`` and write its tokens (and logits rows) over the placeholders."""
     out = step.output.fetch()
-    for req, i, b in step.placeholders:
-        if int(out.num_sampled[b]) != 1:
-            raise RuntimeError(
-                f"overlapped step {step.plan.step}: batch row {b} sampled "
-                f"{int(out.num_sampled[b])} tokens, the host assumed 1")
-        req.output[i] = int(out.sampled[b, 0])
-        req.logits.append(np.asarray(out.logits[b]))  # one logits row per batch row (no drafts)
+    rows = [b for _, _, b in step.placeholders]
+    counts = out.num_sampled[rows]
+    if np.any(counts != 1):
+        b = rows[int(np.argmax(counts != 1))]
+        raise RuntimeError(
+            f"overlapped step {step.plan.step}: batch row {b} sampled "
+            f"{int(out.num_sampled[b])} tokens, the host assumed 1")
+    for (req, i, b), token in zip(step.placeholders, out.sampled[rows, 0].tolist()):
+        req.output[i] = token
+        req.logits.append(out.logits[b])  # one logits row per batch row (no drafts)
 
 
 def _needs_values(plan: StepPlan) -> bool:

@@ -99,3 +99,23 @@ def test_packed_layout_options_are_checked():
         Runner(CONFIG, layout="flat")
     with pytest.raises(ValueError, match="stable_input=True needs layout='packed'"):
         Runner(CONFIG, stable_input=True)
+
+
+def test_resolve_refuses_a_row_that_sampled_other_than_one_token():
+    """The overlapped loop assumed one token per row; a step that says otherwise is an error
+    naming the row, and nothing is written for any row."""
+    from types import SimpleNamespace
+
+    from kvjax.runner.runner import StepOutput
+
+    reqs = [Request(f"r{i}", [5], max_tokens=4, output=[serving.PENDING_TOKEN]) for i in range(3)]
+    out = StepOutput(sampled=np.array([[7], [8], [9]], np.int32), num_sampled=np.array([1, 2, 1], np.int32),
+                     logits=np.zeros((3, 4), np.float32))
+    step = serving._InFlight(SimpleNamespace(step=5), SimpleNamespace(fetch=lambda: out),
+                             [(r, 0, b) for b, r in enumerate(reqs)])
+    with pytest.raises(RuntimeError, match="step 5: batch row 1 sampled 2 tokens, the host assumed 1"):
+        serving._resolve(step)
+    assert all(r.output == [serving.PENDING_TOKEN] and not r.logits for r in reqs)
+    out.num_sampled[1] = 1
+    serving._resolve(step)
+    assert [r.output for r in reqs] == [[7], [8], [9]] and all(len(r.logits) == 1 for r in reqs)
