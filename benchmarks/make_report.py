@@ -788,6 +788,10 @@ def issue11_section(results, date, device):
     if os.path.exists(notes):  # hand-written conclusions of the day's device runs
         with open(notes) as fh:
             out += ["", fh.read()]
+    dispatch = os.path.join(results, f"{date}-{device}-dispatch.md")
+    if os.path.exists(dispatch):  # hand-written: where the host's time per step goes (dispatch_probe.py)
+        with open(dispatch) as fh:
+            out += ["", fh.read()]
     return "\n".join(out)
 
 
