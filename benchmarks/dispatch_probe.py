@@ -48,7 +48,10 @@ run the ``n`` of ``--child-requests`` (JAX reads these settings once per process
   addresses, so only nodes touching moved arguments or outputs are updated),
   ``vmm_skip_profiled`` (``SKIP_PROFILED``: after 3 profiled runs, arguments and outputs
   that move are mapped to stable virtual addresses too), ``vmm``,
-  ``cuda_async`` (allocators) and ``tfrt_client`` (``XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1``).
+  ``cuda_async`` (allocators; ``cuda_async_vlog`` with the update log), ``vmm_compile_opt`` /
+  ``skip_temp_no_vmm`` (``SKIP_TEMP`` as a per-executable compile option, option set
+  ``cmdbuf_skip_temp``, with / without the VMM allocator) and ``tfrt_client``
+  (``XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1``).
 
 ``hlo_params`` is the executable's parameter count (``jax.jit`` drops unused arguments before
 XLA sees them), ``leaves`` the argument leaves passed.
@@ -89,6 +92,8 @@ OPTIONS = {
     "xla": {},
     "cmdbuf": dict(GPU_COMPILER_OPTIONS),
     "nocmdbuf": {"xla_gpu_enable_command_buffer": ""},
+    # the Runner's options + temporaries at stable virtual addresses (needs the VMM allocator)
+    "cmdbuf_skip_temp": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_TEMP"},
 }
 FRESH_POOL = 8  # distinct pre-transferred input arrays cycled by in=dev_fresh
 
@@ -407,7 +412,14 @@ CHILDREN = {
     "vmm_skip_profiled": ({"XLA_FLAGS": CMDBUF_FLAGS + " --xla_gpu_command_buffer_update_mode=SKIP_PROFILED",
                            "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}, CHILD_VARIANTS, []),
     "vmm": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"}, "step[xla]", []),
-    "cuda_async": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"}, "step[xla]", []),
+    # SKIP_TEMP as a per-executable compile option (what the Runner could pass), with and without VMM
+    "vmm_compile_opt": ({"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"},
+                        "step[cmdbuf_skip_temp],packed_stable[cmdbuf_skip_temp],packed_stable[cmdbuf]", []),
+    "skip_temp_no_vmm": ({}, "step[cmdbuf_skip_temp],packed_stable[cmdbuf_skip_temp]", []),
+    # stream-ordered frees: a step's temporaries may be reused by the next step at once
+    "cuda_async": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"}, CHILD_VARIANTS, []),
+    "cuda_async_vlog": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async", **VLOG_ENV},
+                        CHILD_VARIANTS, ["--steps", "6", "--rounds", "1"]),
     "tfrt_client": ({"XLA_FLAGS": CMDBUF_FLAGS, "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"}, "step[xla]", []),
 }
 
@@ -487,7 +499,8 @@ def main(argv=None) -> int:
                     help="also: step[xla], step[nocmdbuf], stable_out[cmdbuf], closed_params[cmdbuf], ...")
     ap.add_argument("--trace", action="store_true", help="profiler traces of selected variants")
     ap.add_argument("--no-children", action="store_true", help="skip the child processes")
-    ap.add_argument("--children", default="vlog,vmm_skip_temp,vmm_skip_temp_vlog,vmm_skip_profiled,tfrt_client",
+    ap.add_argument("--children", default="vlog,vmm_skip_temp,vmm_skip_temp_vlog,vmm_compile_opt,skip_temp_no_vmm,"
+                    "cuda_async,cuda_async_vlog,vmm_skip_profiled,tfrt_client",
                     help=f"which child processes, of {','.join(CHILDREN)}")
     ap.add_argument("--child-requests", default="64", help="request counts of the child processes")
     ap.add_argument("--child-timeout", type=int, default=150)
