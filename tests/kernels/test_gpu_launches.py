@@ -104,7 +104,7 @@ def test_ssu_gpu_is_one_launch(form):
 
 
 def test_ssu_gpu_lowers_for_cuda():
-    for form in ("decode", "varlen-spec"):
+    for form in SSU_FORMS:
         call, args = _ssu_call(form, "pallas_gpu", False)
         text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call") == 1, form
@@ -156,8 +156,9 @@ def test_combine_gpu_is_one_launch(drafts):
     assert_one_launch(lambda *a: _combine("pallas_gpu", False, a), *_combine_args(cu, drafts=drafts))
 
 
-def test_combine_gpu_lowers_for_cuda():
-    args = _combine_args(np.arange(R + 1) * (S + 1))
+@pytest.mark.parametrize("drafts", [S, 0])
+def test_combine_gpu_lowers_for_cuda(drafts):
+    args = _combine_args(np.arange(R + 1) * (drafts + 1), drafts=drafts)
     text = jax.jit(lambda *a: _combine("pallas_gpu", False, a)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call") == 1
