@@ -17,7 +17,8 @@ decode step, medians over ``--steps`` steps after warm-up:
   equals ``device_us`` the host's dispatch, not the device, sets the floor).
 
 ``--layouts``: the Runner's argument layouts to measure (``default``: the Runner's default;
-``tree``; ``packed``; ``packed+stable``: ``layout="packed", stable_input=True``), one row each.
+``tree``; ``packed``; ``packed+stable``: ``layout="packed", stable_input=True``;
+``packed+stable+params``: also ``pack_params=True``), one row each.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner.packing import pack
 
 LAYOUTS = {"default": {}, "tree": {"layout": "tree"}, "packed": {"layout": "packed"},
-           "packed+stable": {"layout": "packed", "stable_input": True}}
+           "packed+stable": {"layout": "packed", "stable_input": True},
+           "packed+stable+params": {"layout": "packed", "stable_input": True, "pack_params": True}}
 from kvjax.runner.serving import run_to_completion
 
 
@@ -70,7 +72,8 @@ def measure(n: int, steps: int, layout: str = "default") -> dict:
     out.fetch()
     device_us = (time.perf_counter() - t0) / steps * 1e6
 
-    row = {"requests": n, "layout": runner.layout + ("+stable" if runner.stable_input else ""),
+    row = {"requests": n, "layout": runner.layout + ("+stable" if runner.stable_input else "")
+           + ("+params" if runner.pack_params else ""),
            "device_us": device_us, "enqueue_us": (t1 - t0) / steps * 1e6}
     for overlap in (False, True):
         runner.reset()

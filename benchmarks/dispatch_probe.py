@@ -27,10 +27,11 @@ Variants (``exe`` = the executable, ``in`` = how the packed int32 input is passe
 * ``noop_donated`` / ``noop_kept``: an executable taking the step's argument tree that
   only touches the input (state donated and returned, or not donated and not returned):
   the cost of passing the arguments; ``noop_buf``: the input alone;
-* ``packed[opts]`` / ``packed_stable[opts]``: the Runner's ``layout="packed"`` (params one
-  array per dtype, rows and tables one buffer, outputs one buffer) without / with
-  ``stable_input=True``, called through ``Runner.enqueue`` (which also queues the output's
-  copy to the host, as serving does; the other variants call the executables bare);
+* ``packed[opts]`` / ``packed_stable[opts]`` / ``packed_all[opts]``: the Runner's
+  ``layout="packed"`` (rows and tables one donated buffer, outputs one buffer) without / with
+  ``stable_input=True``, and with the params packed too (``pack_params=True``), called through
+  ``Runner.enqueue`` (which also queues the output's copy to the host, as serving does; the
+  other variants call the executables bare);
 * ``stable_out[...]`` / ``closed_params[...]`` / ``step[...]`` take any of the option sets.
 
 Child processes (``--no-children`` skips them; GPU only), each with its own environment,
@@ -292,14 +293,14 @@ def variants(runner: Runner, runner_opt: str, buf_np: np.ndarray, which: list[st
                     runner.state, outs = exe(runner.state, get(nxt()))
                     return outs
                 yield v, inp, call, len(jax.tree.leaves(args)), hp
-        elif kind in ("packed", "packed_stable"):  # the Runner's packed layout (+ stable input)
+        elif kind in ("packed", "packed_stable", "packed_all"):  # the Runner's packed layout
             pr = Runner(runner.config, compiler_options=OPTIONS[opt], layout="packed",
-                        stable_input=kind == "packed_stable")
+                        stable_input=kind != "packed", pack_params=kind == "packed_all")
             pr.precompile()
             pr.state = jax.tree.map(jax.numpy.copy, runner.state)
             bucket = pr.buckets.buckets[0]
             exe = pr.executables[bucket][0]
-            leaves = len(jax.tree.leaves((pr._param_groups, pr._pstate.rows, pr._pstate.caches, dev_same)))
+            leaves = len(jax.tree.leaves((pr._param_args, pr._pstate.rows, pr._pstate.caches, dev_same)))
             for inp, get in inputs.items():
                 def call(pr=pr, bucket=bucket, get=get):
                     return pr.enqueue(bucket, get(nxt())).packed
@@ -325,7 +326,7 @@ def variants(runner: Runner, runner_opt: str, buf_np: np.ndarray, which: list[st
             raise ValueError(f"unknown variant {v!r}")
 
 
-TRACED = {("step[cmdbuf]", "np"), ("packed_stable[cmdbuf]", "np"),  # device time; host events with graphs off
+TRACED = {("step[cmdbuf]", "np"), ("packed_stable[cmdbuf]", "np"), ("packed_all[cmdbuf]", "np"),  # device time
           ("step[xla]", "np"), ("step[xla]", "dev_same"), ("stable_out[xla]", "dev_same"),  # env_cmdbuf child
           ("packed_stable[xla]", "np")}
 
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", default="8,64")
     ap.add_argument("--steps", type=int, default=40, help="calls back to back per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--variants", default="step[cmdbuf],packed[cmdbuf],packed_stable[cmdbuf],noop",
+    ap.add_argument("--variants", default="step[cmdbuf],packed[cmdbuf],packed_stable[cmdbuf],packed_all[cmdbuf],noop",
                     help="also: step[xla], step[nocmdbuf], stable_out[cmdbuf], closed_params[cmdbuf], ...")
     ap.add_argument("--trace", action="store_true", help="profiler traces of selected variants")
     ap.add_argument("--no-children", action="store_true", help="skip the child processes")

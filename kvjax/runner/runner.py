@@ -322,16 +322,18 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     return DeviceState(requests=req, tables=tables, caches=caches), out
 
 
-def _packed_step(param_groups, rows, caches, buf, *, step, params_layout: DtypeLayout, rows_spec: PackSpec,
+def _packed_step(params, rows, caches, buf, *, step, params_layout: DtypeLayout | None, rows_spec: PackSpec,
                  stable_input: bool):
     """``step`` (a ``step_fn`` partial) with the packed layout's arguments and results (see
-    :class:`Runner`): returns ``(rows, caches, packed outputs)``; ``rows`` and ``caches`` donated."""
+    :class:`Runner`): returns ``(rows, caches, packed outputs)``; ``rows`` and ``caches`` donated.
+    ``params``: the params tree, or (``params_layout`` given) their :func:`flatten_by_dtype` groups."""
     n = rows_spec.size
     if stable_input:  # the one reader of ``buf``; everything else reads the donated rows buffer
         rows = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(rows, buf, (n,)))
         buf = rows[n: n + buf.shape[0]]
     req, tables = unpack(rows[:n], rows_spec)
-    params = unflatten_by_dtype(param_groups, params_layout)
+    if params_layout is not None:
+        params = unflatten_by_dtype(params, params_layout)
     new, out = step(params, DeviceState(requests=req, tables=tables, caches=caches), buf)
     rows = jax.lax.dynamic_update_slice(rows, pack_device((new.requests, new.tables)), (0,))
     return rows, new.caches, pack_device(out)
@@ -380,11 +382,12 @@ class Runner:
       strict: a trace or compile at serving time raises (else a counted warning).
       compiler_options: XLA options of the step executables (None: :func:`default_compiler_options`).
       layout: how a step's arguments cross into the executable (None: :func:`default_layout`).
-        ``"tree"``: params, state
-        and outputs leaf by leaf (~53 arguments, 25 outputs). ``"packed"``: the params as one
-        array per dtype, request rows and block tables as one int32 buffer, the caches as
-        they are, and the four outputs as one int32 buffer (~12 arguments, 10 outputs: less
-        host work per call). Results are bitwise the same.
+        ``"tree"``: params, state and outputs leaf by leaf (~53 arguments, 25 outputs).
+        ``"packed"``: request rows and block tables as one donated int32 buffer, the caches
+        as they are, and the four outputs as one int32 buffer (~41 arguments of which 9
+        donated, 10 outputs: less host work per call). Results are bitwise the same.
+      pack_params: (packed layout) also pass the params as one array per dtype (11 arguments);
+        the step then slices them, which may cost copies on the device.
       stable_input: (packed layout; None: on with it) the step first copies its packed input
         into an area of the donated rows buffer and reads it from there, so only that copy
         refers to the per-step input buffer (an XLA command buffer then updates one node for
@@ -392,16 +395,18 @@ class Runner:
     """
 
     def __init__(self, config: RunnerConfig, *, strict: bool = True, compiler_options: dict | None = None,
-                 layout: str | None = None, stable_input: bool | None = None):
+                 layout: str | None = None, stable_input: bool | None = None, pack_params: bool = False):
         layout = default_layout() if layout is None else layout
         stable_input = layout == "packed" if stable_input is None else stable_input
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if stable_input and layout != "packed":
-            raise ValueError(f"stable_input=True needs layout='packed', got layout={layout!r}")
+        if (stable_input or pack_params) and layout != "packed":
+            what = "stable_input=True" if stable_input else "pack_params=True"
+            raise ValueError(f"{what} needs layout='packed', got layout={layout!r}")
         self.config = config
         self.layout = layout
         self.stable_input = stable_input
+        self.pack_params = pack_params
         self.compiler_options = default_compiler_options() if compiler_options is None else compiler_options
         self.buckets = config.bucket_spec
         self.params = init_params(config.model, config.seed)
@@ -412,7 +417,8 @@ class Runner:
         if config.poison:
             self.sanitizer = sanitizer.Sanitizer(config.specs, config.max_num_seqs, config.num_state_slots)
         if layout == "packed":
-            self._param_groups, self._param_layout = flatten_by_dtype(self.params)
+            self._param_args, self._param_layout = (flatten_by_dtype(self.params) if pack_params
+                                                    else (self.params, None))
             self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
             self._out_specs: dict[Bucket, PackSpec] = {}
         self.state = self._initial_state()
@@ -551,7 +557,7 @@ class Runner:
         if self.layout == "packed":
             fn = functools.partial(_packed_step, step=step, params_layout=self._param_layout,
                                    rows_spec=self._rows_spec, stable_input=self.stable_input)
-            args = (self._param_groups, self._pstate.rows, self._pstate.caches, buf)
+            args = (self._param_args, self._pstate.rows, self._pstate.caches, buf)
             self._out_specs[bucket] = spec_of(jax.eval_shape(step, self.params, self.state, buf)[1])
             fn = jax.jit(fn, donate_argnums=(1, 2), compiler_options=self.compiler_options)
             return fn, args, spec
@@ -604,7 +610,7 @@ class Runner:
         with self.guard.serving():
             if self.layout == "packed":
                 p = self._pstate
-                rows, caches, out = exe(self._param_groups, p.rows, p.caches, buf)
+                rows, caches, out = exe(self._param_args, p.rows, p.caches, buf)
                 self._pstate = PackedState(rows=rows, caches=caches)
                 out.copy_to_host_async()
                 return PendingOutput(None, None, None, verdict=verdict, packed=out,

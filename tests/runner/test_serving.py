@@ -99,6 +99,8 @@ def test_packed_layout_options_are_checked():
         Runner(CONFIG, layout="flat")
     with pytest.raises(ValueError, match="stable_input=True needs layout='packed'"):
         Runner(CONFIG, stable_input=True)
+    with pytest.raises(ValueError, match="pack_params=True needs layout='packed', got layout='tree'"):
+        Runner(CONFIG, layout="tree", pack_params=True)
 
 
 def test_resolve_refuses_a_row_that_sampled_other_than_one_token():
