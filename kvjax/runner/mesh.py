@@ -237,6 +237,26 @@ def _rank_step(params, dstate, packed, *, config: RunnerConfig, bucket: Bucket, 
     return jax.tree.map(lambda a: a[None], new), jax.tree.map(lambda a: a[None], out)
 
 
+def _split_empty(state: DeviceState, specs: DeviceState, M: int):
+    """``(treedef, live, empty)`` of the global state: ``live`` the indices of leaves with
+    elements, ``empty`` index -> (one shard's block shape, dtype) of the zero-size ones.
+
+    Zero-size leaves stay out of the SPMD program (each shard builds its own): XLA's GPU
+    compiler crashed (segfault) on a program whose donated, data-sharded parameters
+    include one, on 2 GPUs; one device and CPUs compiled it.
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    spec_leaves = treedef.flatten_up_to(specs)
+    live = tuple(i for i, a in enumerate(leaves) if a.size)
+    empty = {}
+    for i, (a, s) in enumerate(zip(leaves, spec_leaves)):
+        if not a.size:
+            names = tuple(s) + (None,) * (a.ndim - len(tuple(s)))
+            shape = tuple(n // M if name == MODEL else n for n, name in zip(a.shape[1:], names[1:]))
+            empty[i] = ((1,) + shape, a.dtype)  # as a shard sees it: the data axis kept, size 1
+    return treedef, live, empty
+
+
 def _global_array(sharding: NamedSharding, shape, host_value: np.ndarray) -> jax.Array:
     """A global array from a host value every process holds in full."""
     return jax.make_array_from_callback(shape, sharding, lambda idx: host_value[idx])
@@ -294,6 +314,7 @@ class MeshRunner(Runner):
                                  np.broadcast_to(whole[None], (D,) + whole.shape))
 
         self.state = jax.tree.map(place, shard, self.state_specs)
+        self._state_def, self._live, self._empty = _split_empty(self.state, self.state_specs, M)
         self.dense_params = self.params  # unsharded, on this process's default device
         host_params = tp_param_layout(jax.tree.map(np.asarray, self.params), config.model, M)
         self.param_specs = param_specs(host_params, config.model)
@@ -321,24 +342,40 @@ class MeshRunner(Runner):
         :class:`StepInputs` buffer per rank); ``args[2]`` is its ``ShapeDtypeStruct``.
         """
         buf, spec = pack(self.pack(None, bucket))
-        out_specs = (self.state_specs, (P(DATA),) * 4)
+        treedef, live, empty = self._state_def, self._live, self._empty
+        live_specs = [treedef.flatten_up_to(self.state_specs)[i] for i in live]
+        out_specs = (live_specs, (P(DATA),) * 4)
         per_rank = functools.partial(_rank_step, config=self.shard_config, bucket=bucket, spec=spec,
                                      check=self.check)
 
-        def sm(params, state, packed):
+        def per_rank_live(params, live_leaves, packed):
+            # zero-size leaves (the draft tokens without speculation) are built here, not passed
+            leaves = [None] * (len(live) + len(empty))
+            for i, a in zip(live, live_leaves):
+                leaves[i] = a
+            for i, (shape, dtype) in empty.items():
+                leaves[i] = jnp.zeros(shape, dtype)
+            new, out = per_rank(params, treedef.unflatten(leaves), packed)
+            new_leaves = treedef.flatten_up_to(new)
+            return [new_leaves[i] for i in live], out
+
+        def sm(params, live_leaves, packed):
             # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
             # replication of outputs is instead proved by the parity tests. The mesh is picked at
             # trace time: inside tpu_target.lowering, one whose device is the TPU target.
-            return jax.shard_map(per_rank, mesh=tpu_target.shard_map_mesh(self.mesh),
-                                 in_specs=(self.param_specs, self.state_specs, P(DATA)),
-                                 out_specs=out_specs, check_vma=False)(params, state, packed)
+            return jax.shard_map(per_rank_live, mesh=tpu_target.shard_map_mesh(self.mesh),
+                                 in_specs=(self.param_specs, live_specs, P(DATA)),
+                                 out_specs=out_specs, check_vma=False)(params, live_leaves, packed)
 
         named = functools.partial(jax.tree.map, lambda s: NamedSharding(self.mesh, s))
-        # Explicit output shardings: XLA reports zero-size leaves (no drafts) as replicated.
         fn = jax.jit(sm, donate_argnums=(1,), compiler_options=self.compiler_options,
-                     out_shardings=(named(self.state_specs), named(out_specs[1])))
+                     out_shardings=(named(live_specs), named(out_specs[1])))
         arg = jax.ShapeDtypeStruct((self.num_ranks, buf.size), jnp.int32, sharding=self._in_sharding)
-        return fn, (self.params, self.state, arg), spec
+        return fn, (self.params, self._live_leaves(), arg), spec
+
+    def _live_leaves(self) -> list:
+        leaves = jax.tree.leaves(self.state)
+        return [leaves[i] for i in self._live]
 
     def precompile(self, *, workers: int = 1) -> tuple[int, float]:
         """Compile every bucket's step and the agreement program."""
@@ -389,7 +426,11 @@ class MeshRunner(Runner):
                 raise RuntimeError(f"rank {d}'s step inputs do not match bucket {bucket}'s layout")
         buf = self._from_local(bufs)
         with self.guard.serving():
-            self.state, (sampled, num_sampled, logits, flags) = exe(self.params, self.state, buf)
+            new_live, (sampled, num_sampled, logits, flags) = exe(self.params, self._live_leaves(), buf)
+            leaves = jax.tree.leaves(self.state)
+            for i, a in zip(self._live, new_live):
+                leaves[i] = a
+            self.state = self._state_def.unflatten(leaves)
             s, n, lg, fl = (self._to_local(a) for a in (sampled, num_sampled, logits, flags))
         outputs = {d: StepOutput(s[d], n[d], lg[d]) for d in self.local_ranks}
         checks = {d: dict(zip(CHECK_FLAGS, map(bool, fl[d]))) for d in self.local_ranks} if self.check else {}

@@ -218,3 +218,21 @@ def test_sharded_step_lowers_for_a_2x2_tpu_mesh():
         assert b["host_callbacks"] == 0, b
         assert b["aliased_outputs"] == b["state_leaves"] > 0, b
         assert b["collectives"] == ["all_gather", "all_reduce", "reduce_scatter"], b
+
+
+def test_zero_size_state_leaves_are_not_program_parameters():
+    # Without speculation the draft tokens are [R, 0]; as a donated data-sharded parameter such
+    # a leaf crashed XLA's GPU compiler on 2 GPUs, so the SPMD step builds it inside instead.
+    import re
+
+    from kvjax.runner.mesh import MeshRunner, make_mesh
+
+    cfg = RunnerConfig(model=TinyHybridConfig(layer_types=("attn", "mamba")), max_num_seqs=2,
+                       max_num_batched_tokens=4, token_sizes=(4,))
+    runner = MeshRunner(cfg, make_mesh(1, 1))
+    assert any(a.size == 0 for a in jax.tree.leaves(runner.state))
+    fn, args, _ = runner.jitted_step(runner.buckets.buckets[0])
+    text = fn.lower(*args).as_text()
+    params = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
+    types = re.findall(r"tensor<([0-9x]+)x?[a-z]", params)
+    assert types and not any("0" in t.split("x") for t in types), types
