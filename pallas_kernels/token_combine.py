@@ -60,7 +60,7 @@ Implementations (picked by :func:`pallas_kernels._backend.resolve`):
   one program per batch row, one launch per call; masked vector stores for
   the logits rows and the drafts, a one-lane masked store for the last sampled
   token; ``input_ids`` is aliased to the output, and ``logits_indices`` is not
-  pre-filled: the kernel writes each entry once, the zeros included.
+  pre-filled: the kernel writes every entry, the zeros included.
 
 All implementations return identical arrays. ``input_ids`` is aliased to the
 returned ids, so a caller that donates it gets the update in place.
@@ -312,63 +312,73 @@ def _gpu(input_ids, idx, last, qsl, seq_lens, prefill_len, drafts, cu, *,
                 mask=decode & (j < nl - num_new),
             )
 
-        # logits_indices: every entry is written exactly once, by one program.
-        # With cu_num_logits[:R+1] non-decreasing (always, for a call that passes
-        # the concrete checks) the rows' ranges [cu[b], cu[b+1]), clipped to
-        # [0, NL), tile [cu[0], cu[R]): row b writes its values (a live, well
-        # formed row) or zeros over its range, and the entries before cu[0] and
-        # after cu[R] are zeroed by all programs in turn. Otherwise (a decreasing
-        # cu_num_logits under jit) ranges may overlap, and program 0 builds the
-        # whole array row by row, as the reference's scatter does.
-        r = jnp.arange(rows, dtype=jnp.int32)
-        lo = _backend.triton.load(cu_ref.at[pl.ds(0, rows)], mask=r < R, other=0)
-        hi = _backend.triton.load(cu_ref.at[r + 1], mask=r < R, other=0)  # gathered: r + 1 <= R
-        ordered = jnp.max(jnp.where(hi < lo, 1, 0)) == 0
+        # logits_indices: every entry is written, each zero by one program.
+        # A live, well formed row writes its values. With cu_num_logits[:R+1]
+        # non-decreasing (always, for a call that passes the concrete checks) the
+        # rows' ranges [cu[b], cu[b+1]), clipped to [0, NL), tile [cu[0], cu[R]):
+        # any other row zeroes its range, and the entries before cu[0] and after
+        # cu[R] are zeroed by the programs in turn (zero_w lanes each). Otherwise
+        # (a decreasing cu_num_logits under jit) ranges may overlap, and program 0
+        # builds the whole array row by row as the reference's scatter does (it
+        # writes the live rows' values again: the same values).
         clip = lambda v: jnp.minimum(jnp.maximum(v, 0), NL)  # noqa: E731
         zl = jnp.arange(zero_w, dtype=jnp.int32)
 
-        def zero(lo_e, hi_e, first, step):
-            # zeros over [lo_e, hi_e), stores first, first + step, ... of zero_w lanes
-            per = step * zero_w  # a Python int (or int32): the count stays int32 under x64
-            n = (jnp.maximum(hi_e - lo_e - first * zero_w, 0) + (per - 1)) // per
+        def chunks(lo_e, hi_e, first, step):
+            # how many of the zero_w-lane chunks first, first + step, ... start in [lo_e, hi_e)
+            per = step * zero_w  # a Python int: the count stays int32 under x64
+            return (jnp.maximum(hi_e - lo_e - first * zero_w, 0) + (per - 1)) // per
 
+        def zero(lo_e, hi_e, first, step):
             def body(i, carry):
                 e0 = lo_e + (first + i * step) * zero_w
                 _backend.triton.store(li_ref.at[pl.ds(e0, zero_w)], jnp.zeros((zero_w,), jnp.int32),
                                       mask=e0 + zl < hi_e)
                 return carry
 
-            jax.lax.fori_loop(0, n, body, 0)
+            jax.lax.fori_loop(0, chunks(lo_e, hi_e, first, step), body, 0)
 
-        @pl.when(ordered & ok)
+        @pl.when(ok)
         def _values():
             _backend.triton.store(li_ref.at[pl.ds(cu_ref[b], lanes)], start + lane, mask=lane < nl)
 
-        @pl.when(ordered & jnp.logical_not(ok))
-        def _masked_row():
-            zero(clip(cu_ref[b]), clip(cu_ref[b + 1]), 0, 1)
+        own = (clip(cu_ref[b]), clip(cu_ref[b + 1]))
+        head, tail = (0, clip(cu_ref[0])), (clip(cu_ref[R]), NL)
+        zeroes = (jnp.logical_not(ok) & (own[1] > own[0])) | (chunks(*head, b, R) > 0) | (
+            chunks(*tail, b, R) > 0)
 
-        @pl.when(ordered)
-        def _outside_rows():
-            zero(0, clip(cu_ref[0]), b, R)
-            zero(clip(cu_ref[R]), NL, b, R)
+        @pl.when(zeroes | (b == 0))  # only these programs read all of cu_num_logits
+        def _zeros():
+            r = jnp.arange(rows, dtype=jnp.int32)
+            lo = _backend.triton.load(cu_ref.at[pl.ds(0, rows)], mask=r < R, other=0)
+            hi = _backend.triton.load(cu_ref.at[r + 1], mask=r < R, other=0)  # gathered: r + 1 <= R
+            ordered = jnp.max(jnp.where(hi < lo, 1, 0)) == 0
 
-        @pl.when(jnp.logical_not(ordered) & (b == 0))
-        def _unordered():
-            def pass_body(c, carry):
-                e = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            @pl.when(ordered & jnp.logical_not(ok))
+            def _masked_row():
+                zero(*own, 0, 1)
 
-                def row_body(q, v):
-                    _, ok_q, nl_q, start_q, _, _ = terms(q)
-                    cs_q = cu_ref[q]
-                    hit = ok_q & (e >= cs_q) & (e - cs_q < nl_q)
-                    return jnp.where(hit, start_q + (e - cs_q), v)
+            @pl.when(ordered)
+            def _outside_rows():
+                zero(*head, b, R)
+                zero(*tail, b, R)
 
-                v = jax.lax.fori_loop(0, R, row_body, jnp.zeros((chunk,), jnp.int32))
-                _backend.triton.store(li_ref.at[pl.ds(c * chunk, chunk)], v, mask=e < NL)
-                return carry
+            @pl.when(jnp.logical_not(ordered) & (b == 0))
+            def _unordered():
+                def pass_body(c, carry):
+                    e = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
 
-            jax.lax.fori_loop(0, pl.cdiv(NL, chunk), pass_body, 0)
+                    def row_body(q, v):
+                        _, ok_q, nl_q, start_q, _, _ = terms(q)
+                        cs_q = cu_ref[q]
+                        hit = ok_q & (e >= cs_q) & (e - cs_q < nl_q)
+                        return jnp.where(hit, start_q + (e - cs_q), v)
+
+                    v = jax.lax.fori_loop(0, R, row_body, jnp.zeros((chunk,), jnp.int32))
+                    _backend.triton.store(li_ref.at[pl.ds(c * chunk, chunk)], v, mask=e < NL)
+                    return carry
+
+                jax.lax.fori_loop(0, pl.cdiv(NL, chunk), pass_body, 0)
 
     inputs = [idx, qsl, seq_lens, cu, prefill_len, last] + ([drafts] if S else []) + [input_ids]
     call = pl.pallas_call(
