@@ -1150,7 +1150,8 @@ def bench_combine(sz: dict, budget=0.5):
 # --------------------------------------------------------------------------
 
 
-def run_sweeps(sz, deadline):
+def run_sweeps(sz, deadline, want=lambda name: True):
+    """The variants of each sweep whose first word ``want`` accepts (``--only``)."""
     kw, ev = KVWriteConfig, "evict_first"
     plan = [
         ("flash bf16 T=32768", lambda v: bench_flash(32768, False, sz, sweep_variants=v),
@@ -1174,12 +1175,21 @@ def run_sweeps(sz, deadline):
         ("ssu 256", lambda v: bench_ssu(256, sz, sweep_variants=v),
          [("pallas", SSUConfig()), ("pallas[evict_first]", SSUConfig(gpu_eviction=ev)),
           ("pallas[bm=64]", SSUConfig(gpu_block_m=64))]),
+        # decode batches: smaller tiles give more programs (and loads in flight) per call
+        *((f"ssu {n}", lambda v, n=n: bench_ssu(n, sz, sweep_variants=v),
+           [("pallas", SSUConfig())]
+           + [(f"pallas[bm={m}]", SSUConfig(gpu_block_m=m)) for m in (4, 8, 16)]
+           + [(f"pallas[bm={m},warps={w}]", SSUConfig(gpu_block_m=m, gpu_num_warps=w))
+              for m, w in ((8, 2), (16, 2), (32, 8))])
+          for n in sz["ssu_batch"][:-1]),
         ("flash bf16 T=16", lambda v: bench_flash(16, False, sz, sweep_variants=v),
          [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4)]),
         ("zero 1", lambda v: bench_zero(1, sz, sweep_variants=v),
          [(f"pallas[tile={t}B]", ZeroBlocksConfig(gpu_tile_bytes=t)) for t in (512, 2048, 4096)]),
     ]
     for name, fn, variants in plan:
+        if not want(name.split()[0]):
+            continue
         if time.perf_counter() - START > deadline - 25:
             log(f"deadline: sweep {name} and later skipped")
             RES.errors.append({"what": f"sweep {name}", "error": "skipped (deadline)"})
@@ -1320,7 +1330,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             RES.error(str(key), e)
     if args.sweep:
-        run_sweeps(sz, args.deadline)
+        run_sweeps(sz, args.deadline, want)
     RES.meta["seconds"] = time.perf_counter() - START
     RES.save()
     print_table()
