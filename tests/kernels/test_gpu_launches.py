@@ -5,7 +5,8 @@ On a GPU every XLA op outside a ``pallas_call`` (index checks, tables, a zero fi
 a cast) becomes a kernel of its own. These tests trace the public op with traced
 arguments, as inside a jitted step, and require that the jaxpr holds one
 ``pallas_call`` and nothing else but free reshapes. They also lower the kernels
-for CUDA (possible on a CPU), so a primitive the Triton lowering lacks fails here,
+for CUDA (possible on a CPU) and verify the Triton modules, so a primitive the
+Triton lowering lacks, or a module the GPU's XLA would reject, fails here,
 and compare the interpreted kernel bitwise with the reference where the kernel
 now does what XLA did before: the logits rows' zeros and the tokens outside every
 sequence.
@@ -18,6 +19,7 @@ import collections
 import jax
 import numpy as np
 import pytest
+from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels import combine_sampled_and_draft_tokens, selective_state_update
 
@@ -42,6 +44,26 @@ def outside_ops(closed_jaxpr) -> collections.Counter:
 
     walk(closed_jaxpr.jaxpr)
     return ops
+
+
+@pytest.fixture
+def verified(monkeypatch):
+    """Every Triton module built while the test runs is run through the MLIR verifier."""
+    built = []
+    build = triton_lowering.lower_jaxpr_to_triton_module
+
+    def build_and_verify(*args, **kwargs):
+        result = build(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError naming the op that fails
+        built.append(result)
+        return result
+
+    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", build_and_verify)
+    return built
+
+
+def lower_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def assert_one_launch(fn, *args):
@@ -103,11 +125,11 @@ def test_ssu_gpu_is_one_launch(form):
     assert_one_launch(call, *args)
 
 
-def test_ssu_gpu_lowers_for_cuda():
+def test_ssu_gpu_lowers_for_cuda(verified):
     for form in SSU_FORMS:
         call, args = _ssu_call(form, "pallas_gpu", False)
-        text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call") == 1, form
+        assert lower_for_cuda(call, *args).count("custom_call") == 1, form
+    assert len(verified) == len(SSU_FORMS)
 
 
 def _ssu_varlen_spec(backend, interpret):
@@ -157,11 +179,10 @@ def test_combine_gpu_is_one_launch(drafts):
 
 
 @pytest.mark.parametrize("drafts", [S, 0])
-def test_combine_gpu_lowers_for_cuda(drafts):
+def test_combine_gpu_lowers_for_cuda(drafts, verified):
     args = _combine_args(np.arange(R + 1) * (drafts + 1), drafts=drafts)
-    text = jax.jit(lambda *a: _combine("pallas_gpu", False, a)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call") == 1
+    assert lower_for_cuda(lambda *a: _combine("pallas_gpu", False, a), *args).count("custom_call") == 1
+    assert len(verified) == 1
 
 
 def test_planted_op_is_caught():
