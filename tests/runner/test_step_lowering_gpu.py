@@ -60,3 +60,19 @@ def test_every_bucket_lowers_for_cuda_with_verified_triton_kernels(name, verifie
         calls = text.count('custom_call @"__gpu$xla.gpu.triton"') + text.count("custom_call @__gpu$xla.gpu.triton")
         assert calls >= 5, (bucket, calls)  # KV write, zeroing, combine, conv, SSM at least
         assert len(verified_modules) > before, bucket
+
+
+def test_packed_layout_lowers_for_cuda_with_its_state_donated(verified_modules):
+    """The GPU default argument layout (``layout="packed"``, stable input) lowers too: the rows
+    buffer and every cache are donated (aliased to outputs), the input is read through one barrier."""
+    config = CONFIGS["plain"]
+    runner = Runner(config, layout="packed")
+    bucket = runner.buckets.buckets[-1]
+    fn, args, _ = runner.jitted_step(bucket)
+    mesh = jax.sharding.get_abstract_mesh()
+    with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=CUDA)), \
+            jax.default_matmul_precision(config.matmul_precision):
+        text = fn.trace(*_abstract(args)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('custom_call @"__gpu$xla.gpu.triton"') + text.count("custom_call @__gpu$xla.gpu.triton") >= 5
+    assert text.count("tf.aliasing_output") == 1 + len(jax.tree.leaves(runner._pstate.caches))
+    assert text.count("optimization_barrier") == 1
