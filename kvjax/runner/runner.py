@@ -494,8 +494,9 @@ class Runner:
         drafts = np.zeros((R, k), np.int32)
         sidx = np.full((R, 1 + k), NULL_BLOCK_ID, np.int32)
         U = c.max_new_requests
+        if plan is None or not plan.added:  # no request installed (every steady decode step)
+            new = self._no_new_requests(U)
         if plan is None:
-            new = NewRequests.from_lists([], [], max_model_len=c.max_model_len, pad_to=U)
             sched = ScheduledBatch.empty(R)
         else:
             sc = plan.scheduled
@@ -511,10 +512,11 @@ class Runner:
             if c.poison:
                 pb[: len(plan.freed_blocks)] = plan.freed_blocks
                 ps[: len(plan.freed_slots)] = plan.freed_slots
-            new = NewRequests.from_lists(
-                [a[0] for a in plan.added], [a[1] for a in plan.added],
-                prompt_lens=[a[2] for a in plan.added], max_model_len=c.max_model_len, pad_to=U,
-            )
+            if plan.added:
+                new = NewRequests.from_lists(
+                    [a[0] for a in plan.added], [a[1] for a in plan.added],
+                    prompt_lens=[a[2] for a in plan.added], max_model_len=c.max_model_len, pad_to=U,
+                )
             n = len(sc)
             idx = np.full((R,), PAD_ROW_ID, np.int32)
             q = np.zeros((R,), np.int32)
@@ -542,6 +544,13 @@ class Runner:
             expect_num_blocks=expect["num_blocks"], live_rows=expect["live_rows"],
             live_slots=expect["live_slots"],
         )
+
+    def _no_new_requests(self, U: int) -> NewRequests:
+        """The all-padding :class:`NewRequests` of ``U`` entries, built once (read-only: packing copies it)."""
+        cache = self.__dict__.setdefault("_no_new_cache", {})
+        if U not in cache:
+            cache[U] = NewRequests.from_lists([], [], max_model_len=self.config.max_model_len, pad_to=U)
+        return cache[U]
 
     # --------------------------------------------------------- compiling
 
