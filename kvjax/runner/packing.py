@@ -47,11 +47,8 @@ def pack(tree) -> tuple[np.ndarray, PackSpec]:
             raise ValueError(f"pack supports int32, bool and float32 leaves, got {a.dtype}")
         shapes.append(a.shape)
         dtypes.append(name)
-        if name == "float32":
-            parts.append(a.reshape(-1).view(np.int32))
-        else:
-            parts.append(a.reshape(-1).astype(np.int32, copy=False))
-    buf = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+        parts.append(a.reshape(-1).view(np.int32) if name == "float32" else a.reshape(-1))
+    buf = np.concatenate(parts, dtype=np.int32) if parts else np.zeros((0,), np.int32)  # bools widened
     return buf, PackSpec(treedef, tuple(shapes), tuple(dtypes))
 
 
