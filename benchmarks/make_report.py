@@ -871,6 +871,9 @@ def main():
     if os.path.exists(demo):
         with open(demo) as fh:
             parts += [fh.read()]
+    for extra in sorted(glob.glob(os.path.join(a.results, "*-h200x2.md"))):  # hand-written: 2-GPU runs
+        with open(extra) as fh:
+            parts += [fh.read()]
     cpu = os.path.join(a.results, "cpu-notes.md")  # CPU-measured figures (sanitizer, overlap, memory)
     if os.path.exists(cpu):
         with open(cpu) as fh:
