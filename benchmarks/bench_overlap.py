@@ -9,10 +9,12 @@ decode step, medians over ``--steps`` steps after warm-up:
 * ``device_us``: the step alone — the same packed inputs dispatched back to back, so the
   device never waits for the host (the floor of a serving step);
 * ``*_schedule_us``: ``Scheduler.schedule`` alone, inside each loop;
-* ``lockstep_us`` / ``overlap_us``: wall time per step of :func:`run_to_completion` with
-  ``overlap=False`` / ``True``;
+* ``lockstep_us`` / ``overlap_us`` / ``overlap_dispatch_us``: wall time per step of
+  :func:`run_to_completion` with ``overlap=False`` / ``True`` (plan step N+1 while N runs) /
+  ``"dispatch"`` (also enqueue N+1 before waiting for N);
 * ``gap_us = overlap_us - device_us``: the wall time per step the device sits idle between
-  two steps when the host plans step N+1 while step N runs (``lockstep_gap_us`` likewise);
+  two steps when the host plans step N+1 while step N runs (``lockstep_gap_us``,
+  ``overlap_dispatch_gap_us`` likewise);
 * ``enqueue_us``: host time per call of the back-to-back dispatches of ``device_us`` (when it
   equals ``device_us`` the host's dispatch, not the device, sets the floor).
 
@@ -75,7 +77,7 @@ def measure(n: int, steps: int, layout: str = "default") -> dict:
     row = {"requests": n, "layout": runner.layout + ("+stable" if runner.stable_input else "")
            + ("+params" if runner.pack_params else ""),
            "device_us": device_us, "enqueue_us": (t1 - t0) / steps * 1e6}
-    for overlap in (False, True):
+    for overlap in (False, True, "dispatch"):
         runner.reset()
         sched = cfg.make_scheduler()
         for r in _requests(n, steps + 4):
@@ -96,12 +98,13 @@ def measure(n: int, steps: int, layout: str = "default") -> dict:
         run_to_completion(sched, runner, overlap=overlap, on_step=on_step)
         total = time.perf_counter() - t0
         gaps = np.diff(stamps[2:])  # steady decode steps (after the prefill step)
-        key = "overlap" if overlap else "lockstep"
+        key = {False: "lockstep", True: "overlap", "dispatch": "overlap_dispatch"}[overlap]
         row[f"{key}_us"] = float(np.median(gaps)) * 1e6
         row[f"{key}_schedule_us"] = statistics.median(host[2:]) * 1e6
         row[f"{key}_total_s"] = total
     row["gap_us"] = max(0.0, row["overlap_us"] - device_us)
     row["lockstep_gap_us"] = max(0.0, row["lockstep_us"] - device_us)
+    row["overlap_dispatch_gap_us"] = max(0.0, row["overlap_dispatch_us"] - device_us)
     return row
 
 

@@ -362,6 +362,15 @@ def default_layout() -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """A step packed on the host, not yet enqueued (:meth:`Runner.prepare`, :meth:`Runner.launch`)."""
+
+    bucket: Bucket
+    inputs: StepInputs
+    step: object
+
+
+@dataclasses.dataclass(frozen=True)
 class PackedState:
     """The device state as the packed layout passes it: the request rows and block tables
     as one int32 buffer ``rows`` (:func:`~kvjax.runner.packing.pack` layout; with a stable
@@ -638,12 +647,21 @@ class Runner:
         Checked mode (``poison``): ``.fetch()`` raises :class:`~kvjax.runner.sanitizer.SanitizerError`
         when a memory invariant failed in the step (its state update has happened).
         """
+        return self.launch(self.prepare(plan))
+
+    def prepare(self, plan: StepPlan) -> "PreparedStep":
+        """The host's half of :meth:`dispatch`: pack the step (checked mode: check the plan
+        against the host mirror and advance it). :meth:`launch` enqueues it."""
         inputs = self.pack(plan)
         if self.sanitizer is not None:
             mirror = self.sanitizer.mirror.after(plan)
             self.sanitizer.check_host(plan, mirror)
             self.sanitizer.mirror = mirror
-        return self._dispatch(plan.bucket, inputs, step=plan.step)
+        return PreparedStep(plan.bucket, inputs, plan.step)
+
+    def launch(self, prepared: "PreparedStep") -> "PendingOutput":
+        """Enqueue a :meth:`prepare`-d step (the steps must be launched in the order prepared)."""
+        return self._dispatch(prepared.bucket, prepared.inputs, step=prepared.step)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one scheduled step through its bucket's executable (see :meth:`dispatch`)."""

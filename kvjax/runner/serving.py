@@ -1,13 +1,19 @@
 """The serving loop: schedule a step, run it, apply its results — in lockstep or overlapped.
 
-Overlapped (``overlap=True``), the host plans and dispatches step N+1 while the device runs
-step N. That needs only token *counts* on the host: the device already holds every row's
-last sampled token (the token combine reads it there), a greedy step without drafts samples
-exactly one token per row that finishes its prompt or decodes, and requests finish by
-length. The host applies step N with :data:`PENDING_TOKEN` placeholders and fills in the
-values when step N's outputs arrive, one step later. Only a re-admitted (preempted)
-request needs its generated tokens on the host before its step is packed; then the loop
-waits for the pending step first. Outputs are bitwise those of the lockstep loop.
+Overlapped, the host plans step N+1 while the device runs step N. That needs only token
+*counts* on the host: the device already holds every row's last sampled token (the token
+combine reads it there), a greedy step without drafts samples exactly one token per row that
+finishes its prompt or decodes, and requests finish by length. The host applies step N with
+:data:`PENDING_TOKEN` placeholders and fills in the values when step N's outputs arrive, one
+step later. Only a re-admitted (preempted) request needs its generated tokens on the host
+before its step is packed; then the loop waits for the pending step first. Outputs are
+bitwise those of the lockstep loop.
+
+Two overlapped modes (:data:`OVERLAP_MODES`): ``"plan"`` (``overlap=True``) schedules and
+packs step N+1 while N runs, then waits for N and enqueues N+1; ``"dispatch"`` also enqueues
+N+1 before waiting for N. On a GPU ``"dispatch"`` makes XLA re-record most of the step's
+command buffer before every step (step N still holds its temporaries when N+1 is enqueued,
+so N+1's sit elsewhere), which cost more than it hid (figures in BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from kvjax.runner.runner import PendingOutput, Runner
 
 #: Placeholder for a sampled token whose value is still on the device (never a token id).
 PENDING_TOKEN = -1
+
+#: ``overlap`` values of :func:`run_to_completion` besides False (lockstep); True is "plan".
+OVERLAP_MODES = ("plan", "dispatch")
 
 
 @dataclasses.dataclass
@@ -73,14 +82,18 @@ def _refresh_added(plan: StepPlan) -> None:
     plan.added[:] = [(row, by_row[row].tokens[: len(tokens)], plen) for row, tokens, plen in plan.added]
 
 
-def run_to_completion(sched: Scheduler, runner: Runner, *, overlap: bool = False,
+def run_to_completion(sched: Scheduler, runner: Runner, *, overlap: bool | str = False,
                       on_step: Callable[[StepPlan], None] | None = None) -> int:
     """Serve every request of ``sched`` through ``runner``; returns the number of steps run.
 
+    ``overlap``: False (lockstep), True or ``"plan"``, or ``"dispatch"`` (module docstring).
     ``on_step(plan)`` is called after each step is applied (overlapped: after it is
     dispatched and its counts applied; its token values may still be pending).
     """
-    if overlap:
+    mode = "plan" if overlap is True else overlap
+    if mode is not False and mode not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be False, True or one of {OVERLAP_MODES}, got {overlap!r}")
+    if mode:
         check_overlap_supported(runner.config.num_speculative_tokens)
     in_flight: _InFlight | None = None
     steps = 0
@@ -88,7 +101,7 @@ def run_to_completion(sched: Scheduler, runner: Runner, *, overlap: bool = False
         plan = sched.schedule()
         if plan is None:
             continue
-        if not overlap:
+        if not mode:
             out = runner.execute(plan)
             sched.update(plan, out.sampled, out.num_sampled, out.logits)
         else:
@@ -96,9 +109,15 @@ def run_to_completion(sched: Scheduler, runner: Runner, *, overlap: bool = False
                 _resolve(in_flight)
                 in_flight = None
                 _refresh_added(plan)
-            output = runner.dispatch(plan)  # the device queues it behind the step in flight
-            if in_flight is not None:
-                _resolve(in_flight)
+            if mode == "dispatch":
+                output = runner.dispatch(plan)  # the device queues it behind the step in flight
+                if in_flight is not None:
+                    _resolve(in_flight)
+            else:
+                prepared = runner.prepare(plan)  # packed while the step in flight runs
+                if in_flight is not None:
+                    _resolve(in_flight)
+                output = runner.launch(prepared)
             in_flight = _InFlight(plan, output, _apply_counts(sched, plan))
         steps += 1
         if on_step is not None:

@@ -42,9 +42,10 @@ def runner():
     return r
 
 
-def test_overlap_is_bitwise_the_lockstep_loop(runner):
+@pytest.mark.parametrize("mode", [True, "dispatch"])
+def test_overlap_is_bitwise_the_lockstep_loop(runner, mode):
     steps_a, pre_a, a = _serve(runner, overlap=False)
-    steps_b, pre_b, b = _serve(runner, overlap=True)
+    steps_b, pre_b, b = _serve(runner, overlap=mode)
     assert pre_a > 0, "the workload must preempt (re-admission path)"
     assert (steps_a, pre_a) == (steps_b, pre_b)
     assert sorted(a) == sorted(b) == [f"r{i}" for i in range(5)]
@@ -56,9 +57,11 @@ def test_overlap_is_bitwise_the_lockstep_loop(runner):
     assert runner.guard.serving_compiles + runner.guard.serving_traces == 0
 
 
-def test_overlap_refuses_speculative_decoding():
+def test_overlap_refuses_speculative_decoding_and_unknown_modes(runner):
     with pytest.raises(ValueError, match="num_speculative_tokens == 0"):
         serving.check_overlap_supported(2)
+    with pytest.raises(ValueError, match=r"overlap must be False, True or one of \('plan', 'dispatch'\), got 'async'"):
+        run_to_completion(CONFIG.make_scheduler(), runner, overlap="async")
 
 
 def test_a_readmitted_request_waits_for_its_pending_tokens():
