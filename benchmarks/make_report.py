@@ -701,7 +701,8 @@ def issue11_section(results, date, device):
                 "matched here, but it is not correctly rounded). `selective_state_update` at batch "
                 "1 and `combine` run 3.0-3.4 and 1.4 kernels per call: the SSM update's index "
                 "checks and varlen tables, and combine's zero-filled logits-indices buffer, are XLA "
-                "fusions beside the Pallas kernel (vLLM: one kernel, an uninitialised output). At "
+                "fusions beside the Pallas kernel (vLLM: one kernel, an uninitialised output); both "
+                "are now one kernel per call (measured on an H200: \"Two H200 GPUs\" below). At "
                 "large sizes kvjax wins: 88-90% of copy bandwidth at T=32768 against vLLM's 67-77%.", ""]
     # decode step
     steps = step_rows(results, date, device)
