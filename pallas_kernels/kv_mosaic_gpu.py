@@ -17,9 +17,11 @@ read as a scalar from global memory, and its K and V rows (``[H, D]``, contiguou
 source and in the cache) go global -> shared -> global by bulk async copies. The loads
 are predicated on ``t < N`` only (they start while the slot is read), the stores on the
 token being live (``t < N``, ``0 <= slot < num_slots``): a skipped token stores nothing,
-and a token past ``N`` loads nothing (its barrier completes at once). fp8: the rows are quantised by
-XLA before the kernel with :func:`pallas_kernels.kv_write.quantize_fp8` (the reference's
-own arithmetic), so the cache bytes equal the reference's; the kernel copies fp8 rows.
+and a token past ``N`` loads nothing (its barrier completes at once). fp8: rows of a multiple of
+128 elements are quantised in the kernel (shared memory -> registers -> fp8 stage), with
+:func:`pallas_kernels.kv_write.quantize_fp8`'s arithmetic, when ``KVWriteConfig.mosaic_fp8_in_kernel``
+(:func:`fp8_in_kernel`); other rows are quantised by XLA before the kernel. Either way the
+cache bytes equal the reference's.
 
 Block zeroing: a zero-filled shared-memory buffer per element width; a 2-D grid of CTAs
 (id, group of arrays, :func:`array_groups`), each storing the buffer by bulk copies over
