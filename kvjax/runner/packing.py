@@ -22,6 +22,14 @@ import numpy as np
 _NAMES = {np.dtype(np.int32).char: "int32", np.dtype(np.bool_).char: "bool", np.dtype(np.float32).char: "float32"}
 
 
+def _leaf_kind(dtype) -> str:
+    """``"int32"``, ``"bool"`` or ``"float32"``: how a leaf of ``dtype`` is packed (else ValueError)."""
+    name = _NAMES.get(np.dtype(dtype).char)
+    if name is None:
+        raise ValueError(f"pack supports int32, bool and float32 leaves, got {dtype}")
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
     """How :func:`pack` laid out a tree: its structure and each leaf's shape and dtype name, in
@@ -42,9 +50,7 @@ def pack(tree) -> tuple[np.ndarray, PackSpec]:
     parts, shapes, dtypes = [], [], []
     for leaf in leaves:
         a = np.asarray(leaf)
-        name = _NAMES.get(a.dtype.char)
-        if name is None:
-            raise ValueError(f"pack supports int32, bool and float32 leaves, got {a.dtype}")
+        name = _leaf_kind(a.dtype)
         shapes.append(a.shape)
         dtypes.append(name)
         parts.append(a.reshape(-1).view(np.int32) if name == "float32" else a.reshape(-1))
@@ -73,23 +79,15 @@ def unpack(buf, spec: PackSpec):
 def spec_of(tree) -> PackSpec:
     """The :class:`PackSpec` :func:`pack` would give ``tree`` (leaves: arrays or ``jax.ShapeDtypeStruct``)."""
     leaves, treedef = jax.tree.flatten(tree)
-    names = []
-    for leaf in leaves:
-        name = _NAMES.get(np.dtype(leaf.dtype).char)
-        if name is None:
-            raise ValueError(f"pack supports int32, bool and float32 leaves, got {leaf.dtype}")
-        names.append(name)
-    return PackSpec(treedef, tuple(tuple(leaf.shape) for leaf in leaves), tuple(names))
+    return PackSpec(treedef, tuple(tuple(leaf.shape) for leaf in leaves),
+                    tuple(_leaf_kind(leaf.dtype) for leaf in leaves))
 
 
 def pack_device(tree) -> jax.Array:
     """:func:`pack` of a tree of ``jax.Array`` (under ``jit``): int32 ``[spec_of(tree).size]``."""
     parts = []
     for leaf in jax.tree.leaves(tree):
-        name = _NAMES.get(np.dtype(leaf.dtype).char)
-        if name is None:
-            raise ValueError(f"pack supports int32, bool and float32 leaves, got {leaf.dtype}")
-        if name == "float32":
+        if _leaf_kind(leaf.dtype) == "float32":
             leaf = jax.lax.bitcast_convert_type(leaf, jnp.int32)
         parts.append(leaf.reshape(-1).astype(jnp.int32))
     return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)

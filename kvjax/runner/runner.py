@@ -363,10 +363,11 @@ def default_layout() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedStep:
-    """A step packed on the host, not yet enqueued (:meth:`Runner.prepare`, :meth:`Runner.launch`)."""
+    """A step packed on the host, not yet enqueued (:meth:`Runner.prepare`, :meth:`Runner.launch`):
+    ``buf`` is its int32 input buffer in ``bucket``'s layout."""
 
     bucket: Bucket
-    inputs: StepInputs
+    buf: np.ndarray
     step: object
 
 
@@ -504,7 +505,7 @@ class Runner:
         sidx = np.full((R, 1 + k), NULL_BLOCK_ID, np.int32)
         U = c.max_new_requests
         if plan is None or not plan.added:  # no request installed (every steady decode step)
-            new = self._no_new_requests(U)
+            new = self._no_new_requests
         if plan is None:
             sched = ScheduledBatch.empty(R)
         else:
@@ -554,12 +555,11 @@ class Runner:
             live_slots=expect["live_slots"],
         )
 
-    def _no_new_requests(self, U: int) -> NewRequests:
-        """The all-padding :class:`NewRequests` of ``U`` entries, built once (read-only: packing copies it)."""
-        cache = self.__dict__.setdefault("_no_new_cache", {})
-        if U not in cache:
-            cache[U] = NewRequests.from_lists([], [], max_model_len=self.config.max_model_len, pad_to=U)
-        return cache[U]
+    @functools.cached_property
+    def _no_new_requests(self) -> NewRequests:
+        """The all-padding :class:`NewRequests` of a step, built once (read-only: packing copies it)."""
+        c = self.config
+        return NewRequests.from_lists([], [], max_model_len=c.max_model_len, pad_to=c.max_new_requests)
 
     # --------------------------------------------------------- compiling
 
@@ -607,15 +607,19 @@ class Runner:
 
     # ------------------------------------------------------------ running
 
-    def _dispatch(self, bucket: Bucket, inputs: StepInputs, step="dummy") -> "PendingOutput":
+    def _input_buffer(self, bucket: Bucket, inputs: StepInputs) -> np.ndarray:
+        """``inputs`` as ``bucket``'s executable takes them: one int32 buffer."""
         try:
-            exe, spec = self.executables[bucket]
+            _, spec = self.executables[bucket]
         except KeyError:
             raise RuntimeError(f"bucket {bucket} was not precompiled; call precompile() first") from None
         buf, got = pack(inputs)
         if got != spec:
             raise RuntimeError(f"step inputs do not match bucket {bucket}'s layout")
-        return self.enqueue(bucket, buf, step)
+        return buf
+
+    def _dispatch(self, bucket: Bucket, inputs: StepInputs, step="dummy") -> "PendingOutput":
+        return self.enqueue(bucket, self._input_buffer(bucket, inputs), step)
 
     def enqueue(self, bucket: Bucket, buf, step="dummy") -> "PendingOutput":
         """Call ``bucket``'s executable on a packed input (numpy or device int32 buffer, the
@@ -657,11 +661,11 @@ class Runner:
             mirror = self.sanitizer.mirror.after(plan)
             self.sanitizer.check_host(plan, mirror)
             self.sanitizer.mirror = mirror
-        return PreparedStep(plan.bucket, inputs, plan.step)
+        return PreparedStep(plan.bucket, self._input_buffer(plan.bucket, inputs), plan.step)
 
     def launch(self, prepared: "PreparedStep") -> "PendingOutput":
         """Enqueue a :meth:`prepare`-d step (the steps must be launched in the order prepared)."""
-        return self._dispatch(prepared.bucket, prepared.inputs, step=prepared.step)
+        return self.enqueue(prepared.bucket, prepared.buf, step=prepared.step)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one scheduled step through its bucket's executable (see :meth:`dispatch`)."""
