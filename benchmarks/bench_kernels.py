@@ -116,6 +116,12 @@ def load_vllm(path: str) -> types.SimpleNamespace:
 
 
 CALLS = 50  # op calls per executable / per CUDA graph
+#: ``--graph``: the JAX executables unroll their calls (no while loop) and are compiled with
+#: XLA command buffers from one command up, so each executes as one CUDA graph, as torch's
+#: rows replay one captured graph.
+GRAPH = False
+GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+                 "xla_gpu_graph_min_graph_size": 1}
 SKIP_IMPLS: set = set()  # --skip-impls (a CPU smoke run skips the slow interpreted kernels)
 GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 TORCH_GPU = torch is not None and torch.cuda.is_available()
@@ -223,9 +229,26 @@ def lower_loop(op: Callable, carry, sets):
                 c = op(c, sets[k], k, i)
             return c
 
+        if GRAPH:  # unrolled: one straight-line program, one CUDA graph on a GPU
+            for i in range(CALLS // n_sets):
+                carry = body(jnp.int32(i), carry)
+            return carry
         return jax.lax.fori_loop(0, CALLS // n_sets, body, carry)
 
-    return jax.jit(run, donate_argnums=0).lower(carry, sets)
+    jitted = jax.jit(run, donate_argnums=0)
+    if GRAPH and GPU:
+        return _GraphLowered(jitted.lower(carry, sets))
+    return jitted.lower(carry, sets)
+
+
+class _GraphLowered:
+    """A lowered program compiled with :data:`GRAPH_OPTIONS` (``--graph``)."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def compile(self):
+        return self.lowered.compile(compiler_options=dict(GRAPH_OPTIONS))
 
 
 def compile_all(lowered: list) -> list:
@@ -1274,8 +1297,11 @@ def main() -> int:
     ap.add_argument("--skip-impls", default="", help="comma list of implementations not to run")
     ap.add_argument("--vllm", default="", help="vLLM oracle dir (vllm_gpu_oracle.sh): vllm_triton rows")
     ap.add_argument("--flash-T", default="", help="comma list of T for the flash rows (default: all)")
+    ap.add_argument("--graph", action="store_true",
+                    help="unroll the JAX executables' calls, one CUDA graph each (see GRAPH)")
     args = ap.parse_args()
-    global CALLS, SKIP_IMPLS, VLLM
+    global CALLS, SKIP_IMPLS, VLLM, GRAPH
+    GRAPH = args.graph
     if args.vllm and TORCH_GPU:
         try:
             VLLM = load_vllm(args.vllm)
@@ -1289,6 +1315,10 @@ def main() -> int:
     RES.path = args.json
     RES.meta = metadata()
     RES.meta["argv"] = sys.argv[1:]
+    if GRAPH:
+        RES.meta["method"] = RES.meta["method"].replace(
+            "50 op calls in lax.fori_loop", "50 op calls unrolled (no loop), compiled with command "
+            f"buffers {GRAPH_OPTIONS} so that it runs as one CUDA graph")
     RES.meta["mosaic_gpu_rows"] = MOSAIC
     if VLLM is not None:
         RES.meta["vllm"] = "0.33.0 (Triton kernels from the wheel, benchmarks: vllm_triton rows)"

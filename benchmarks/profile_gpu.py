@@ -207,6 +207,7 @@ def profile_step(n: int, steps: int = 40) -> dict:
     kern = tr.pop("_kernels", [])
     split = collections.Counter()
     unmatched = collections.Counter()
+    state_ops = collections.Counter()  # runner-state kernel time by the op's scope path
     for name, dur, _, hlo in kern:
         op = names.get(hlo) or names.get(name) or names.get(re.sub(r"[.\-]", "_", name))
         if op is None:
@@ -220,6 +221,7 @@ def profile_step(n: int, steps: int = 40) -> dict:
             split["model"] += dur
         else:
             split["runner_state"] += dur
+            state_ops[f"{name} @ {op}"] += dur
     total_k = sum(split.values()) or 1.0
     return {
         "case": f"decode step, {n} requests (bucket {plan.bucket.num_tokens} tokens)",
@@ -231,6 +233,7 @@ def profile_step(n: int, steps: int = 40) -> dict:
         "dispatch": dispatch,
         "runner_state_share_of_kernel_time": split["runner_state"] / total_k,
         "unattributed_kernel_names": unmatched.most_common(8),
+        "runner_state_kernels_us_per_step": [(k, v / 10) for k, v in state_ops.most_common(60)],
         "hlo": hlo_summary(text),
         "trace": tr,
         "_hlo_text": text,

@@ -41,6 +41,7 @@ def runner_config(args, model: TinyHybridConfig) -> RunnerConfig:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_new_requests_per_step=args.max_new_requests_per_step,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_speculative_tokens=args.num_spec_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -197,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-blocks", type=_positive, metavar="N", default=96, help="KV blocks incl. the null block")
     demo.add_argument("--block-size", type=_positive, metavar="N", default=8, help="tokens per KV block")
     demo.add_argument("--max-num-seqs", type=_positive, metavar="N", default=4, help="request rows (requests in flight)")
+    demo.add_argument("--max-new-requests-per-step", type=_positive, metavar="N", default=4,
+                      help="requests admitted per step (rows staged for new requests)")
     demo.add_argument("--max-num-batched-tokens", type=_positive, metavar="N", default=32, help="token budget of a step")
     demo.add_argument("--max-model-len", type=_positive, metavar="N", default=96,
                       help="longest request (prompt + output) in tokens")

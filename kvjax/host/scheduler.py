@@ -316,27 +316,37 @@ class Scheduler:
             on the request for parity checks.
         """
         done = []
+        scheduled = plan.scheduled
+        B = len(scheduled)
+        if logits is not None:
+            logits = np.asarray(logits)
+        # One vectorised step_progress for every row (the per-row Python loop below only
+        # moves lists).
+        ints = np.array([(s.req.num_computed, s.req.prefill_len, s.num_tokens) for s in scheduled],
+                        np.int64).reshape(B, 3)
+        kept, new_nc = step_progress(ints[:, 0], ints[:, 1], ints[:, 2],
+                                     np.asarray(num_sampled[:B], np.int64))
+        kept, new_nc = kept.tolist(), new_nc.tolist()
+        rows = np.asarray(sampled[:B]).tolist()
         cu = 0
-        for b, s in enumerate(plan.scheduled):
-            req, q = s.req, s.num_tokens
+        for b, s in enumerate(scheduled):
+            req = s.req
             nl = 1 + len(s.drafts)
-            n, new_nc = step_progress(req.num_computed, req.prefill_len, q, int(num_sampled[b]))
-            n = int(n)
+            n = kept[b]
             if req.is_decoding:
                 self.num_drafts_proposed += len(s.drafts)
                 self.num_drafts_accepted += n - 1
-            req.num_computed = int(new_nc)
+            req.num_computed = new_nc[b]
             if n == 0:  # a mid-prefill chunk samples nothing
                 cu += nl
                 continue
-            toks = [int(t) for t in sampled[b, :n]]
             room = req.max_tokens - len(req.output)
-            toks = toks[:room]
+            toks = rows[b][:min(n, room)]
             req.output.extend(toks)
             if logits is not None:
-                req.logits.extend(np.asarray(logits[cu:cu + len(toks)]))
+                req.logits.extend(logits[cu:cu + len(toks)])
             cu += nl
-            if len(req.output) >= req.max_tokens or len(req.tokens) >= self.max_model_len:
+            if len(req.output) >= req.max_tokens or len(req.prompt) + len(req.output) >= self.max_model_len:
                 req.finished = True
                 self.running.remove(req)
                 self._release(req)

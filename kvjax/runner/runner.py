@@ -195,6 +195,11 @@ class PendingOutput:
     packed: jax.Array | None = None
     packed_spec: PackSpec | None = None
 
+    def wait(self) -> None:
+        """Block until the step has run on the device (no host copy, no verdict)."""
+        jax.block_until_ready(self.packed if self.packed is not None else
+                              (self.sampled, self.num_sampled, self.logits, self.checks))
+
     def fetch(self) -> StepOutput:
         """Wait for the step and copy its outputs to the host (checked mode: then judge it)."""
         if self.packed is not None:

@@ -10,8 +10,9 @@ before its step is packed; then the loop waits for the pending step first. Outpu
 bitwise those of the lockstep loop.
 
 Two overlapped modes (:data:`OVERLAP_MODES`): ``"plan"`` (``overlap=True``) schedules and
-packs step N+1 while N runs, then waits for N and enqueues N+1; ``"dispatch"`` also enqueues
-N+1 before waiting for N. On a GPU ``"dispatch"`` makes XLA re-record most of the step's
+packs step N+1 while N runs, waits for N, enqueues N+1, then reads N's outputs while N+1
+runs (a sanitizer violation of step N is raised after N+1 is enqueued); ``"dispatch"``
+enqueues N+1 before waiting for N. On a GPU ``"dispatch"`` makes XLA re-record most of the step's
 command buffer before every step (step N still holds its temporaries when N+1 is enqueued,
 so N+1's sit elsewhere), which cost more than it hid (figures in BENCHMARKS.md).
 """
@@ -116,8 +117,10 @@ def run_to_completion(sched: Scheduler, runner: Runner, *, overlap: bool | str =
             else:
                 prepared = runner.prepare(plan)  # packed while the step in flight runs
                 if in_flight is not None:
-                    _resolve(in_flight)
+                    in_flight.output.wait()
                 output = runner.launch(prepared)
+                if in_flight is not None:  # its outputs are read while the new step runs
+                    _resolve(in_flight)
             in_flight = _InFlight(plan, output, _apply_counts(sched, plan))
         steps += 1
         if on_step is not None:

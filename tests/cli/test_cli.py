@@ -103,14 +103,15 @@ def test_demo_json_report_records_the_settings_it_ran_with(monkeypatch, tmp_path
     monkeypatch.setattr(cli, "print_summary", lambda report, config: None)
     out = tmp_path / "report.json"
     argv = ["demo", "--backend", "reference", "--kv-cache-dtype", "fp8", "--poison", "--seed", "7",
-            "--requests", "2", "--json", str(out), "--quiet"]
+            "--requests", "2", "--max-new-requests-per-step", "3", "--json", str(out), "--quiet"]
     assert cli.main(argv) == 0
     s = json.loads(out.read_text())["settings"]
     assert (s["backend"], s["kv_cache_dtype"], s["poison"], s["seed"]) == ("reference", "fp8", True, 7)
     assert s["token_sizes"] == [4, 16, 32] and s["max_model_len"] == 96 and s["strict"] is True
     assert s["model"]["layer_types"] == ["attn", "mamba", "attn", "mamba"]
     assert s["platform"] == "cpu" and s["jax_version"] and s["workload"] == "generated: 2 requests, seed 7"
-    assert seen["config"].seed == 7
+    assert seen["config"].seed == 7 and seen["config"].max_new_requests_per_step == 3
+    assert s["max_new_requests_per_step"] == 3
 
 
 def test_run_settings_records_every_config_field_and_anything_else_as_text():

@@ -42,6 +42,8 @@ def drive(sched, max_steps: int, seed: int = 0) -> int:
         for b, s in enumerate(plan.scheduled):
             num_sampled[b] = 1 + rng.randrange(len(s.drafts) + 1)
         sched.update(plan, sampled, num_sampled)
+        for s in plan.scheduled:  # accepted drafts never run past max_tokens
+            assert len(s.req.output) <= s.req.max_tokens, (s.req.req_id, len(s.req.output))
     return steps
 
 
