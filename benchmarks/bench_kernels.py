@@ -120,6 +120,7 @@ CALLS = 50  # op calls per executable / per CUDA graph
 #: XLA command buffers from one command up, so each executes as one CUDA graph, as torch's
 #: rows replay one captured graph.
 GRAPH = False
+SWEEPS: tuple[str, ...] = ()  # --sweeps: only the sweeps whose names start with one of these
 GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
                  "xla_gpu_graph_min_graph_size": 1}
 SKIP_IMPLS: set = set()  # --skip-impls (a CPU smoke run skips the slow interpreted kernels)
@@ -1205,13 +1206,18 @@ def run_sweeps(sz, deadline, want=lambda name: True):
            + [(f"pallas[bm={m},warps={w}]", SSUConfig(gpu_block_m=m, gpu_num_warps=w))
               for m, w in ((8, 2), (16, 2), (32, 8))])
           for n in sz["ssu_batch"][:-1]),
+        # fp8 at decode sizes: fewer divisions per thread (wider programs, narrower tiles)
+        *((f"flash fp8 T={t}", lambda v, t=t: bench_flash(t, True, sz, sweep_variants=v),
+           [("pallas", kw())] + [(f"pallas[tile={c},warps={w}]", kw(gpu_max_tile=c, gpu_num_warps=w))
+                                 for c, w in ((1024, 8), (512, 4), (512, 8), (256, 2), (256, 4), (128, 4))])
+          for t in (1, 16, 256)),
         ("flash bf16 T=16", lambda v: bench_flash(16, False, sz, sweep_variants=v),
          [(f"pallas[bt={b}]", kw(gpu_tokens_per_program=b)) for b in (1, 2, 4)]),
         ("zero 1", lambda v: bench_zero(1, sz, sweep_variants=v),
          [(f"pallas[tile={t}B]", ZeroBlocksConfig(gpu_tile_bytes=t)) for t in (512, 2048, 4096)]),
     ]
     for name, fn, variants in plan:
-        if not want(name.split()[0]):
+        if not want(name.split()[0]) or (SWEEPS and not any(name.startswith(p) for p in SWEEPS)):
             continue
         if time.perf_counter() - START > deadline - 25:
             log(f"deadline: sweep {name} and later skipped")
@@ -1299,9 +1305,11 @@ def main() -> int:
     ap.add_argument("--flash-T", default="", help="comma list of T for the flash rows (default: all)")
     ap.add_argument("--graph", action="store_true",
                     help="unroll the JAX executables' calls, one CUDA graph each (see GRAPH)")
+    ap.add_argument("--sweeps", default="", help="comma list of sweep name prefixes, e.g. 'flash fp8 T=16'")
     args = ap.parse_args()
-    global CALLS, SKIP_IMPLS, VLLM, GRAPH
+    global CALLS, SKIP_IMPLS, VLLM, GRAPH, SWEEPS
     GRAPH = args.graph
+    SWEEPS = tuple(filter(None, args.sweeps.split(",")))
     if args.vllm and TORCH_GPU:
         try:
             VLLM = load_vllm(args.vllm)

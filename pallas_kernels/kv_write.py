@@ -90,6 +90,10 @@ class KVWriteConfig:
       gpu_max_tokens_per_program: most tokens one GPU program writes.
       gpu_min_programs: aim for at least this many GPU programs per call.
       gpu_fp8_max_tokens_per_program: the same bound when quantising to fp8.
+      gpu_fp8_max_tile: ``gpu_max_tile`` when quantising to fp8.
+      gpu_fp8_columns_per_thread: columns each thread quantises (sets the warps): the
+        correctly rounded division is a long dependent sequence, so at decode sizes the
+        kernel's time is one thread's divisions.
       gpu_tokens_per_program, gpu_num_warps: fixed values instead of the rules.
       gpu_eviction: eviction policy of the GPU row loads and stores (None: default).
       mosaic_tokens_per_cta: tokens one CTA of the Mosaic GPU kernel writes (None: the
@@ -103,6 +107,8 @@ class KVWriteConfig:
     gpu_max_tokens_per_program: int = 8
     gpu_min_programs: int = 512
     gpu_fp8_max_tokens_per_program: int = 1
+    gpu_fp8_max_tile: int = 512
+    gpu_fp8_columns_per_thread: int = 2
     gpu_tokens_per_program: int | None = None
     gpu_num_warps: int | None = None
     gpu_eviction: str | None = None
@@ -502,11 +508,13 @@ def _gpu_tokens_per_program(n: int, quantize: bool, cfg: KVWriteConfig) -> int:
     return int(min(most, _pow2_floor(n // cfg.gpu_min_programs)))
 
 
-def _gpu_num_warps(tile: int, itemsize: int, cfg: KVWriteConfig) -> int:
-    """Warps that give each thread 16 bytes of a ``tile``-wide row of ``itemsize`` elements."""
+def _gpu_num_warps(tile: int, itemsize: int, cfg: KVWriteConfig, quantize: bool = False) -> int:
+    """Warps that give each thread 16 bytes of a ``tile``-wide row of ``itemsize`` elements,
+    or (``quantize``) ``cfg.gpu_fp8_columns_per_thread`` columns; at most 8."""
     if cfg.gpu_num_warps is not None:
         return cfg.gpu_num_warps
-    return int(min(8, max(1, tile * itemsize // (32 * 16))))
+    per_warp = 32 * cfg.gpu_fp8_columns_per_thread if quantize else 32 * 16 // itemsize
+    return int(min(8, max(1, tile // per_warp)))
 
 
 @_backend.register(OP_WRITE, "gpu")
@@ -534,12 +542,13 @@ def _gpu_write(slot_mapping, sources, caches, scales, *, segments, config, inter
     for k, c in enumerate(flat_caches):
         _check_gpu_int32_offsets(f"cache {k}", c.shape)
     widths = [s.shape[1] for s in flat_src]
-    tiles = [int(min(config.gpu_max_tile, pl.next_power_of_2(w))) for w in widths]
-    num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
     quantize = scales is not None
+    max_tile = config.gpu_fp8_max_tile if quantize else config.gpu_max_tile
+    tiles = [int(min(max_tile, pl.next_power_of_2(w))) for w in widths]
+    num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
     bt = _gpu_tokens_per_program(n, quantize, config)
     num_warps = _gpu_num_warps(
-        max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config)
+        max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config, quantize)
     # Columns per scale value of each source: its last axis (D, or all of L / R).
     groups = [s.shape[-1] for s in sources]
     scale_args = [s.reshape(-1, g)[:, 0] for s, g in zip(scales, groups)] if quantize else []

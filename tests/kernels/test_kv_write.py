@@ -300,6 +300,21 @@ def test_flash_fp8_saturates_and_rounds_to_nearest_even(backend, dtype, scales, 
     assert_no_races(backend)
 
 
+@pytest.mark.parametrize("tile, warps", [(8, None), (16, None), (8, 4)])
+def test_flash_fp8_gpu_column_tiles_keep_each_heads_scale(tile, warps, rng):
+    """fp8 on the GPU kernel with rows split over several column tiles (the fp8 tile rule):
+    every column still gets its own head's scale, bitwise as the reference."""
+    key, value, kc, vc = flash_inputs(rng, ml_dtypes.bfloat16, fp8=True, scale=100.0)
+    k_scale, v_scale = SCALES["per_head"]
+    slots = np.asarray([4, 15, PAD_SLOT_ID, 9, 7, PAD_SLOT_ID, 12, 5], np.int32)
+    cfg = kv_write.KVWriteConfig(gpu_fp8_max_tile=tile, gpu_num_warps=warps)
+    got = tuple(np.asarray(o) for o in reshape_and_cache_flash(
+        key, value, kc, vc, slots, "fp8", k_scale, v_scale, backend="pallas_gpu", config=cfg))
+    want = expected_flash(key, value, kc, vc, slots, True, k_scale, v_scale)
+    assert_bitwise(got[0], want[0], "key_cache")
+    assert_bitwise(got[1], want[1], "value_cache")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flash_fp8_e4m3_is_an_alias_of_fp8(backend, rng):
     key, value, kc, vc = flash_inputs(rng, fp8=True, scale=300.0)
