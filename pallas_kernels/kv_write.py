@@ -90,10 +90,11 @@ class KVWriteConfig:
       gpu_max_tokens_per_program: most tokens one GPU program writes.
       gpu_min_programs: aim for at least this many GPU programs per call.
       gpu_fp8_max_tokens_per_program: the same bound when quantising to fp8.
-      gpu_fp8_max_tile: ``gpu_max_tile`` when quantising to fp8.
-      gpu_fp8_columns_per_thread: columns each thread quantises (sets the warps): the
-        correctly rounded division is a long dependent sequence, so at decode sizes the
-        kernel's time is one thread's divisions.
+      gpu_fp8_max_tile: ``gpu_max_tile`` when quantising fewer than ``gpu_min_programs``
+        tokens to fp8 (decode sizes).
+      gpu_fp8_columns_per_thread: columns each thread quantises there (sets the warps):
+        the correctly rounded division is a long dependent sequence, so at decode sizes a
+        call's time is one thread's divisions.
       gpu_tokens_per_program, gpu_num_warps: fixed values instead of the rules.
       gpu_eviction: eviction policy of the GPU row loads and stores (None: default).
       mosaic_tokens_per_cta: tokens one CTA of the Mosaic GPU kernel writes (None: the
@@ -543,12 +544,14 @@ def _gpu_write(slot_mapping, sources, caches, scales, *, segments, config, inter
         _check_gpu_int32_offsets(f"cache {k}", c.shape)
     widths = [s.shape[1] for s in flat_src]
     quantize = scales is not None
-    max_tile = config.gpu_fp8_max_tile if quantize else config.gpu_max_tile
+    # fp8 at decode sizes (fewer tokens than gpu_min_programs): narrow tiles, more warps.
+    narrow = quantize and n < config.gpu_min_programs
+    max_tile = config.gpu_fp8_max_tile if narrow else config.gpu_max_tile
     tiles = [int(min(max_tile, pl.next_power_of_2(w))) for w in widths]
     num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
     bt = _gpu_tokens_per_program(n, quantize, config)
     num_warps = _gpu_num_warps(
-        max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config, quantize)
+        max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config, narrow)
     # Columns per scale value of each source: its last axis (D, or all of L / R).
     groups = [s.shape[-1] for s in sources]
     scale_args = [s.reshape(-1, g)[:, 0] for s, g in zip(scales, groups)] if quantize else []
