@@ -625,7 +625,7 @@ def plot_vs_vllm(rows: Rows, path):
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(f"reshape_and_cache_flash, {d} cache (8 x 128, block 16)", fontsize=10)
         ax.set_xlabel("tokens written (T)")
-        ax.set_ylabel("us per call (50 calls per executable / CUDA graph)")
+        ax.set_ylabel(f"us per call ({rows.doc['meta'].get('calls_per_executable', 50)} calls per executable / CUDA graph)")
     axes[0].legend(fontsize=8, loc="upper left")
     m = rows.doc["meta"]
     fig.suptitle(f"KV write per call: kvjax vs vLLM vs torch vs XLA, {m['device']}, JAX {m['jax']}, {m['date']}",
@@ -646,6 +646,35 @@ def step_rows(results, date, device):
              ("runner-default", "associative scan, adaptive chunks, Runner's GPU_COMPILER_OPTIONS"),
              ("final", "final: + searchsorted without loops (no XLA while loop left), Runner's GPU_COMPILER_OPTIONS")]
     return [(label, load(base + name + ".json")) for name, label in order if os.path.exists(base + name + ".json")]
+
+
+def graph_section(results, date, device):
+    """The vs-vLLM table of the ``--graph`` run (both sides one CUDA graph per execution) and its
+    hand-written notes (``<date>-<device>-graph.md``)."""
+    path = os.path.join(results, f"{date}-{device}-vllm-graph.json")
+    if not os.path.exists(path):
+        return ""
+    doc = load(path)
+    rows = Rows(doc)
+    m = doc["meta"]
+    table, wins, losses = vs_vllm_table(rows)
+    png = os.path.join(results, f"{date}-{device}-vs-vllm-graph.png")
+    have_plot = plot_vs_vllm(rows, png)
+    out = ["## Issue 11, final: kvjax against vLLM, both as CUDA graphs "
+           f"({m['date']}, evening)", "",
+           f"{m['device']}, JAX {m['jax']}, torch {m['torch']}, triton {m.get('triton')}, vLLM "
+           f"{m.get('vllm', '-')}. One run of `bench_kernels.py --graph --calls {m['calls_per_executable']} "
+           "--vllm .vllm_oracle --only flash,ssu,combine` (`benchmarks/results/" + os.path.basename(path)
+           + "`). Method: " + m["method"] + " *device us/call*: summed kernel time per call from a "
+           "profiler trace. Every vLLM row left the same cache / state as kvjax.", "",
+           f"kvjax is at or under vLLM's time in {wins} of {wins + losses} rows:", ""] + table
+    out += ["", (f"![kvjax vs vLLM per call, CUDA graphs]({os.path.relpath(png, ROOT)})" if have_plot
+                 else "(plot not rendered)"), ""]
+    notes = os.path.join(results, f"{date}-{device}-graph.md")
+    if os.path.exists(notes):
+        with open(notes) as fh:
+            out += [fh.read()]
+    return "\n".join(out)
 
 
 def issue11_section(results, date, device):
@@ -845,6 +874,8 @@ def main():
         "--device <device>`. The runs behind this report: `-call1` (first kernel versions and "
         "sweeps), `-call2` and `-call3` (final kernels, sweeps; `-call3` also ran the checks and "
         "the runner) and the final run (final kernels, the benchmark alone).",
+        "",
+        graph_section(a.results, a.issue11_date, a.device),
         "",
         issue11_section(a.results, a.issue11_date, a.device),
         "",

@@ -31,7 +31,7 @@ from pallas_kernels import contract as validation
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
 from kvjax.state.padding import (
-    INT32_RANGE, gather_index, is_real_row, narrow_rows, scatter_index, single_row, token_rows,
+    INT32_RANGE, gather_index, is_real_row, narrow_rows, scatter_index, scatter_rows, single_row, token_rows,
 )
 
 
@@ -138,8 +138,9 @@ class BlockTables:
                 table[safe],
                 jnp.where(in_new, new_val, NULL_BLOCK_ID),
             )
-            new_tables.append(table.at[dest].set(row_val, mode="drop"))
-            new_counts.append(self.num_blocks[g].at[dest].set(start + n_k, mode="drop"))
+            upd = scatter_rows(dest, {"table": (table, row_val), "count": (self.num_blocks[g], start + n_k)})
+            new_tables.append(upd["table"])
+            new_counts.append(upd["count"])
         return self.replace(tables=tuple(new_tables), num_blocks=jnp.stack(new_counts))
 
     def _narrow_write(self, rows, num_new, block_ids):

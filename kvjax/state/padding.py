@@ -17,6 +17,7 @@ Every function works on numpy arrays and on JAX arrays or tracers alike.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,6 +59,32 @@ def gather_index(idx, num_rows: int):
 def scatter_index(idx, num_rows: int):
     """``idx`` with padding entries replaced by ``num_rows``: for ``.at[...].set(mode="drop")``."""
     return jnp.where(is_real_row(idx, num_rows), idx, num_rows)
+
+
+def scatter_rows(dest: jax.Array, updates: dict) -> dict:
+    """``{name: field.at[dest].set(values, mode="drop")}`` for ``updates = {name: (field,
+    values)}``, done as one scatter: every field (``[R, ...]``, a 32-bit dtype) is viewed as
+    int32 columns, the columns are concatenated, scattered once and split back (bit-exact).
+
+    One scatter instead of one per field: on a GPU each is a kernel launch of its own.
+    """
+    names, parts, vals, layout = list(updates), [], [], []
+    for name in names:
+        field, values = updates[name]
+        if np.dtype(field.dtype).itemsize != 4:
+            raise TypeError(f"scatter_rows: field {name!r} has dtype {field.dtype}; 32-bit dtypes only")
+        R, U = field.shape[0], dest.shape[0]
+        cols = int(np.prod(field.shape[1:], dtype=np.int64))
+        values = jnp.broadcast_to(jnp.asarray(values).astype(field.dtype), (U,) + field.shape[1:])
+        parts.append(jax.lax.bitcast_convert_type(field, jnp.int32).reshape(R, cols))
+        vals.append(jax.lax.bitcast_convert_type(values, jnp.int32).reshape(U, cols))
+        layout.append((name, cols, field.shape, field.dtype))
+    table = jnp.concatenate(parts, axis=1).at[dest].set(jnp.concatenate(vals, axis=1), mode="drop")
+    out, start = {}, 0
+    for name, cols, shape, dtype in layout:
+        out[name] = jax.lax.bitcast_convert_type(table[:, start:start + cols].reshape(shape), dtype)
+        start += cols
+    return out
 
 
 def token_rows(query_start_loc, num_tokens_padded: int):

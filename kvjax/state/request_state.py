@@ -12,6 +12,7 @@ a request is added, so nothing of the previous tenant survives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -21,7 +22,9 @@ from flax import struct
 
 from pallas_kernels import contract as validation
 from kvjax.constants import PAD_ROW_ID
-from kvjax.state.padding import INT32_RANGE, gather_index, is_real_row, narrow_rows, scatter_index, single_row
+from kvjax.state.padding import (
+    INT32_RANGE, gather_index, is_real_row, narrow_rows, scatter_index, scatter_rows, single_row,
+)
 
 
 @struct.dataclass
@@ -105,9 +108,6 @@ class RequestState:
         new.validate(self)
         dest = scatter_index(new.rows, self.max_num_reqs)
 
-        def put(field, values):
-            return field.at[dest].set(values.astype(field.dtype), mode="drop")
-
         L = self.max_model_len
         col = jnp.arange(L, dtype=jnp.int32)[None, :]
         tokens = jnp.where(col < new.num_tokens[:, None], new.token_ids, 0)
@@ -115,22 +115,19 @@ class RequestState:
         has_last = (nc > 0) & (nc <= new.num_tokens)
         last = jnp.take_along_axis(tokens, jnp.clip(nc - 1, 0, L - 1)[:, None], axis=1)[:, 0]
         last = jnp.where(has_last, last, 0)
-        U = new.rows.shape[0]
-        return self.replace(
-            prompt_len=put(self.prompt_len, new.prompt_len),
-            prefill_len=put(self.prefill_len, new.num_tokens),
-            total_len=put(self.total_len, new.num_tokens),
-            num_computed_tokens=put(self.num_computed_tokens, nc),
-            all_token_ids=put(self.all_token_ids, tokens),
-            last_sampled_tokens=put(self.last_sampled_tokens, last),
-            draft_tokens=put(
-                self.draft_tokens, jnp.zeros((U, self.num_speculative_tokens), jnp.int32)
-            ),
-            num_accepted_tokens=put(self.num_accepted_tokens, jnp.ones((U,), jnp.int32)),
-            temperature=put(self.temperature, new.temperature),
-            top_p=put(self.top_p, new.top_p),
-            top_k=put(self.top_k, new.top_k),
-        )
+        return self.replace(**scatter_rows(dest, {
+            "prompt_len": (self.prompt_len, new.prompt_len),
+            "prefill_len": (self.prefill_len, new.num_tokens),
+            "total_len": (self.total_len, new.num_tokens),
+            "num_computed_tokens": (self.num_computed_tokens, nc),
+            "all_token_ids": (self.all_token_ids, tokens),
+            "last_sampled_tokens": (self.last_sampled_tokens, last),
+            "draft_tokens": (self.draft_tokens, 0),
+            "num_accepted_tokens": (self.num_accepted_tokens, 1),
+            "temperature": (self.temperature, new.temperature),
+            "top_p": (self.top_p, new.top_p),
+            "top_k": (self.top_k, new.top_k),
+        }))
 
     def add_request(
         self,
@@ -163,11 +160,9 @@ class RequestState:
         rows = narrow_rows("rows", rows, self.max_num_reqs)
         dest = scatter_index(rows, self.max_num_reqs)
         empty = RequestState.create(1, self.max_model_len, self.num_speculative_tokens)
-        return jax.tree.map(
-            lambda f, e: f.at[dest].set(jnp.broadcast_to(e[0], (rows.shape[0],) + e.shape[1:]), mode="drop"),
-            self,
-            empty,
-        )
+        return self.replace(**scatter_rows(dest, {
+            f.name: (getattr(self, f.name), getattr(empty, f.name)[0]) for f in dataclasses.fields(self)
+        }))
 
     def set_draft_tokens(self, idx_mapping: jax.Array, drafts: jax.Array) -> "RequestState":
         """Write proposed drafts, integer ``[R_padded, num_speculative_tokens]``, for the batch rows.
@@ -231,16 +226,13 @@ class RequestState:
         ].set(sampled, mode="drop")
         last = jnp.take_along_axis(sampled, jnp.clip(n_s - 1, 0, S - 1)[:, None], axis=1)[:, 0]
         has_sample = valid & (n_s > 0)
-        last_dest = jnp.where(has_sample, idx, R)  # drop: no sample or padding
-        return self.replace(
-            all_token_ids=all_ids,
-            total_len=self.total_len.at[dest].set(tl + n_s, mode="drop"),
-            num_computed_tokens=self.num_computed_tokens.at[dest].set(new_nc, mode="drop"),
-            last_sampled_tokens=self.last_sampled_tokens.at[last_dest].set(last, mode="drop"),
-            num_accepted_tokens=self.num_accepted_tokens.at[dest].set(
-                jnp.maximum(n_s, 1), mode="drop"
-            ),
-        )
+        last = jnp.where(has_sample, last, self.last_sampled_tokens[s])  # no sample: unchanged
+        return self.replace(all_token_ids=all_ids, **scatter_rows(dest, {
+            "total_len": (self.total_len, tl + n_s),
+            "num_computed_tokens": (self.num_computed_tokens, new_nc),
+            "last_sampled_tokens": (self.last_sampled_tokens, last),
+            "num_accepted_tokens": (self.num_accepted_tokens, jnp.maximum(n_s, 1)),
+        }))
 
     def _check_query_fits(self, idx, qlen, nc) -> None:
         """Concrete: every real row's query ends within ``max_model_len``."""

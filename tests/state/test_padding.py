@@ -57,3 +57,32 @@ def test_host_rule_matches_the_device_post_update(rows):
     for (p, *_), c, q, n, k, got in zip(rows, ncs, qlens, nss, kept, nc):  # the rule, spelled out
         want = (0, c + q) if c + q < p else (n, c + n) if c >= p else (n, c + q - 1 + n)
         assert (int(k), int(got)) == want
+
+
+def test_scatter_rows_is_one_bit_exact_scatter_per_field():
+    """scatter_rows equals field.at[dest].set(values, mode="drop") field by field, bitwise
+    (float32 NaN payloads included), with padding rows dropped and zero-width fields kept."""
+    import jax
+    import pytest
+    from kvjax.state.padding import scatter_rows
+
+    rng = np.random.default_rng(0)
+    R = 6
+    nan_bits = np.array([0x7FC00001, 0x7FA00002, 0xFFC00003], np.uint32).view(np.float32)
+    fields = {
+        "a": (jnp.asarray(rng.integers(-9, 9, R), jnp.int32), jnp.asarray([7, 8, 9], jnp.int32)),
+        "f": (jnp.asarray(rng.standard_normal(R), jnp.float32), jnp.asarray(nan_bits)),
+        "m": (jnp.asarray(rng.integers(0, 99, (R, 4)), jnp.int32), jnp.asarray(rng.integers(100, 200, (3, 4)), jnp.int32)),
+        "z": (jnp.zeros((R, 0), jnp.int32), 0),
+        "s": (jnp.asarray(rng.standard_normal(R), jnp.float32), 2.5),
+    }
+    dest = scatter_index(jnp.asarray([4, PAD_ROW_ID, 1]), R)
+    got = jax.jit(scatter_rows)(dest, fields)
+    for name, (field, values) in fields.items():
+        want = field.at[dest].set(jnp.broadcast_to(jnp.asarray(values, field.dtype), (3,) + field.shape[1:]),
+                                  mode="drop")
+        assert got[name].dtype == field.dtype and got[name].shape == field.shape, name
+        np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint8), np.asarray(want).view(np.uint8),
+                                      err_msg=name)
+    with pytest.raises(TypeError, match="'b'.*32-bit"):
+        scatter_rows(dest, {"b": (jnp.zeros((R,), jnp.bool_), True)})

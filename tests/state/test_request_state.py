@@ -109,3 +109,16 @@ def test_clear_rows():
     s = s.clear_rows(np.array([0, -1]))
     assert s.all_token_ids[0].tolist() == [0, 0, 0, 0] and int(s.total_len[0]) == 0
     assert s.all_token_ids[1].tolist() == [3, 0, 0, 0]
+
+
+def test_post_update_keeps_last_sampled_of_a_row_that_samples_nothing():
+    """A resumed request's mid-prefill chunk samples nothing: its last_sampled_tokens (set at
+    add time from its history) stays, and so does every field of a row not in the batch."""
+    s = RequestState.create(3, 16).add_request(0, [1, 2, 3, 4, 5, 6], num_computed_tokens=2)
+    s = s.add_request(2, [7, 8], num_computed_tokens=1)
+    before = jax.tree.map(np.asarray, s)
+    assert int(before.last_sampled_tokens[0]) == 2 and int(before.last_sampled_tokens[2]) == 7
+    s = s.post_update(np.array([0, -1]), np.array([2, 0]), np.array([[9], [0]]), np.array([1, 0]))
+    assert int(s.num_computed_tokens[0]) == 4 and int(s.last_sampled_tokens[0]) == 2
+    for f in ("last_sampled_tokens", "total_len", "num_computed_tokens", "num_accepted_tokens", "all_token_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(s, f))[1:], getattr(before, f)[1:], err_msg=f)
