@@ -162,7 +162,7 @@ def profile_kv(T: int, fp8: bool) -> dict:
 def profile_step(n: int, steps: int = 40) -> dict:
     cfg = RunnerConfig(max_num_seqs=n, max_num_batched_tokens=max(n, 8), num_blocks=4 * n + 8,
                        max_model_len=64, token_sizes=(max(n, 8),))
-    runner = Runner(cfg, compiler_options=COMPILER_OPTIONS, layout="tree")  # calls the executables itself
+    runner = Runner(cfg, compiler_options=COMPILER_OPTIONS, layout=LAYOUT)
     t0 = time.perf_counter()
     runner.precompile()
     compile_s = time.perf_counter() - t0
@@ -174,21 +174,18 @@ def profile_step(n: int, steps: int = 40) -> dict:
     for i in range(steps + 5):
         plan = sched.schedule()
         buf, _ = pack(runner.pack(plan))
-        exe, _ = runner.executables[plan.bucket]
         t0 = time.perf_counter()
-        runner.state, outs = exe(runner.params, runner.state, buf)
-        jax.block_until_ready(outs)
+        out = runner.enqueue(plan.bucket, buf).fetch()  # the Runner's own call (either layout)
         sync.append(time.perf_counter() - t0)
-        out = [np.asarray(o) for o in outs]
-        sched.update(plan, out[0], out[1], out[2])
+        sched.update(plan, out.sampled, out.num_sampled, out.logits)
     exe, _ = runner.executables[plan.bucket]
     text = exe.as_text()
     names = op_names(text)
     buf = jax.device_put(buf)
 
     def once():
-        runner.state, outs = exe(runner.params, runner.state, buf)
-        return outs
+        p = runner.enqueue(plan.bucket, buf)
+        return p.packed if p.packed is not None else (p.sampled, p.num_sampled, p.logits)
 
     jax.block_until_ready(once())
     enq, total = [], []
@@ -198,11 +195,11 @@ def profile_step(n: int, steps: int = 40) -> dict:
         for _ in range(steps):
             outs = once()
         t1 = time.perf_counter()
-        jax.block_until_ready((outs, runner.state))
+        jax.block_until_ready(outs)
         t2 = time.perf_counter()
         enq.append((t1 - t0) / steps)
         total.append((t2 - t0) / steps)
-    dispatch = dispatch_costs(runner, plan.bucket, buf, steps) if DISPATCH else {}
+    dispatch = dispatch_costs(runner, plan.bucket, buf, steps) if DISPATCH and runner.layout == "tree" else {}
     tr = trace_device(once, 10)
     kern = tr.pop("_kernels", [])
     split = collections.Counter()
@@ -225,6 +222,7 @@ def profile_step(n: int, steps: int = 40) -> dict:
     total_k = sum(split.values()) or 1.0
     return {
         "case": f"decode step, {n} requests (bucket {plan.bucket.num_tokens} tokens)",
+        "layout": runner.layout + ("+stable" if runner.stable_input else ""),
         "compile_s": compile_s,
         "sync_step_us_median": statistics.median(sync[5:]) * 1e6,
         "pipelined_step_us_median": statistics.median(total) * 1e6,
@@ -283,6 +281,7 @@ def dispatch_costs(runner, bucket, buf, steps: int) -> dict:
 
 
 DISPATCH = False  # --dispatch
+LAYOUT = None  # --layout: the Runner's argument layout (None: its default for the backend)
 
 
 def main() -> int:
@@ -293,14 +292,17 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--kv-T", default="1,16,256")
     ap.add_argument("--step-n", default="8,64,256")
+    ap.add_argument("--layout", default=None, choices=("tree", "packed"),
+                    help="the Runner's argument layout (default: the Runner's default, packed on a GPU)")
     ap.add_argument("--chunk-scan", default="associative", choices=("associative", "sequential"))
     ap.add_argument("--dispatch", action="store_true", help="also time the step's host dispatch paths")
     ap.add_argument("--no-adapt-chunk", action="store_true", help="Mamba prefill chunks of chunk_size always")
     ap.add_argument("--hlo-dir", default="", help="write each case's optimised HLO here")
     ap.add_argument("--compiler-options", default="", help='JSON, e.g. {"xla_gpu_graph_min_graph_size": 1}')
     args = ap.parse_args()
-    global COMPILER_OPTIONS, DISPATCH
+    global COMPILER_OPTIONS, DISPATCH, LAYOUT
     DISPATCH = args.dispatch
+    LAYOUT = args.layout
     COMPILER_OPTIONS = json.loads(args.compiler_options) if args.compiler_options else None
     # The model's prefill scan with this run's ScanConfig (a static argument of the op).
     scan_config = mamba_scan_mod.ScanConfig(adapt_chunk=not args.no_adapt_chunk, chunk_states=args.chunk_scan)
