@@ -78,6 +78,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kvjax.runner.runner import GPU_COMPILER_OPTIONS  # noqa: E402  (--graph: the step's options)
 from pallas_kernels import _backend  # noqa: E402
 from pallas_kernels import KVWriteConfig, SSUConfig, ZeroBlocksConfig  # noqa: E402
 from pallas_kernels.block_zero import zero_blocks  # noqa: E402
@@ -121,8 +122,6 @@ CALLS = 50  # op calls per executable / per CUDA graph
 #: rows replay one captured graph.
 GRAPH = False
 SWEEPS: tuple[str, ...] = ()  # --sweeps: only the sweeps whose names start with one of these
-GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
-                 "xla_gpu_graph_min_graph_size": 1}
 SKIP_IMPLS: set = set()  # --skip-impls (a CPU smoke run skips the slow interpreted kernels)
 GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 TORCH_GPU = torch is not None and torch.cuda.is_available()
@@ -236,20 +235,9 @@ def lower_loop(op: Callable, carry, sets):
             return carry
         return jax.lax.fori_loop(0, CALLS // n_sets, body, carry)
 
-    jitted = jax.jit(run, donate_argnums=0)
-    if GRAPH and GPU:
-        return _GraphLowered(jitted.lower(carry, sets))
-    return jitted.lower(carry, sets)
-
-
-class _GraphLowered:
-    """A lowered program compiled with :data:`GRAPH_OPTIONS` (``--graph``)."""
-
-    def __init__(self, lowered):
-        self.lowered = lowered
-
-    def compile(self):
-        return self.lowered.compile(compiler_options=dict(GRAPH_OPTIONS))
+    # --graph on a GPU: the Runner's step options (command buffers from one command up)
+    options = dict(GPU_COMPILER_OPTIONS) if GRAPH and GPU else None
+    return jax.jit(run, donate_argnums=0, compiler_options=options).lower(carry, sets)
 
 
 def compile_all(lowered: list) -> list:
@@ -1266,10 +1254,13 @@ def metadata() -> dict:
         "torch_cuda": getattr(getattr(torch, "version", None), "cuda", None),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "calls_per_executable": CALLS,
-        "method": ("JAX: one executable = 50 op calls in lax.fori_loop (cache donated and carried, "
-                   "input sets rotated), M executions queued back to back, host wall clock between "
-                   "two synchronisations / (50 M); torch: 50 calls in one CUDA graph, M replays "
-                   "between CUDA events. Median of the samples after warm-up."),
+        "method": (f"JAX: one executable = {CALLS} op calls "
+                   + (f"unrolled (no loop), compiled with command buffers {GPU_COMPILER_OPTIONS} "
+                      "so that it runs as one CUDA graph" if GRAPH else "in lax.fori_loop")
+                   + f" (cache donated and carried, input sets rotated), M executions queued back to "
+                   f"back, host wall clock between two synchronisations / ({CALLS} M); torch: {CALLS} "
+                   "calls in one CUDA graph, M replays between CUDA events. Median of the samples "
+                   "after warm-up."),
     }
     try:
         import triton
@@ -1323,10 +1314,6 @@ def main() -> int:
     RES.path = args.json
     RES.meta = metadata()
     RES.meta["argv"] = sys.argv[1:]
-    if GRAPH:
-        RES.meta["method"] = RES.meta["method"].replace(
-            "50 op calls in lax.fori_loop", "50 op calls unrolled (no loop), compiled with command "
-            f"buffers {GRAPH_OPTIONS} so that it runs as one CUDA graph")
     RES.meta["mosaic_gpu_rows"] = MOSAIC
     if VLLM is not None:
         RES.meta["vllm"] = "0.33.0 (Triton kernels from the wheel, benchmarks: vllm_triton rows)"

@@ -509,12 +509,13 @@ def _gpu_tokens_per_program(n: int, quantize: bool, cfg: KVWriteConfig) -> int:
     return int(min(most, _pow2_floor(n // cfg.gpu_min_programs)))
 
 
-def _gpu_num_warps(tile: int, itemsize: int, cfg: KVWriteConfig, quantize: bool = False) -> int:
+def _gpu_num_warps(tile: int, itemsize: int, cfg: KVWriteConfig, fp8_decode: bool = False) -> int:
     """Warps that give each thread 16 bytes of a ``tile``-wide row of ``itemsize`` elements,
-    or (``quantize``) ``cfg.gpu_fp8_columns_per_thread`` columns; at most 8."""
+    or (``fp8_decode``: quantising fewer than ``gpu_min_programs`` tokens)
+    ``cfg.gpu_fp8_columns_per_thread`` columns; at most 8."""
     if cfg.gpu_num_warps is not None:
         return cfg.gpu_num_warps
-    per_warp = 32 * cfg.gpu_fp8_columns_per_thread if quantize else 32 * 16 // itemsize
+    per_warp = 32 * cfg.gpu_fp8_columns_per_thread if fp8_decode else 32 * 16 // itemsize
     return int(min(8, max(1, tile // per_warp)))
 
 
@@ -545,13 +546,13 @@ def _gpu_write(slot_mapping, sources, caches, scales, *, segments, config, inter
     widths = [s.shape[1] for s in flat_src]
     quantize = scales is not None
     # fp8 at decode sizes (fewer tokens than gpu_min_programs): narrow tiles, more warps.
-    narrow = quantize and n < config.gpu_min_programs
-    max_tile = config.gpu_fp8_max_tile if narrow else config.gpu_max_tile
+    fp8_decode = quantize and n < config.gpu_min_programs
+    max_tile = config.gpu_fp8_max_tile if fp8_decode else config.gpu_max_tile
     tiles = [int(min(max_tile, pl.next_power_of_2(w))) for w in widths]
     num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
     bt = _gpu_tokens_per_program(n, quantize, config)
     num_warps = _gpu_num_warps(
-        max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config, narrow)
+        max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config, fp8_decode)
     # Columns per scale value of each source: its last axis (D, or all of L / R).
     groups = [s.shape[-1] for s in sources]
     scale_args = [s.reshape(-1, g)[:, 0] for s, g in zip(scales, groups)] if quantize else []

@@ -509,8 +509,7 @@ class Runner:
         drafts = np.zeros((R, k), np.int32)
         sidx = np.full((R, 1 + k), NULL_BLOCK_ID, np.int32)
         U = c.max_new_requests
-        if plan is None or not plan.added:  # no request installed (every steady decode step)
-            new = self._no_new_requests
+        new = self._no_new_requests  # unless the plan installs requests
         if plan is None:
             sched = ScheduledBatch.empty(R)
         else:

@@ -12,9 +12,9 @@ bitwise those of the lockstep loop.
 Two overlapped modes (:data:`OVERLAP_MODES`): ``"plan"`` (``overlap=True``) schedules and
 packs step N+1 while N runs, waits for N, enqueues N+1, then reads N's outputs while N+1
 runs (a sanitizer violation of step N is raised after N+1 is enqueued); ``"dispatch"``
-enqueues N+1 before waiting for N. On a GPU ``"dispatch"`` makes XLA re-record most of the step's
-command buffer before every step (step N still holds its temporaries when N+1 is enqueued,
-so N+1's sit elsewhere), which cost more than it hid (figures in BENCHMARKS.md).
+enqueues N+1 before waiting for N. On a GPU ``"dispatch"`` makes XLA re-record most of the
+step's command buffer before every step (step N still holds its temporaries when N+1 is
+enqueued); which mode is faster depends on the batch (BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -68,12 +68,12 @@ def scatter_rows(dest: jax.Array, updates: dict) -> dict:
 
     One scatter instead of one per field: on a GPU each is a kernel launch of its own.
     """
-    names, parts, vals, layout = list(updates), [], [], []
-    for name in names:
-        field, values = updates[name]
+    parts, vals, layout = [], [], []
+    U = dest.shape[0]
+    for name, (field, values) in updates.items():
         if np.dtype(field.dtype).itemsize != 4:
             raise TypeError(f"scatter_rows: field {name!r} has dtype {field.dtype}; 32-bit dtypes only")
-        R, U = field.shape[0], dest.shape[0]
+        R = field.shape[0]
         cols = int(np.prod(field.shape[1:], dtype=np.int64))
         values = jnp.broadcast_to(jnp.asarray(values).astype(field.dtype), (U,) + field.shape[1:])
         parts.append(jax.lax.bitcast_convert_type(field, jnp.int32).reshape(R, cols))
