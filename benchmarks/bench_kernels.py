@@ -212,14 +212,16 @@ def make_row(op, size, dtype, impl, samples_s, nbytes, *, ceiling="copy", **extr
 # --------------------------------------------------------------------------
 
 
-def lower_loop(op: Callable, carry, sets):
+def lower_loop(op: Callable, carry, sets, *, graph: bool | None = None):
     """Lower ``CALLS`` calls of ``op(carry, inputs, k, i)`` in a fori_loop, carry donated.
 
     The loop body calls ``op`` once per input set (``len(sets)`` calls, set
     ``k``; ``i`` is the loop index), so the loop runs ``CALLS / len(sets)``
     iterations. One set gives ``CALLS`` iterations of one call (the ceilings:
-    XLA would fuse consecutive elementwise calls into one pass).
+    XLA would fuse consecutive elementwise calls into one pass). ``graph`` (default: ``--graph``):
+    unroll the calls instead; the ceilings never do, since unrolled they fuse into one pass.
     """
+    graph = GRAPH if graph is None else graph
     n_sets = len(sets)
     assert CALLS % n_sets == 0, (CALLS, n_sets)
 
@@ -229,14 +231,14 @@ def lower_loop(op: Callable, carry, sets):
                 c = op(c, sets[k], k, i)
             return c
 
-        if GRAPH:  # unrolled: one straight-line program, one CUDA graph on a GPU
+        if graph:  # unrolled: one straight-line program, one CUDA graph on a GPU
             for i in range(CALLS // n_sets):
                 carry = body(jnp.int32(i), carry)
             return carry
         return jax.lax.fori_loop(0, CALLS // n_sets, body, carry)
 
     # --graph on a GPU: the Runner's step options (command buffers from one command up)
-    options = dict(GPU_COMPILER_OPTIONS) if GRAPH and GPU else None
+    options = dict(GPU_COMPILER_OPTIONS) if graph and GPU else None
     return jax.jit(run, donate_argnums=0, compiler_options=options).lower(carry, sets)
 
 
@@ -531,7 +533,7 @@ def bench_ceilings(sz: dict):
         ("jnp fill (full(i))", lambda c, s, k, i: jnp.full(c.shape, i.astype(c.dtype) + k, c.dtype),
          nbytes, "write"),
     ):
-        exe = lower_loop(op, x, ((),)).compile()
+        exe = lower_loop(op, x, ((),), graph=False).compile()
         samples, x = time_jax(exe, x, ((),), 0.6)
         row = make_row("ceiling", f"{nbytes / 2**30:.0f} GiB", "float32", name, samples, moved)
         rows[name] = (row, kind)
@@ -545,7 +547,7 @@ def bench_ceilings(sz: dict):
         return jax.lax.optimization_barrier((a, b))
 
     pair = (x, jnp.zeros_like(x))
-    exe = lower_loop(ping_pong, pair, ((), ())).compile()
+    exe = lower_loop(ping_pong, pair, ((), ()), graph=False).compile()
     samples, pair = time_jax(exe, pair, ((), ()), 0.6)
     rows["jnp copy (b = a + 1, out of place)"] = (
         make_row("ceiling", f"{nbytes / 2**30:.0f} GiB", "float32", "jnp copy (b = a + 1, out of place)",
