@@ -8,6 +8,7 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from kvjax.host.scheduler import Request, RequestTooLargeError, peak_tokens
+from kvjax.state import step_progress
 from kvjax.runner import Runner, RunnerConfig
 
 
@@ -41,9 +42,13 @@ def drive(sched, max_steps: int, seed: int = 0) -> int:
         num_sampled = np.zeros((R,), np.int32)
         for b, s in enumerate(plan.scheduled):
             num_sampled[b] = 1 + rng.randrange(len(s.drafts) + 1)
+        before = [(s.req.num_computed, s.req.prefill_len, s.num_tokens) for s in plan.scheduled]
         sched.update(plan, sampled, num_sampled)
-        for s in plan.scheduled:  # accepted drafts never run past max_tokens
+        for b, s in enumerate(plan.scheduled):  # accepted drafts never run past max_tokens
             assert len(s.req.output) <= s.req.max_tokens, (s.req.req_id, len(s.req.output))
+            if not s.req.finished:  # every row's counter follows the one rule, row by row
+                want = int(step_progress(*before[b], int(num_sampled[b]))[1])
+                assert s.req.num_computed == want, (b, s.req.req_id, s.req.num_computed, want)
     return steps
 
 
@@ -52,6 +57,26 @@ def make_sched(block_size=4, num_blocks=6, budget=12, max_num_seqs=4, k=0, max_m
         block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs, num_speculative_tokens=k, max_model_len=max_model_len,
     ).make_scheduler()
+
+
+def test_drafts_rejected_on_any_row_are_not_computed():
+    """A decode step with drafts where each row accepts a different number: every row's
+    num_computed follows step_progress (rejected drafts are not computed), not only row 0's."""
+    sched = make_sched(block_size=4, num_blocks=40, budget=16, max_num_seqs=4, k=2)
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [7, 7, 7, 7], 8))
+    step(sched)  # prefill: each samples a 7, so the n-gram drafter proposes 7s
+    plan = sched.schedule()
+    d = [len(s.drafts) for s in plan.scheduled]
+    assert len(d) == 3 and min(d) >= 1
+    before = [(s.req.num_computed, s.req.prefill_len, s.num_tokens) for s in plan.scheduled]
+    R = plan.bucket.num_reqs
+    num_sampled = np.zeros((R,), np.int32)
+    num_sampled[:3] = [1 + d[0], 1, 1 + d[2]]  # all drafts accepted / all rejected / all accepted
+    sched.update(plan, np.full((R, 1 + sched.k), 7, np.int32), num_sampled)
+    got = [s.req.num_computed for s in plan.scheduled]
+    assert got == [int(step_progress(*bf, int(n))[1]) for bf, n in zip(before, num_sampled)]
+    assert got == [4 + 1 + d[0], 4 + 1, 4 + 1 + d[2]]  # row 1 computed none of its drafts
 
 
 def test_two_requests_that_each_fit_alone_both_finish():
