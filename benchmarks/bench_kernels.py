@@ -1292,7 +1292,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds; later parts are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, any backend (script check)")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds of timed samples per row")
-    ap.add_argument("--calls", type=int, default=50, help="op calls per executable (smoke: 5)")
+    ap.add_argument("--calls", type=int, default=50, help="op calls per executable (and per CUDA graph of the torch and vLLM rows)")
     ap.add_argument("--skip-impls", default="", help="comma list of implementations not to run")
     ap.add_argument("--vllm", default="", help="vLLM oracle dir (vllm_gpu_oracle.sh): vllm_triton rows")
     ap.add_argument("--flash-T", default="", help="comma list of T for the flash rows (default: all)")
