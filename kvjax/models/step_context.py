@@ -17,6 +17,8 @@ class StepContext(NamedTuple):
     """What the layers read (``T`` tokens, ``R`` rows, ``W`` block-table columns).
 
     Attributes:
+      input_ids: int32 ``[T]`` (0 for pad tokens).
+      logits_indices: int32 ``[L]`` the tokens whose logits the step returns.
       positions: int32 ``[T]``.
       token_row: int32 ``[T]`` batch row of each token, ``R`` for pad tokens.
       token_real: bool ``[T]`` the token belongs to a real (non-padded) row.
@@ -34,6 +36,8 @@ class StepContext(NamedTuple):
       num_accepted_tokens: int32 ``[R]`` (1 for padded rows) or None (no speculation).
     """
 
+    input_ids: jax.Array
+    logits_indices: jax.Array
     positions: jax.Array
     token_row: jax.Array
     token_real: jax.Array
@@ -112,6 +116,8 @@ def make_step_context(
     real = batch.token_valid & (token_row < R)
     real = real & row_valid[gather_index(token_row, R)]
     return StepContext(
+        input_ids=batch.input_ids,
+        logits_indices=batch.logits_indices,
         positions=batch.positions,
         token_row=token_row,
         token_real=real,
