@@ -108,18 +108,33 @@ def varlen_batch(cache_indices, query_start_loc, has_initial_state, num_tokens: 
                  num_lines: int, null_block_id: int):
     """Checks a packed prefill batch's per-request arrays; returns them as (int32, int32, bool).
 
-    ``cache_indices [R]`` in ``[0, num_lines)`` or null, ``query_start_loc [R + 1]``
-    non-decreasing within ``[0, num_tokens]``, ``has_initial_state [R]``.
+    ``query_start_loc [R + 1]`` non-decreasing within ``[0, num_tokens]`` gives the
+    ``R`` sequences. ``cache_indices [>= R]`` in ``[0, num_lines)`` or null, and
+    ``has_initial_state [>= R]``: as in vLLM's ``causal_conv1d_fn`` (whose batch is
+    ``query_start_loc``'s), entries past the ``R`` sequences are padding, ignored
+    (they are still range-checked when concrete). Both come back cut to ``[R]``.
     """
     contract.check_rank("cache_indices", cache_indices, 1)
     contract.check_dtype("cache_indices", cache_indices, "integer")
     check_index_values("cache_indices", cache_indices, num_lines, null_block_id)
     ci = index_array("cache_indices", cache_indices, 1)
-    R = ci.shape[0]
+    contract.check_rank("query_start_loc", query_start_loc, 1)
+    R = np.shape(query_start_loc)[0] - 1
+    if R < 0:
+        raise ValueError("query_start_loc must have shape [num_sequences + 1], got [0]")
+    if ci.shape[0] < R:
+        raise ValueError(
+            f"cache_indices must have at least one entry per sequence of query_start_loc "
+            f"(shape [{R + 1}], so >= {R} entries), got shape {list(ci.shape)}"
+        )
     qsl = offsets("query_start_loc", query_start_loc, R, num_tokens)
     contract.check_rank("has_initial_state", has_initial_state, 1)
-    contract.check_shape("has_initial_state", has_initial_state, (R,))
-    return ci, qsl, jnp.asarray(has_initial_state).astype(bool)
+    if np.shape(has_initial_state)[0] < R:
+        raise ValueError(
+            f"has_initial_state must have at least one entry per sequence of query_start_loc "
+            f"(>= {R} entries), got shape {list(np.shape(has_initial_state))}"
+        )
+    return ci[:R], qsl, jnp.asarray(has_initial_state).astype(bool)[:R]
 
 
 def token_segment_ids(bos, lens, num_tokens: int):

@@ -599,8 +599,10 @@ def causal_conv1d_varlen(
 
     Shapes (as in vLLM): ``x [dim, num_tokens]`` (channel-major packed tokens);
     ``weight [dim, width]``; ``bias [dim]`` or None; ``conv_states [L, dim, S]`` with
-    ``S >= width-1``; ``query_start_loc [R+1]`` non-decreasing; ``cache_indices [R]``;
-    ``has_initial_state [R]`` bool. ``activation``: None/False or "silu"/"swish"/True.
+    ``S >= width-1``; ``query_start_loc [R+1]`` non-decreasing (it alone sets the batch
+    ``R``, as in vLLM); ``cache_indices [>= R]``; ``has_initial_state [>= R]`` bool
+    (entries past the ``R`` sequences are padding: ignored, never read or written).
+    ``activation``: None/False or "silu"/"swish"/True.
 
     Request ``r`` covers tokens ``query_start_loc[r] .. query_start_loc[r+1]-1``:
 

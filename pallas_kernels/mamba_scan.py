@@ -255,8 +255,9 @@ def selective_scan_varlen(
     * ``x``, ``z``: ``[T, H, P]``; ``dt``: ``[T, H]`` (per-head scalar); ``A``: ``[H]``;
       ``dt_bias``: ``[H]``; ``D``: ``[H]`` or ``[H, P]``; ``B``, ``C``: ``[T, G, N]``.
     * ``state``: ``[L, H, P, N]``, any float dtype (stored in that dtype).
-    * ``query_start_loc``: ``[R+1]`` non-decreasing token offsets; ``cache_indices``
-      ``[R]`` integer; ``has_initial_state`` ``[R]`` bool.
+    * ``query_start_loc``: ``[R+1]`` non-decreasing token offsets (it alone sets ``R``);
+      ``cache_indices`` ``[>= R]`` integer; ``has_initial_state`` ``[>= R]`` bool
+      (entries past the ``R`` sequences are padding, ignored, as in vLLM).
 
     Semantics per request ``r`` (tokens ``query_start_loc[r] .. query_start_loc[r+1]-1``;
     math in float32; ``dt' = softplus?(dt + dt_bias)``;

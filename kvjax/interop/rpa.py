@@ -22,6 +22,16 @@ The rules (one place, here): real rows first, in batch order; padded rows get
 non-decreasing and repeats the real token count after the last real row;
 ``num_seqs`` is the real row count. Everything is jit-able; with concrete
 inputs malformed batches raise ``ValueError``.
+
+The null page. kvjax reserves page ``NULL_BLOCK_ID = 0``: nothing is ever
+written there, and a real token whose page is 0 is an error. JAX's
+ragged-paged-attention tests and tpu-inference hand page 0 to a real sequence.
+Every function here takes ``null_block_id=``: ``NULL_BLOCK_ID`` (the default,
+kvjax's rule), another page id (that page is the reserved one), or ``None``
+(no null page: every page id ``>= 0`` is ordinary; padding is then filled with
+page 0, which the kernel never reads past ``cdiv(kv_len, page_size)``). In
+every mode a token past ``cu_q_lens[num_seqs]`` maps to ``PAD_SLOT_ID`` and
+writes nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID, PAD_SLOT_ID
 from kvjax.state.block_tables import compute_slot_mapping
 from kvjax.state.padding import token_rows
 from pallas_kernels import contract as validation
@@ -72,6 +82,22 @@ def _check_page_size(page_size) -> None:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
 
 
+def _check_null_block_id(null_block_id) -> int | None:
+    """``None`` or the reserved page id as an int; ``ValueError`` otherwise."""
+    if null_block_id is None:
+        return None
+    if isinstance(null_block_id, (bool, np.bool_)) or not isinstance(null_block_id, (int, np.integer)):
+        raise ValueError(
+            f"null_block_id must be an int page id or None (no null page), got {null_block_id!r}"
+        )
+    return int(null_block_id)
+
+
+def _fill_page(null_block_id: int | None) -> int:
+    """The page id written where no page is live: the null page, or page 0 without one."""
+    return 0 if null_block_id is None else null_block_id
+
+
 def rpa_metadata(
     query_start_loc: jax.Array,
     seq_lens: jax.Array,
@@ -79,6 +105,7 @@ def rpa_metadata(
     row_valid: jax.Array,
     *,
     page_size: int,
+    null_block_id: int | None = NULL_BLOCK_ID,
 ) -> RPAMetadata:
     """RPA metadata of one step of one KV-cache group. Jit-able.
 
@@ -91,6 +118,9 @@ def rpa_metadata(
       row_valid: bool ``[R]``, False for a padded row (``StepBatch.row_valid``);
         a padded row's query length must be 0.
       page_size: tokens per page (the group's kernel block size).
+      null_block_id: the reserved page written into padded rows and page
+        columns past each row's pages (default ``NULL_BLOCK_ID``); ``None``: the
+        engine has no null page, and page 0 (never read there) is written.
 
     Returns:
       :class:`RPAMetadata` with ``R`` rows, real rows first.
@@ -102,6 +132,7 @@ def rpa_metadata(
         than ``W`` columns.
     """
     _check_page_size(page_size)
+    null_block_id = _check_null_block_id(null_block_id)
     validation.check_rank("row_valid", row_valid, 1)
     validation.check_dtype("row_valid", row_valid, np.bool_)
     r = np.shape(row_valid)[0]
@@ -125,7 +156,7 @@ def rpa_metadata(
     pages = jnp.asarray(block_table, jnp.int32)[order]
     col = jnp.arange(width, dtype=jnp.int32)[None, :]
     live = col < ((kv_lens + page_size - 1) // page_size)[:, None]
-    page_indices = jnp.where(live, pages, NULL_BLOCK_ID)
+    page_indices = jnp.where(live, pages, _fill_page(null_block_id))
     cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
     num_seqs = jnp.sum(valid, dtype=jnp.int32).reshape(1)
     return RPAMetadata(kv_lens, page_indices, cu_q_lens, num_seqs)
@@ -155,7 +186,9 @@ def _check_batch_values(query_start_loc, seq_lens, row_valid, page_size, width) 
             )
 
 
-def rpa_metadata_from_batch(batch, *, group: int = 0, page_size: int) -> RPAMetadata:
+def rpa_metadata_from_batch(
+    batch, *, group: int = 0, page_size: int, null_block_id: int | None = NULL_BLOCK_ID
+) -> RPAMetadata:
     """:func:`rpa_metadata` of a ``kvjax.state.step_batch.StepBatch`` for KV group ``group``."""
     return rpa_metadata(
         batch.query_start_loc,
@@ -163,6 +196,7 @@ def rpa_metadata_from_batch(batch, *, group: int = 0, page_size: int) -> RPAMeta
         batch.block_tables[group],
         batch.row_valid,
         page_size=page_size,
+        null_block_id=null_block_id,
     )
 
 
@@ -209,23 +243,68 @@ def rpa_positions(metadata: RPAMetadata, *, num_tokens: int) -> jax.Array:
     return jnp.where(real, pos, 0)
 
 
-def rpa_slot_mapping(metadata: RPAMetadata, *, page_size: int, num_tokens: int) -> jax.Array:
+def rpa_slot_mapping(
+    metadata: RPAMetadata,
+    *,
+    page_size: int,
+    num_tokens: int,
+    null_block_id: int | None = NULL_BLOCK_ID,
+) -> jax.Array:
     """int32 ``[num_tokens]``: where each query token's K/V goes (``write_kv_pages``'s input).
 
     ``slot = page_indices[i, pos // page_size] * page_size + pos % page_size``
     with ``pos`` from :func:`rpa_positions`; ``PAD_SLOT_ID`` for tokens past
     ``cu_q_lens[num_seqs]`` and, under ``jit``, for a position whose page is
-    ``NULL_BLOCK_ID`` or past the table (concrete: ``ValueError``). The rule is
-    kvjax's :func:`~kvjax.state.block_tables.compute_slot_mapping`.
+    the null page (``null_block_id``), negative, or past the table (concrete:
+    ``ValueError``). The rule is kvjax's
+    :func:`~kvjax.state.block_tables.compute_slot_mapping`.
+
+    ``null_block_id``: ``NULL_BLOCK_ID`` (default, kvjax's rule), another
+    reserved page id, or ``None`` (no null page: page 0 is an ordinary page, as
+    in JAX's ragged-paged-attention tests and tpu-inference). Other modes reach
+    the same rule by renumbering pages once (``p -> p + 1``, the null page and
+    negative ids -> ``NULL_BLOCK_ID``) and shifting the slots back.
     """
     _check_page_size(page_size)
+    null_block_id = _check_null_block_id(null_block_id)
     positions = rpa_positions(metadata, num_tokens=num_tokens)
     idx, qsl = rpa_batch_view(metadata)
-    return compute_slot_mapping(
-        jnp.asarray(metadata.page_indices, jnp.int32),
-        idx,
-        qsl,
-        positions,
-        block_size=int(page_size),
-        num_tokens_padded=num_tokens,
-    )
+    pages = jnp.asarray(metadata.page_indices, jnp.int32)
+    shifted = null_block_id != NULL_BLOCK_ID
+    if shifted:
+        _check_no_negative_pages(metadata.page_indices, null_block_id)
+        reserved = pages < 0 if null_block_id is None else (pages < 0) | (pages == null_block_id)
+        pages = jnp.where(reserved, NULL_BLOCK_ID, pages + 1)
+    try:
+        slots = compute_slot_mapping(
+            pages,
+            idx,
+            qsl,
+            positions,
+            block_size=int(page_size),
+            num_tokens_padded=num_tokens,
+        )
+    except ValueError as e:
+        if not shifted:
+            raise
+        raise ValueError(
+            f"{e} (null_block_id={null_block_id!r}: the null page here is page "
+            f"{null_block_id}, not NULL_BLOCK_ID)"
+        ) from None
+    if shifted:
+        slots = jnp.where(slots >= 0, slots - int(page_size), PAD_SLOT_ID)
+    return slots
+
+
+def _check_no_negative_pages(page_indices, null_block_id: int | None) -> None:
+    """Concrete ``page_indices`` hold no negative id other than ``null_block_id``."""
+    p = validation.concrete_values(page_indices)
+    if p is None:
+        return
+    bad = (p < 0) & (p != null_block_id) if null_block_id is not None else p < 0
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"page_indices must hold page ids >= 0 (null_block_id={null_block_id!r}); "
+            f"got page_indices[{', '.join(map(str, where))}]={int(p[where])}"
+        )

@@ -773,7 +773,7 @@ def test_scan_validation_errors():
         selective_scan_varlen(*a, qsl, np.array([4], np.int32), his)
     with pytest.raises(ValueError, match=r"dt must have shape \[4, 2\]"):
         selective_scan_varlen(c["x"], c["dt"][:, :1], *a[2:], qsl, ci, his)
-    with pytest.raises(ValueError, match=r"query_start_loc must have shape \[2\]"):
+    with pytest.raises(ValueError, match=r"cache_indices must have at least .*>= 2 entries\), got shape \[1\]"):
         selective_scan_varlen(*a, np.array([0, 2, 4], np.int32), ci, his)
     with pytest.raises(ValueError, match=r"query_start_loc must have values in \[0, 5\)"):
         selective_scan_varlen(*a, np.array([0, 5], np.int32), ci, his)
@@ -815,8 +815,37 @@ def test_conv_varlen_validation_errors():
         causal_conv1d_varlen(x, w, None, cs, qsl, np.array([3], np.int32), his)
     with pytest.raises(ValueError, match="conv_states must have state_len >= width-1 = 3"):
         causal_conv1d_varlen(x, f32(rng, 4, 4), None, cs, qsl, ci, his)
-    with pytest.raises(ValueError, match=r"has_initial_state must have shape \[1\]"):
-        causal_conv1d_varlen(x, w, None, cs, qsl, ci, np.array([True, False]))
+    with pytest.raises(ValueError, match=r"has_initial_state must have at least .*>= 1 entries\), got shape \[0\]"):
+        causal_conv1d_varlen(x, w, None, cs, qsl, ci, np.zeros((0,), bool))
+    with pytest.raises(ValueError, match=r"cache_indices must have at least .*>= 2 entries\), got shape \[1\]"):
+        causal_conv1d_varlen(x, w, None, cs, np.array([0, 3, 6], np.int32), ci, his)
+
+
+@pytest.mark.parametrize("op", ["conv", "scan"])
+def test_varlen_more_cache_indices_than_sequences(op):
+    """vLLM's varlen batch is ``query_start_loc``'s: ``cache_indices`` / ``has_initial_state``
+    may be longer (vLLM's tests pass 10 or 13 for 8 sequences); the extra entries are padding.
+    They name real rows here, which must stay bitwise unchanged; the result equals the call
+    with the arrays cut to the sequences."""
+    rng = np.random.default_rng(26)
+    qsl = np.array([0, 2, 5, 6], np.int32)
+    ci_short, his_short = np.array([3, 1, 4], np.int32), np.array([True, False, True])
+    ci_long = np.array([3, 1, 4, 2, 5, 6], np.int32)  # rows 2, 5, 6: padding entries
+    his_long = np.array([True, False, True, True, True, False])
+    if op == "conv":
+        x, w, cs = f32(rng, 4, 8), f32(rng, 4, 3), f32(rng, 7, 4, 2)
+        run = lambda ci, his: causal_conv1d_varlen(x, w, None, jnp.asarray(cs), qsl, ci, his)
+        pool = cs
+    else:
+        c = scan_case(rng, T=8, L=7)
+        a = (c["x"], c["dt"], c["A"], c["B"], c["C"], jnp.asarray(c["state"]))
+        run = lambda ci, his: selective_scan_varlen(*a, qsl, ci, his)
+        pool = c["state"]
+    out_s, pool_s = run(ci_short, his_short)
+    out_l, pool_l = run(ci_long, his_long)
+    assert np.array_equal(_bits(np.asarray(out_l)), _bits(np.asarray(out_s)))
+    assert np.array_equal(_bits(np.asarray(pool_l)), _bits(np.asarray(pool_s)))
+    assert_rows_bitwise_equal(np.asarray(pool_l), pool, [0, 2, 5, 6], "state pool")
 
 
 # --------------------------------------------------------------------------- #
