@@ -7,6 +7,8 @@
   hands each out once, and the runner zeroes them (one ``zero_blocks`` launch)
   before the step that first uses them (vLLM's ``new_block_ids_to_zero``; kvjax
   zeroes every fresh block, not only for hybrid models: PRs 35219, 43990, 56524).
+  An id freed before it is handed out is dropped from that list (a request
+  preempted in the step that allocated it): a step zeroes only ids still held.
 """
 
 from __future__ import annotations
@@ -84,9 +86,12 @@ class BlockPool:
         for i in ids:
             self._is_free[i] = True
             self._free.append(i)
+        if self._to_zero:  # freed before handed out for zeroing: nothing will read them, and
+            # the allocation that reuses one records it again
+            self._to_zero = [i for i in self._to_zero if i not in seen]
 
     def take_ids_to_zero(self) -> list[int]:
-        """The ids allocated since the last call (each handed out once), in order."""
+        """The ids allocated since the last call and still held (each handed out once), in order."""
         out, self._to_zero = self._to_zero, []
         return out
 

@@ -103,3 +103,75 @@ class BucketSpec:
             f"a step of {num_tokens} tokens, {num_reqs} requests and {num_logits} logits fits no "
             f"bucket (largest: {self.buckets[-1]}); the scheduler must split it"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """How much one step in a bucket can stage: the lengths of the fixed-shape arrays the
+    runner packs, or (from :meth:`~kvjax.host.scheduler.StepPlan.staging_need`) how much
+    one plan stages.
+
+    Attributes:
+      cleared_rows: rows freed since the last step (finished or preempted).
+      new_requests: requests installed into rows this step.
+      block_writes: rows whose block tables change this step.
+      ids_per_write: new logical block ids one row's write carries (per KV group).
+      zero_blocks: fresh KV blocks zeroed before the step reads them.
+      zero_slots: fresh recurrent-state slots zeroed before the step reads them.
+    """
+
+    cleared_rows: int
+    new_requests: int
+    block_writes: int
+    ids_per_write: int
+    zero_blocks: int
+    zero_slots: int
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"Staging.{f.name} must be a non-negative int, got {v!r}")
+
+    def excess(self, need: "Staging") -> list[str]:
+        """The fields where ``need`` exceeds this capacity, as ``"name: need > capacity"``."""
+        return [f"{f.name}: {getattr(need, f.name)} > {getattr(self, f.name)}"
+                for f in dataclasses.fields(self) if getattr(need, f.name) > getattr(self, f.name)]
+
+    def holds(self, need: "Staging") -> bool:
+        """Whether every field of ``need`` is within this capacity."""
+        return not self.excess(need)
+
+
+def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: int,
+                   max_new_requests: int, max_num_seqs: int) -> Staging:
+    """The staging capacity of one step in ``bucket``: the one rule for the sizes of the
+    runner's staged arrays, which the scheduler's plans never exceed.
+
+    With ``T, R = bucket.num_tokens, bucket.num_reqs``, ``k = num_speculative_tokens``:
+    ``M = cdiv(T, block_size) + 1`` ids per block write (a row scheduled ``n <= T`` tokens adds at
+    most ``cdiv(n, block_size)`` blocks), ``R`` block writes (only scheduled rows write),
+    ``Z = 2 * R * M`` zeroed blocks, ``R * (1 + k)`` zeroed slots (a request is admitted only
+    when scheduled, with ``1 + k`` slots), ``max_new_requests`` new requests and
+    ``max_num_seqs`` cleared rows (each row once).
+
+    Raises:
+      ValueError: a size is not a positive int, ``max_new_requests > max_num_seqs``, or the
+        bucket holds more rows than ``max_num_seqs``.
+    """
+    for name, v in (("block_size", block_size), ("max_new_requests", max_new_requests),
+                    ("max_num_seqs", max_num_seqs)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be a non-negative int, got {num_speculative_tokens!r}")
+    if max_new_requests > max_num_seqs:
+        raise ValueError(f"max_new_requests must be <= max_num_seqs={max_num_seqs} (a new request "
+                         f"takes a row), got {max_new_requests}")
+    if not isinstance(bucket, Bucket) or not 0 < bucket.num_reqs <= min(bucket.num_tokens, max_num_seqs):
+        raise ValueError(f"bucket must be a Bucket of 1..min(num_tokens, max_num_seqs={max_num_seqs}) "
+                         f"rows, got {bucket!r}")
+    M = cdiv(bucket.num_tokens, block_size) + 1
+    R = bucket.num_reqs
+    return Staging(cleared_rows=max_num_seqs, new_requests=max_new_requests, block_writes=R,
+                   ids_per_write=M, zero_blocks=2 * R * M, zero_slots=R * (1 + num_speculative_tokens))

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from kvjax.host.block_pool import BlockPool, OutOfBlocksError
-from kvjax.host.buckets import Bucket, BucketSpec
+from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging
 from kvjax.host.drafter import propose_ngram
 from kvjax.spec import KVGroupSpec
 from kvjax.state import RequestRows, step_progress
@@ -121,6 +121,15 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
+    def staging_need(self) -> Staging:
+        """How much this plan stages, field by field (compare with :func:`bucket_staging`)."""
+        return Staging(
+            cleared_rows=len(self.cleared_rows), new_requests=len(self.added),
+            block_writes=len(self.block_writes),
+            ids_per_write=max((len(g) for _, ids, _ in self.block_writes for g in ids), default=0),
+            zero_blocks=len(self.blocks_to_zero), zero_slots=len(self.slots_to_zero),
+        )
+
 
 class Scheduler:
     """Continuous batching with chunked prefill, preemption and n-gram speculation.
@@ -132,8 +141,8 @@ class Scheduler:
       max_model_len: longest sequence.
       num_state_slots: recurrent-state slots incl. the reserved slot 0 (0: no
         recurrent layers). Each running request owns ``1 + num_speculative_tokens``.
-      max_new_requests: requests admitted per step at most (the runner stages that
-        many new rows per step).
+      max_new_requests: requests admitted per step at most, ``1..max_num_seqs`` (the
+        runner stages that many new rows per step); default ``max_num_seqs``.
       drafter: ``(tokens, k) -> up to k draft tokens``; default the n-gram
         prompt-lookup drafter.
     """
@@ -150,7 +159,7 @@ class Scheduler:
         drafter=None,
     ):
         self.specs = tuple(specs)
-        self.max_new_requests = max_new_requests or buckets.max_num_seqs
+        self.max_new_requests = buckets.max_num_seqs if max_new_requests is None else max_new_requests
         self.drafter = drafter or propose_ngram
         self.buckets = buckets
         self.k = buckets.num_speculative_tokens
@@ -168,6 +177,7 @@ class Scheduler:
         self._cleared: list[int] = []
         self._freed_blocks: list[int] = []
         self._freed_slots: list[int] = []
+        self.staging(buckets.buckets[-1])  # ValueError on sizes no step could stage
 
     # -------------------------------------------------------------- requests
 
@@ -203,10 +213,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, req: Request, added, block_writes) -> bool:
+    def _admit(self, req: Request, added, block_writes) -> None:
+        """Install ``req`` into a free row with fresh state slots (the caller checked they are free)."""
         slots_needed = 1 + self.k if self.slots is not None else 0
-        if self.slots is not None and self.slots.num_free < slots_needed:
-            return False
         req.row = self.rows.add(req.req_id)
         req.state_slots = self.slots.allocate(slots_needed) if self.slots is not None else []
         req.num_computed = 0
@@ -215,7 +224,6 @@ class Scheduler:
         added.append((req.row, req.tokens, len(req.prompt)))
         block_writes[req.row] = ([[] for _ in self.specs], True)
         self.running.append(req)
-        return True
 
     def _grow(self, req: Request, upto_tokens: int, block_writes) -> bool:
         """Give ``req`` blocks for ``upto_tokens`` tokens, preempting the newest running
@@ -247,17 +255,51 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
 
+    def staging(self, bucket: Bucket) -> Staging:
+        """What one step in ``bucket`` can stage (:func:`~kvjax.host.buckets.bucket_staging`,
+        with the smallest block size of the groups: the most ids per write)."""
+        return bucket_staging(bucket, block_size=min(s.block_size for s in self.specs),
+                              num_speculative_tokens=self.k, max_new_requests=self.max_new_requests,
+                              max_num_seqs=self.buckets.max_num_seqs)
+
+    def _admit_and_schedule(self, step: int, budget: int, added, block_writes) -> list[ScheduledRequest]:
+        """Admit arrived requests, oldest first, each with its first prefill chunk in this step.
+
+        A request is admitted only when it is scheduled at once: its row, its ``1 + k`` state
+        slots and the blocks of its chunk are free, the token budget has room, and fewer than
+        ``max_new_requests`` were admitted. The first that does not fit stops admission (first
+        come, first served); an admission never preempts a running request. So every added row
+        is a scheduled row, and the plan's staging fits its bucket (:meth:`staging`).
+        """
+        out: list[ScheduledRequest] = []
+        slots_needed = 1 + self.k if self.slots is not None else 0
+        while (budget > 0 and self.waiting and self.waiting[0].arrival_step <= step and self.rows.free_rows
+               and len(added) < self.max_new_requests):
+            req = self.waiting[0]
+            n = min(len(req.tokens), budget)
+            if sum(s.blocks_to_add(n, 0) for s in self.specs) > self.pool.num_free:
+                break
+            if self.slots is not None and self.slots.num_free < slots_needed:
+                break
+            self.waiting.popleft()
+            self._admit(req, added, block_writes)
+            if not self._grow(req, n, block_writes):  # pragma: no cover - blocks checked above
+                raise AssertionError(f"admitted request {req.req_id!r} could not get the blocks it was checked for")
+            out.append(ScheduledRequest(req, n, []))
+            budget -= n
+        return out
+
     def schedule(self) -> StepPlan | None:
-        """Decide the next step; ``None`` when nothing can run yet (nothing arrived)."""
+        """Decide the next step; ``None`` when nothing can run yet (nothing arrived).
+
+        Running requests first (decode windows, then prefill chunks, oldest first), then
+        admissions into the rest of the budget unless a request was preempted in this step.
+        The plan fits its bucket's :meth:`staging` (checked).
+        """
         step = self.step_count
         budget = self.buckets.max_num_tokens
         added: list = []
         block_writes: dict[int, tuple[list[list[int]], bool]] = {}
-        # Admit arrived requests into free rows.
-        while (self.waiting and self.waiting[0].arrival_step <= step and self.rows.free_rows
-               and len(added) < self.max_new_requests):
-            if not self._admit(self.waiting.popleft(), added, block_writes):
-                break
         scheduled: list[ScheduledRequest] = []
         # Decode windows first, then prefill chunks (oldest first).
         n_preempted = self.num_preemptions
@@ -279,10 +321,12 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, n, drafts))
             budget -= n
         if self.num_preemptions != n_preempted:
-            # Preemption may have removed requests scheduled or added earlier in this step.
+            # Preemption may have removed requests scheduled earlier in this step; nothing is
+            # admitted in a step that preempts (the preempted would be re-admitted at once).
             live = {id(r) for r in self.running}
             scheduled = [s for s in scheduled if id(s.req) in live]
-            added = [a for a in added if any(r.row == a[0] and r.tokens == a[1] for r in self.running)]
+        else:
+            scheduled += self._admit_and_schedule(step, budget, added, block_writes)
         if not scheduled and not added and not self._cleared:
             if self.waiting and self.waiting[0].arrival_step > step:
                 self.step_count += 1  # idle: nothing has arrived yet
@@ -304,6 +348,9 @@ class Scheduler:
             freed_slots=list(self._freed_slots),
         )
         self._cleared, self._freed_blocks, self._freed_slots = [], [], []
+        excess = self.staging(bucket).excess(plan.staging_need())
+        if excess:  # pragma: no cover - a scheduler bug, caught here before the runner packs it
+            raise RuntimeError(f"step {step}'s plan exceeds the staging of {bucket}: {', '.join(excess)}")
         return plan
 
     def update(self, plan: StepPlan, sampled: np.ndarray, num_sampled: np.ndarray, logits: np.ndarray | None = None) -> list[Request]:
