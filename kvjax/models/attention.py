@@ -10,6 +10,8 @@ cannot reach a real token (``0 * NaN`` would).
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -37,9 +39,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE. ``x [T, H, D]``, ``positions int [T]`` -> ``[T, H, D]``."""
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None) -> jax.Array:
+    """Rotate-half (NeoX) RoPE. ``x [T, H, D]``, ``positions int [T]`` -> ``[T, H, D]``.
+
+    ``rotary_dim`` (even, ``<= D``; None: ``D``): only the first ``rotary_dim`` features are
+    rotated (frequencies over ``rotary_dim``), the rest pass through (partial rotary).
+    """
     D = x.shape[-1]
+    if rotary_dim is not None and rotary_dim != D:
+        if rotary_dim % 2 or not 0 < rotary_dim < D:
+            raise ValueError(f"rotary_dim must be even and in (0, {D}], got {rotary_dim}")
+        rot = apply_rope(x[..., :rotary_dim], positions, theta)
+        return jnp.concatenate([rot, x[..., rotary_dim:].astype(rot.dtype)], axis=-1)
     inv_freq = theta ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)  # [D/2]
     ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
@@ -58,13 +69,15 @@ def paged_attention(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    sm_scale: float | None = None,
 ) -> jax.Array:
     """Causal attention of each token over its row's cached keys (pure jnp).
 
     Token ``t`` of row ``b`` sees key position ``j`` (column ``j // block_size``
     of ``block_table[b]``) iff ``j <= positions[t]`` and ``j < seq_lens[b]``. Pad
     tokens (``token_row == R``) see nothing and get 0. fp8 caches are dequantised
-    as ``stored * scale`` in float32.
+    as ``stored * scale`` in float32. Scores are ``q . k / sqrt(D)``, or ``q . k * sm_scale``
+    when ``sm_scale`` is given.
 
     Returns:
       float32 ``[T, Hq, D]``.
@@ -91,7 +104,8 @@ def paged_attention(
 
     return masked_attention(
         q, read(key_cache, k_scale), read(value_cache, v_scale), visible,
-        lambda s: s / jnp.sqrt(jnp.float32(D)),
+        (lambda s: s / jnp.sqrt(jnp.float32(D))) if sm_scale is None
+        else (lambda s: s * jnp.float32(sm_scale)),
     )
 
 
@@ -173,6 +187,111 @@ def ragged_paged_attention_xla(
     ).astype(q.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttnSpec:
+    """What one attention mixer computes (hashable; one tensor-parallel shard's heads).
+
+    Attributes:
+      num_heads, num_kv_heads, head_dim: GQA (query head ``h`` reads KV head
+        ``h // (num_heads // num_kv_heads)``).
+      rope_theta: RoPE base; None: no positional rotation (NoPE).
+      rotary_dim: features rotated (partial rotary); None: all of ``head_dim``.
+      sm_scale: score scale; None: ``1 / sqrt(head_dim)``.
+      k_scale, v_scale: fp8 KV-cache scales (used only with an fp8 cache dtype).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float | None = 10000.0
+    rotary_dim: int | None = None
+    sm_scale: float | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """``x @ w (+ b)`` with float32 accumulation: ``x`` is cast to ``w``'s dtype (bf16 weights run
+    a bf16 matmul into float32); float32 weights are a plain ``x @ w``."""
+    if w.dtype == jnp.float32:
+        y = x @ w
+    else:
+        y = jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return y if b is None else y + b.astype(jnp.float32)
+
+
+def attention_mixer(
+    h: jax.Array,  # [T, d] (normed)
+    ctx: StepContext,
+    key_cache: jax.Array,
+    value_cache: jax.Array | None,
+    w: dict,
+    spec: AttnSpec,
+    *,
+    kv_cache_dtype: str,
+    backend: str,
+    kv_layout: str = "flash",
+    model_axis: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Project, rotate, write this step's K/V (pad slots write nothing), attend, project out.
+
+    ``w``: ``wq [d, Hq*D]``, ``wk``, ``wv [d, Hkv*D]``, ``wo [Hq*D, d]`` and optionally biases
+    ``bq``, ``bk``, ``bv``, ``bo``. With ``model_axis`` the heads are this shard's and the
+    output is summed over the axis (``bo`` added once, after the sum).
+
+    Returns ``(out [T, d] float32, key_cache, value_cache)``; ``out`` is not masked (the
+    caller masks pad tokens). ``kv_layout="rpa"``: ``key_cache`` holds the combined pages.
+    """
+    T = h.shape[0]
+    Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = linear(h, w["wq"], w.get("bq")).reshape(T, Hq, D)
+    k = linear(h, w["wk"], w.get("bk")).reshape(T, Hkv, D)
+    v = linear(h, w["wv"], w.get("bv")).reshape(T, Hkv, D)
+    if spec.rope_theta is not None:
+        q = apply_rope(q, ctx.positions, spec.rope_theta, spec.rotary_dim)
+        k = apply_rope(k, ctx.positions, spec.rope_theta, spec.rotary_dim)
+    fp8 = kv_cache_dtype != "auto"
+    k_scale = spec.k_scale if fp8 else None
+    v_scale = spec.v_scale if fp8 else None
+    scales = (
+        None if k_scale is None else jnp.float32(k_scale),
+        None if v_scale is None else jnp.float32(v_scale),
+    )
+    if kv_layout == "rpa":
+        key_cache = write_kv_pages(
+            k, v, key_cache, ctx.slot_mapping, kv_cache_dtype, *scales, backend=backend
+        )
+        q_rpa = q
+        if spec.sm_scale is not None:  # rpa_attention scales by 1/sqrt(D): fold the rest into q
+            q_rpa = q * jnp.float32(spec.sm_scale * float(np.sqrt(D)))
+        o = rpa_attention(
+            q_rpa, key_cache, ctx, backend=backend, k_scale=k_scale, v_scale=v_scale
+        ).astype(jnp.float32)
+    else:
+        key_cache, value_cache = reshape_and_cache_flash(
+            k, v, key_cache, value_cache, ctx.slot_mapping, kv_cache_dtype, *scales,
+            backend=backend,
+        )
+        o = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            ctx.block_table,
+            ctx.seq_lens,
+            ctx.positions,
+            ctx.token_row,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sm_scale=spec.sm_scale,
+        )
+    out = linear(o.reshape(T, -1), w["wo"])
+    if model_axis is not None:
+        out = jax.lax.psum(out, model_axis)
+    if w.get("bo") is not None:
+        out = out + w["bo"].astype(jnp.float32)
+    return out, key_cache, value_cache
+
+
 def _dense_init(key, shape, dtype=jnp.float32):
     """Normal with std ``1/sqrt(fan_in)`` for a ``[fan_in, fan_out]`` matrix."""
     return jax.random.normal(key, shape, dtype) / jnp.sqrt(jnp.asarray(shape[0], dtype))
@@ -220,46 +339,14 @@ class AttentionLayer(nn.Module):
         as None); attention is :func:`rpa_attention`.
         """
         c = self.config
-        T = x.shape[0]
         h = rms_norm(x, self.norm, c.rms_eps)
-        q = (h @ self.wq).reshape(T, c.num_heads, c.head_dim)
-        k = (h @ self.wk).reshape(T, c.num_kv_heads, c.head_dim)
-        v = (h @ self.wv).reshape(T, c.num_kv_heads, c.head_dim)
-        q = apply_rope(q, ctx.positions, c.rope_theta)
-        k = apply_rope(k, ctx.positions, c.rope_theta)
-        fp8 = kv_cache_dtype != "auto"
-        k_scale = c.k_scale if fp8 else None
-        v_scale = c.v_scale if fp8 else None
-        scales = (
-            None if k_scale is None else jnp.float32(k_scale),
-            None if v_scale is None else jnp.float32(v_scale),
+        spec = AttnSpec(c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta,
+                        k_scale=c.k_scale, v_scale=c.v_scale)
+        w = {"wq": self.wq, "wk": self.wk, "wv": self.wv, "wo": self.wo}
+        out, key_cache, value_cache = attention_mixer(
+            h, ctx, key_cache, value_cache, w, spec, kv_cache_dtype=kv_cache_dtype,
+            backend=backend, kv_layout=kv_layout, model_axis=self.model_axis,
         )
-        if kv_layout == "rpa":
-            key_cache = write_kv_pages(
-                k, v, key_cache, ctx.slot_mapping, kv_cache_dtype, *scales, backend=backend
-            )
-            o = rpa_attention(
-                q, key_cache, ctx, backend=backend, k_scale=k_scale, v_scale=v_scale
-            ).astype(jnp.float32)
-        else:
-            key_cache, value_cache = reshape_and_cache_flash(
-                k, v, key_cache, value_cache, ctx.slot_mapping, kv_cache_dtype, *scales,
-                backend=backend,
-            )
-            o = paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                ctx.block_table,
-                ctx.seq_lens,
-                ctx.positions,
-                ctx.token_row,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
-        out = o.reshape(T, -1) @ self.wo
-        if self.model_axis is not None:
-            out = jax.lax.psum(out, self.model_axis)
         return x + jnp.where(ctx.token_real[:, None], out, 0.0), key_cache, value_cache
 
 

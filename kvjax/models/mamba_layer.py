@@ -22,6 +22,7 @@ exactly one path; the token outputs are then picked per row:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.constants import NULL_BLOCK_ID
-from kvjax.models.attention import _dense_init, rms_norm
+from kvjax.models.attention import _dense_init, linear, rms_norm
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
 from kvjax.state.padding import gather_index, token_rows
@@ -65,8 +66,274 @@ def _conv_bias_init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -0.5, 0.5)
 
 
+@dataclasses.dataclass(frozen=True)
+class MambaSpec:
+    """What one Mamba2 mixer computes (hashable; one tensor-parallel shard's heads).
+
+    Attributes:
+      num_heads, head_dim, d_state: SSM heads ``H``, head dim ``P``, state size ``N``.
+      n_groups: B / C groups ``G`` (head ``h`` reads group ``h // (H / G)``).
+      conv_width: depthwise causal conv width ``W``.
+      rms_eps: epsilon of the gated RMS norm.
+      norm_groups: the gated norm normalises each of ``norm_groups`` contiguous slices of
+        ``d_inner`` on its own (Hugging Face's ``group_size = d_inner / n_groups``).
+      norm_spans_shards: under ``model_axis``, the norm's (single) group spans every shard:
+        its mean square is summed over the axis; otherwise each shard holds whole groups.
+      dt_limit: ``dt' = clip(softplus(dt + dt_bias), lo, hi)``; ``(0, inf)`` is no clip.
+    """
+
+    num_heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int = 1
+    conv_width: int = 4
+    rms_eps: float = 1e-5
+    norm_groups: int = 1
+    norm_spans_shards: bool = True
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def in_proj_dim(self) -> int:
+        return self.d_inner + self.conv_dim + self.num_heads
+
+    @property
+    def clips_dt(self) -> bool:
+        return tuple(self.dt_limit) != (0.0, math.inf)
+
+
+def gated_rms_norm(y: jax.Array, weight: jax.Array, eps: float, groups: int) -> jax.Array:
+    """RMS norm of each of ``groups`` contiguous slices of the last axis (float32), times ``weight``."""
+    if groups == 1:
+        return rms_norm(y, weight, eps)
+    n, d = y.shape
+    g = y.astype(jnp.float32).reshape(n, groups, d // groups)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return g.reshape(n, d) * weight
+
+
+def mamba_mixer(
+    h: jax.Array,  # [T, d] (normed)
+    ctx: StepContext,
+    conv_state: jax.Array,  # [num_slots, conv_dim, W - 1 + k]
+    ssm_state: jax.Array,  # [num_slots, H, P, N]
+    w: dict,
+    spec: MambaSpec,
+    *,
+    backend: str,
+    model_axis: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One mixed step of the Mamba2 mixer (see the module docstring). Returns
+    ``(out [T, d] float32, conv_state, ssm_state)``; ``out`` of pad tokens is the output
+    projection of zeros (plus ``out_proj_bias``): the caller masks it.
+
+    ``w``: ``in_proj [d, in_proj_dim]`` (+ ``in_proj_bias``), ``conv_weight [conv_dim, W]``,
+    ``conv_bias`` (or absent), ``dt_bias``, ``A_log``, ``D [H]``, ``gate_norm [d_inner]``,
+    ``out_proj [d_inner, d]`` (+ ``out_proj_bias``, added once after the ``model_axis`` sum).
+    The SSM, the conv and the norm run in float32 whatever the weights' dtype.
+    """
+    T = h.shape[0]
+    H, P = spec.num_heads, spec.head_dim
+    di = spec.d_inner
+    f32 = jnp.float32
+    zxbcdt = linear(h, w["in_proj"], w.get("in_proj_bias"))
+    z = zxbcdt[:, :di]
+    xbc = zxbcdt[:, di : di + spec.conv_dim]
+    dt = zxbcdt[:, di + spec.conv_dim :]  # [T, H]
+    A = -jnp.exp(w["A_log"].astype(f32))  # [H]
+    k = {
+        "conv_weight": w["conv_weight"].astype(f32),
+        "conv_bias": None if w.get("conv_bias") is None else w["conv_bias"].astype(f32),
+        "D": w["D"].astype(f32),
+        "dt_bias": w["dt_bias"].astype(f32),
+        "softplus": True,
+    }
+    if spec.clips_dt:  # clip after softplus: pass the kernels the final dt
+        lo, hi = spec.dt_limit
+        dt = jnp.clip(jax.nn.softplus(dt + k["dt_bias"]), lo, hi)
+        k["dt_bias"], k["softplus"] = None, False
+
+    y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+    decode = _decode_spec if ctx.is_speculative else _decode
+    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+    R = ctx.num_rows
+    row = gather_index(ctx.token_row, R)  # masked by token_real
+    is_dec = ctx.token_real & ctx.decode_row[row]
+    is_pre = ctx.token_real & ctx.prefill_row[row]
+    y = jnp.where(is_dec[:, None, None], y_dec, jnp.where(is_pre[:, None, None], y_pre, 0.0))
+    y = y.reshape(T, H * P)
+    bo = w.get("out_proj_bias")
+    if model_axis is None or not spec.norm_spans_shards:
+        y = gated_rms_norm(y, w["gate_norm"], spec.rms_eps, spec.norm_groups)
+        out = linear(y, w["out_proj"])
+    else:
+        ax = model_axis
+        ms = jax.lax.psum(jnp.sum(y * y, axis=-1, keepdims=True), ax) / (H * P * jax.lax.axis_size(ax))
+        y = y * jax.lax.rsqrt(ms + spec.rms_eps) * w["gate_norm"]
+        out = linear(y, w["out_proj"])
+    if model_axis is not None:
+        out = jax.lax.psum(out, model_axis)
+    if bo is not None:
+        out = out + bo.astype(f32)
+    return out, conv_state, ssm_state
+
+
+def _split_xbc(spec: MambaSpec, xbc):
+    """``[n, conv_dim]`` -> x ``[n, H, P]``, B, C ``[n, G, N]``."""
+    n = xbc.shape[0]
+    G, N, di = spec.n_groups, spec.d_state, spec.d_inner
+    xs = xbc[:, :di].reshape(n, spec.num_heads, spec.head_dim)
+    B = xbc[:, di : di + G * N].reshape(n, G, N)
+    C = xbc[:, di + G * N :].reshape(n, G, N)
+    return xs, B, C
+
+
+def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
+    """Masked varlen conv + scan over the prefill rows; ``y [T, H, P]``."""
+    T = xbc.shape[0]
+    slots = jnp.where(ctx.prefill_row, ctx.state_slot, NULL_BLOCK_ID)
+    conv_out, conv_state = causal_conv1d_varlen(
+        xbc.T,
+        k["conv_weight"],
+        k["conv_bias"],
+        conv_state,
+        ctx.query_start_loc,
+        slots,
+        ctx.has_initial_state,
+        activation="silu",
+        backend=backend,
+    )
+    xs, B, C = _split_xbc(spec, conv_out.T)
+    y, ssm_state = selective_scan_varlen(
+        xs,
+        dt,
+        A,
+        B,
+        C,
+        ssm_state,
+        ctx.query_start_loc,
+        slots,
+        ctx.has_initial_state,
+        D=k["D"],
+        dt_bias=k["dt_bias"],
+        z=z.reshape(T, spec.num_heads, spec.head_dim),
+        dt_softplus=k["softplus"],
+        backend=backend,
+    )
+    return y, conv_state, ssm_state
+
+
+def _decode_tokens(spec, k, xbc_d, z_d, dt_d, A, conv_state, ssm_state, backend, **idx):
+    """The two decode kernels on gathered tokens; ``y [n, H, P]``."""
+    n = xbc_d.shape[0]
+    H, P = spec.num_heads, spec.head_dim
+    conv_out, conv_state = causal_conv1d_update(
+        xbc_d,
+        conv_state,
+        k["conv_weight"],
+        k["conv_bias"],
+        activation="silu",
+        backend=backend,
+        **idx["conv"],
+    )
+    xs, B, C = _split_xbc(spec, conv_out)
+    y, ssm_state = selective_state_update(
+        ssm_state,
+        xs,
+        dt_d[:, :, None],  # per-head scalar dt, broadcast over P (vLLM's TIE_HDIM)
+        A[:, None, None],
+        B,
+        C,
+        D=k["D"][:, None],
+        dt_bias=None if k["dt_bias"] is None else k["dt_bias"][:, None],
+        z=z_d.reshape(n, H, P),
+        dt_softplus=k["softplus"],
+        backend=backend,
+        **idx["ssm"],
+    )
+    return y, conv_state, ssm_state
+
+
+def _decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
+    """One token per decode row, gathered into ``[R, ...]``; ``y [T, H, P]``."""
+    T = xbc.shape[0]
+    tok = jnp.where(ctx.decode_row, ctx.query_start_loc[:-1], T)  # T -> zero fill
+
+    def gather(a):
+        return jnp.take(a, tok, axis=0, mode="fill", fill_value=0)
+
+    slots = jnp.where(ctx.decode_row, ctx.state_slot, NULL_BLOCK_ID)
+    y_rows, conv_state, ssm_state = _decode_tokens(
+        spec,
+        k,
+        gather(xbc),
+        gather(z),
+        gather(dt),
+        A,
+        conv_state,
+        ssm_state,
+        backend,
+        conv={"conv_state_indices": slots},
+        ssm={"state_batch_indices": slots},
+    )
+    row = gather_index(ctx.token_row, ctx.num_rows)  # masked by the caller
+    return y_rows[row], conv_state, ssm_state
+
+
+def _decode_spec(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
+    """Decode rows' tokens packed into a varlen batch (speculative path)."""
+    T = xbc.shape[0]
+    R = ctx.num_rows
+    width = ctx.state_indices.shape[1]  # 1 + num_spec
+    qsl = ctx.query_start_loc
+    dlen = jnp.where(ctx.decode_row, ctx.query_len, 0)
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(dlen, dtype=jnp.int32)])
+    u = jnp.arange(T, dtype=jnp.int32)  # packed index
+    ub = gather_index(token_rows(cu, T), R)  # masked below by u < cu[R]
+    src = jnp.where(u < cu[R], qsl[ub] + u - cu[ub], T)  # T -> zero fill
+
+    def gather(a):
+        return jnp.take(a, src, axis=0, mode="fill", fill_value=0)
+
+    slots = jnp.where(ctx.decode_row[:, None], ctx.state_indices, NULL_BLOCK_ID)
+    na = ctx.num_accepted_tokens
+    y_packed, conv_state, ssm_state = _decode_tokens(
+        spec,
+        k,
+        gather(xbc),
+        gather(z),
+        gather(dt),
+        A,
+        conv_state,
+        ssm_state,
+        backend,
+        conv={
+            "conv_state_indices": slots,
+            "num_accepted_tokens": na,
+            "query_start_loc": cu,
+            "max_query_len": width,
+        },
+        ssm={
+            "state_batch_indices": slots,
+            "num_accepted_tokens": na,
+            "cu_seqlens": cu,
+        },
+    )
+    row = gather_index(ctx.token_row, R)  # masked by the caller
+    t = jnp.arange(T, dtype=jnp.int32)
+    packed = jnp.clip(cu[row] + t - qsl[row], 0, T - 1)  # masked by the caller
+    return y_packed[packed], conv_state, ssm_state
+
+
 class MambaLayer(nn.Module):
-    """Pre-norm Mamba2 block; ``x + mixer(norm(x))``.
+    """Pre-norm Mamba2 block; ``x + mixer(norm(x))`` (:func:`mamba_mixer`).
 
     Params: ``norm [d]``, ``in_proj [d, in_proj_dim]``, ``conv_weight [conv_dim, W]``,
     ``conv_bias [conv_dim]``, ``dt_bias [H]``, ``A_log [H]`` (``A = -exp(A_log)``),
@@ -107,179 +374,11 @@ class MambaLayer(nn.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Returns ``(x, conv_state, ssm_state)``."""
         c = self.config
-        T = x.shape[0]
-        H, P = c.mamba_num_heads, c.mamba_head_dim
+        spec = MambaSpec(c.mamba_num_heads, c.mamba_head_dim, c.mamba_d_state, c.mamba_n_groups,
+                         c.conv_width, c.rms_eps)
+        w = {name: getattr(self, name) for name in (
+            "in_proj", "conv_weight", "conv_bias", "dt_bias", "A_log", "D", "gate_norm", "out_proj")}
         h = rms_norm(x, self.norm, c.rms_eps)
-        zxbcdt = h @ self.in_proj
-        z = zxbcdt[:, : c.d_inner]
-        xbc = zxbcdt[:, c.d_inner : c.d_inner + c.conv_dim]
-        dt = zxbcdt[:, c.d_inner + c.conv_dim :]  # [T, H]
-        A = -jnp.exp(self.A_log)  # [H]
-
-        y_pre, conv_state, ssm_state = self._prefill(
-            ctx, xbc, z, dt, A, conv_state, ssm_state, backend
-        )
-        if ctx.is_speculative:
-            y_dec, conv_state, ssm_state = self._decode_spec(
-                ctx, xbc, z, dt, A, conv_state, ssm_state, backend
-            )
-        else:
-            y_dec, conv_state, ssm_state = self._decode(
-                ctx, xbc, z, dt, A, conv_state, ssm_state, backend
-            )
-        R = ctx.num_rows
-        row = gather_index(ctx.token_row, R)  # masked by token_real
-        is_dec = ctx.token_real & ctx.decode_row[row]
-        is_pre = ctx.token_real & ctx.prefill_row[row]
-        y = jnp.where(is_dec[:, None, None], y_dec, jnp.where(is_pre[:, None, None], y_pre, 0.0))
-        y = y.reshape(T, H * P)
-        if self.model_axis is None:
-            y = rms_norm(y, self.gate_norm, c.rms_eps)
-            return x + y @ self.out_proj, conv_state, ssm_state
-        ax = self.model_axis
-        ms = jax.lax.psum(jnp.sum(y * y, axis=-1, keepdims=True), ax) / (H * P * jax.lax.axis_size(ax))
-        y = y * jax.lax.rsqrt(ms + c.rms_eps) * self.gate_norm
-        return x + jax.lax.psum(y @ self.out_proj, ax), conv_state, ssm_state
-
-    # ------------------------------------------------------------------ paths
-
-    def _split_xbc(self, xbc):
-        """``[n, conv_dim]`` -> x ``[n, H, P]``, B, C ``[n, G, N]``."""
-        c = self.config
-        n = xbc.shape[0]
-        G, N = c.mamba_n_groups, c.mamba_d_state
-        xs = xbc[:, : c.d_inner].reshape(n, c.mamba_num_heads, c.mamba_head_dim)
-        B = xbc[:, c.d_inner : c.d_inner + G * N].reshape(n, G, N)
-        C = xbc[:, c.d_inner + G * N :].reshape(n, G, N)
-        return xs, B, C
-
-    def _prefill(self, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
-        """Masked varlen conv + scan over the prefill rows; ``y [T, H, P]``."""
-        c = self.config
-        T = xbc.shape[0]
-        slots = jnp.where(ctx.prefill_row, ctx.state_slot, NULL_BLOCK_ID)
-        conv_out, conv_state = causal_conv1d_varlen(
-            xbc.T,
-            self.conv_weight,
-            self.conv_bias,
-            conv_state,
-            ctx.query_start_loc,
-            slots,
-            ctx.has_initial_state,
-            activation="silu",
-            backend=backend,
-        )
-        xs, B, C = self._split_xbc(conv_out.T)
-        y, ssm_state = selective_scan_varlen(
-            xs,
-            dt,
-            A,
-            B,
-            C,
-            ssm_state,
-            ctx.query_start_loc,
-            slots,
-            ctx.has_initial_state,
-            D=self.D,
-            dt_bias=self.dt_bias,
-            z=z.reshape(T, c.mamba_num_heads, c.mamba_head_dim),
-            dt_softplus=True,
-            backend=backend,
-        )
-        return y, conv_state, ssm_state
-
-    def _decode_tokens(self, xbc_d, z_d, dt_d, A, conv_state, ssm_state, backend, **idx):
-        """The two decode kernels on gathered tokens; ``y [n, H, P]``."""
-        c = self.config
-        n = xbc_d.shape[0]
-        H, P = c.mamba_num_heads, c.mamba_head_dim
-        conv_out, conv_state = causal_conv1d_update(
-            xbc_d,
-            conv_state,
-            self.conv_weight,
-            self.conv_bias,
-            activation="silu",
-            backend=backend,
-            **idx["conv"],
-        )
-        xs, B, C = self._split_xbc(conv_out)
-        y, ssm_state = selective_state_update(
-            ssm_state,
-            xs,
-            dt_d[:, :, None],  # per-head scalar dt, broadcast over P (vLLM's TIE_HDIM)
-            A[:, None, None],
-            B,
-            C,
-            D=self.D[:, None],
-            dt_bias=self.dt_bias[:, None],
-            z=z_d.reshape(n, H, P),
-            dt_softplus=True,
-            backend=backend,
-            **idx["ssm"],
-        )
-        return y, conv_state, ssm_state
-
-    def _decode(self, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
-        """One token per decode row, gathered into ``[R, ...]``; ``y [T, H, P]``."""
-        T = xbc.shape[0]
-        tok = jnp.where(ctx.decode_row, ctx.query_start_loc[:-1], T)  # T -> zero fill
-
-        def gather(a):
-            return jnp.take(a, tok, axis=0, mode="fill", fill_value=0)
-
-        slots = jnp.where(ctx.decode_row, ctx.state_slot, NULL_BLOCK_ID)
-        y_rows, conv_state, ssm_state = self._decode_tokens(
-            gather(xbc),
-            gather(z),
-            gather(dt),
-            A,
-            conv_state,
-            ssm_state,
-            backend,
-            conv={"conv_state_indices": slots},
-            ssm={"state_batch_indices": slots},
-        )
-        row = gather_index(ctx.token_row, ctx.num_rows)  # masked by the caller
-        return y_rows[row], conv_state, ssm_state
-
-    def _decode_spec(self, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
-        """Decode rows' tokens packed into a varlen batch (speculative path)."""
-        T = xbc.shape[0]
-        R = ctx.num_rows
-        width = ctx.state_indices.shape[1]  # 1 + num_spec
-        qsl = ctx.query_start_loc
-        dlen = jnp.where(ctx.decode_row, ctx.query_len, 0)
-        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(dlen, dtype=jnp.int32)])
-        u = jnp.arange(T, dtype=jnp.int32)  # packed index
-        ub = gather_index(token_rows(cu, T), R)  # masked below by u < cu[R]
-        src = jnp.where(u < cu[R], qsl[ub] + u - cu[ub], T)  # T -> zero fill
-
-        def gather(a):
-            return jnp.take(a, src, axis=0, mode="fill", fill_value=0)
-
-        slots = jnp.where(ctx.decode_row[:, None], ctx.state_indices, NULL_BLOCK_ID)
-        na = ctx.num_accepted_tokens
-        y_packed, conv_state, ssm_state = self._decode_tokens(
-            gather(xbc),
-            gather(z),
-            gather(dt),
-            A,
-            conv_state,
-            ssm_state,
-            backend,
-            conv={
-                "conv_state_indices": slots,
-                "num_accepted_tokens": na,
-                "query_start_loc": cu,
-                "max_query_len": width,
-            },
-            ssm={
-                "state_batch_indices": slots,
-                "num_accepted_tokens": na,
-                "cu_seqlens": cu,
-            },
-        )
-        row = gather_index(ctx.token_row, R)  # masked by the caller
-        t = jnp.arange(T, dtype=jnp.int32)
-        packed = jnp.clip(cu[row] + t - qsl[row], 0, T - 1)  # masked by the caller
-        return y_packed[packed], conv_state, ssm_state
+        out, conv_state, ssm_state = mamba_mixer(
+            h, ctx, conv_state, ssm_state, w, spec, backend=backend, model_axis=self.model_axis)
+        return x + out, conv_state, ssm_state
