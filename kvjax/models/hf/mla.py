@@ -1,0 +1,137 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA) over a paged latent cache.
+
+Each token's key and value of every head are a function of one latent row
+``concat(c [kv_lora_rank], k_pe [qk_rope_head_dim])``: ``k_nope[h] = c @ W_uk[:, h]``,
+``v[h] = c @ W_uv[:, h]``, and the RoPE part of the key, ``k_pe``, is shared by all
+heads. The cache stores only the latent rows (:func:`pallas_kernels.concat_and_cache_mla`
+writes them, one per slot), ``[num_blocks, block_size, kv_lora_rank + rope_dim]``.
+
+Two ways to attend, equal up to rounding:
+
+* **naive**: up-project every cached latent row to per-head ``k_nope`` and ``v`` and
+  attend as usual (``score = q_nope . k_nope + q_pe . k_pe``);
+* **absorbed**: fold ``W_uk`` into the query (``q_lat[h] = W_uk[:, h] @ q_nope[h]``,
+  ``score = q_lat . c + q_pe . k_pe``), attend over the latent rows themselves, and
+  up-project the ``kv_lora_rank``-wide output with ``W_uv`` once per token. A key costs
+  ``kv_lora_rank + rope_dim`` values read instead of ``H * (nope + v)`` computed.
+
+Masking is on values: invisible latent rows (past the token's position, past the
+row's ``seq_len``, the null block, unused block-table columns, pad tokens) are
+replaced by 0 before any product and their scores by a large negative finite
+number, so a NaN anywhere in the pool never reaches a real token.
+
+RoPE here is DeepSeek's: ``rope_interleave`` rotates the pairs ``(x0, x1), (x2, x3), ...``
+(and returns the rotated evens then the rotated odds, as transformers does; q and k are
+permuted alike, so their product is that of the interleaved layout); otherwise the
+rotate-half pairs ``(x_i, x_{i + D/2})``. ``cos`` and ``sin`` are multiplied by the YaRN
+attention factor. (``kvjax.models.attention.apply_rope`` is rotate-half with a plain
+theta, no inverse-frequency table nor factor, so it is not used.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.models.attention import MASK_VALUE
+
+MLA_FORMS = ("naive", "absorbed")
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, attention_factor: float,
+         interleave: bool) -> jax.Array:
+    """DeepSeek RoPE of ``x [T, ..., D]`` float32 at ``positions int [T]``.
+
+    ``inv_freq`` float32 ``[D/2]``. Output: ``concat(x1 cos - x2 sin, x2 cos + x1 sin)``
+    with ``(x1, x2)`` the even / odd entries (``interleave``) or the two halves.
+    """
+    D = x.shape[-1]
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    cos = jnp.cos(ang) * jnp.float32(attention_factor)
+    sin = jnp.sin(ang) * jnp.float32(attention_factor)
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (D // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _softmax_on_visible(s: jax.Array, visible: jax.Array) -> jax.Array:
+    """``s [T, H, S]`` scaled scores, ``visible bool [T, S]`` -> probabilities, exactly 0 where
+    invisible; all 0 for a token that sees nothing."""
+    vis = visible[:, None, :]
+    s = jnp.where(vis, s, MASK_VALUE)
+    p = jnp.where(vis, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom > 0, denom, 1.0)
+
+
+def latent_attention(
+    q_nope: jax.Array,  # float32 [T, H, nope]
+    q_pe: jax.Array,  # float32 [T, H, pe] (rotated)
+    latent: jax.Array,  # float32 [T, S, r + pe]: token t's keys, invisible ones anything (NaN too)
+    visible: jax.Array,  # bool [T, S]
+    w_uk: jax.Array,  # [r, H, nope]
+    w_uv: jax.Array,  # [r, H, v]
+    *,
+    softmax_scale: float,
+    form: str,
+) -> jax.Array:
+    """Attention of each token over its own latent rows -> float32 ``[T, H, v]``."""
+    if form not in MLA_FORMS:
+        raise ValueError(f"MLA form must be one of {MLA_FORMS}, got {form!r}")
+    r = w_uk.shape[0]
+    latent = jnp.where(visible[:, :, None], latent, 0.0)  # values first: NaN never multiplied
+    c, k_pe = latent[..., :r], latent[..., r:]
+    f32 = jnp.float32
+    if form == "naive":
+        k_nope = jnp.einsum("tsr,rhn->tshn", c, w_uk, preferred_element_type=f32)
+        v = jnp.einsum("tsr,rhv->tshv", c, w_uv, preferred_element_type=f32)
+        s = jnp.einsum("thn,tshn->ths", q_nope, k_nope) + jnp.einsum("thp,tsp->ths", q_pe, k_pe)
+        p = _softmax_on_visible(s * f32(softmax_scale), visible)
+        return jnp.einsum("ths,tshv->thv", p, v)
+    q_lat = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)
+    s = jnp.einsum("thr,tsr->ths", q_lat, c) + jnp.einsum("thp,tsp->ths", q_pe, k_pe)
+    p = _softmax_on_visible(s * f32(softmax_scale), visible)
+    o_lat = jnp.einsum("ths,tsr->thr", p, c)
+    return jnp.einsum("thr,rhv->thv", o_lat, w_uv, preferred_element_type=f32)
+
+
+def paged_latent_attention(
+    q_nope: jax.Array,  # float32 [T, H, nope]
+    q_pe: jax.Array,  # float32 [T, H, pe]
+    cache: jax.Array,  # [num_blocks, block_size, r + pe] (float, or float8_e4m3fn)
+    w_uk: jax.Array,
+    w_uv: jax.Array,
+    block_table: jax.Array,  # int32 [R, W] kernel-block ids
+    seq_lens: jax.Array,  # int32 [R]
+    positions: jax.Array,  # int32 [T]
+    token_row: jax.Array,  # int32 [T], R for pad tokens
+    *,
+    softmax_scale: float,
+    form: str,
+    fp8_scale: float | None = None,
+) -> jax.Array:
+    """Causal MLA of each token over its row's cached latent rows (pure jnp) -> ``[T, H, v]``.
+
+    Token ``t`` of row ``b`` sees cache position ``j`` (column ``j // block_size`` of
+    ``block_table[b]``) iff ``j <= positions[t]`` and ``j < seq_lens[b]``; pad tokens
+    (``token_row == R``) see nothing and get 0. An fp8 cache is read as
+    ``float32(stored) * fp8_scale``.
+    """
+    T = q_nope.shape[0]
+    R, W = block_table.shape
+    _, bs, width = cache.shape
+    S = W * bs
+    real = token_row < R
+    row = jnp.where(real, token_row, 0)  # gather index only; masked by `real`
+    j = jnp.arange(S, dtype=jnp.int32)
+    visible = real[:, None] & (j[None, :] <= positions[:, None]) & (j[None, :] < seq_lens[row][:, None])
+    latent = cache[block_table[row]].reshape(T, S, width).astype(jnp.float32)
+    if fp8_scale is not None:
+        latent = latent * jnp.float32(fp8_scale)
+    return latent_attention(q_nope, q_pe, latent, visible, w_uk, w_uv,
+                            softmax_scale=softmax_scale, form=form)

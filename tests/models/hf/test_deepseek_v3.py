@@ -1,0 +1,377 @@
+"""DeepSeek-V3 (MLA + group-routed MoE) against transformers, and its paged step against its dense oracle.
+
+Checkpoints are made here, at test time, by transformers (``from_config`` with a fixed torch
+seed, weights rescaled so that logits are far from uniform, ``save_pretrained``); nothing is
+downloaded. Two variants: ``lora`` (q_lora_rank set, interleaved RoPE, default frequencies,
+normalised top-k) and ``plain`` (no q LoRA, rotate-half RoPE with YaRN and mscale, top-k
+not normalised, attention biases, tied embeddings, two shared experts). Both have 3 layers
+with ``first_k_dense_replace=1``, 8 routed experts in 2 groups, ``topk_group=1``, 2 experts
+per token.
+
+The paged steps run through the real state code (``RequestState``, ``BlockTables``,
+``build_step_batch``, ``make_step_context``): chunked prefill of two requests next to
+a padded row and a padded token tail, then greedy decode. Every logits row is checked
+against ``dense_logits`` of the tokens it saw, and the generated tokens against
+transformers' greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+from kvjax import BlockTables, KVGroupSpec, RequestState, ScheduledBatch, build_step_batch, cdiv  # noqa: E402
+from kvjax.models.hf import deepseek_v3 as ds  # noqa: E402
+from kvjax.models.hf.mla import latent_attention  # noqa: E402
+from kvjax.models.interface import CacheSizes, Model  # noqa: E402
+from kvjax.models.step_context import make_step_context  # noqa: E402
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+    n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=32,
+    qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+    num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256,
+)
+VARIANTS = {
+    "lora": {},
+    "plain": dict(
+        q_lora_rank=None, rope_interleave=False, norm_topk_prob=False, attention_bias=True,
+        tie_word_embeddings=True, n_shared_experts=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=1.0,
+                             beta_fast=32, beta_slow=1),
+    ),
+}
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+MAX_NUM_REQS = 4
+MAX_MODEL_LEN = 32
+T, R = 8, 3  # the one bucket of every paged step here
+DENSE_LEN = 24  # the oracle runs on one padded length (causal: the zero tail changes no earlier row)
+PROMPTS = {"a": [17, 200, 3, 99, 45, 250, 8, 61, 130, 77, 5], "b": [42, 7, 190, 33, 128, 64]}
+# per step, per batch row: (request, tokens) or None (a padded row); a samples from step 3, b from 2
+SCHEDULE = [
+    [("a", 5), None, ("b", 3)],
+    [("b", 3), ("a", 4)],
+    [("a", 2), None, ("b", 1)],
+    [("b", 1), ("a", 1)],
+    [None, ("a", 1), ("b", 1)],
+    [("a", 1), ("b", 1)],
+    [None, None, ("b", 1)],
+]
+FAST = {"xla_backend_optimization_level": 0}
+SPEC = KVGroupSpec.for_model_len(BLOCK_SIZE, MAX_MODEL_LEN)
+BUILD = jax.jit(build_step_batch, static_argnames=("num_tokens_padded", "num_logits_padded", "backend"),
+                compiler_options=FAST)
+
+
+def _apply(model, params, batch, pools, sizes):
+    ctx = make_step_context(batch, jnp.zeros((R,), jnp.int32), None, kv_group=0)
+    return model.apply(params, ctx, pools, backend="reference", sizes=sizes)
+
+
+STEP = jax.jit(_apply, static_argnames=("model", "sizes"), donate_argnames=("pools",),
+               compiler_options=FAST)
+
+
+def _randomise(m):
+    """Weights with std 1/sqrt(fan_in) (embeddings 1, norms ~1, biases ~0.1): logits far from flat."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "embed" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        for name, b in m.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn_like(b))
+
+
+class Checkpoint:
+    def __init__(self, path, torch_model):
+        self.path, self.torch_model = path, torch_model
+        self.hf_config = json.loads((path / "config.json").read_text())
+        self.config = ds.config_from_hf(self.hf_config)
+        self.tensors = safetensors_numpy.load_file(str(path / "model.safetensors"))
+        self.params = ds.params_from_tensors(self.config, self.tensors.__getitem__, "float32")
+
+    def torch_logits(self, tokens):
+        with torch.no_grad():
+            return self.torch_model(torch.tensor([list(tokens)])).logits[0].numpy()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for i, (name, extra) in enumerate(VARIANTS.items()):
+        torch.manual_seed(i)
+        cfg = transformers.DeepseekV3Config(**{**TINY, **extra})
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        _randomise(m)
+        path = tmp_path_factory.mktemp(f"dsv3_{name}")
+        m.save_pretrained(path)
+        out[name] = Checkpoint(path, m)
+    return out
+
+
+def dense(model, params, tokens, kv_cache_dtype="auto"):
+    padded = np.zeros(DENSE_LEN, np.int32)
+    padded[: len(tokens)] = tokens
+    return np.asarray(model.dense_logits(params, padded, kv_cache_dtype=kv_cache_dtype))[: len(tokens)]
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+def test_config_fields_and_protocol(checkpoints):
+    c = checkpoints["plain"].config
+    assert c.q_lora_rank is None and c.rope_type == "yarn" and c.yarn_factor == 4.0
+    assert not c.rope_interleave and not c.norm_topk_prob and c.attention_bias and c.tie_word_embeddings
+    m = ds.DeepseekV3(c)
+    assert isinstance(m, Model) and hash(m) == hash(ds.DeepseekV3(c)) and m.kv_groups == (0,)
+    sizes = CacheSizes(num_kernel_blocks=NUM_BLOCKS, kernel_block_size=BLOCK_SIZE, num_state_slots=1,
+                       kv_cache_dtype="fp8")
+    specs = m.pool_specs(sizes)
+    assert [s.name for s in specs] == ["layer_0.latent", "layer_1.latent", "layer_2.latent"]
+    assert specs[0].shape == (NUM_BLOCKS, BLOCK_SIZE, 32 + 8) and specs[0].dtype == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="kv_layout"):
+        m.pool_specs(CacheSizes(NUM_BLOCKS, BLOCK_SIZE, 1, kv_layout="rpa"))
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        m.shard(3)
+    assert m.shard(2).model_shards == 2
+
+
+BAD_FIELDS = [
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "longrope"}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "factor"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"n_group": 3}, "n_group"),
+    ({"n_group": None}, "n_group"),
+    ({"topk_group": 3}, "topk_group"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"n_shared_experts": 0}, "n_shared_experts"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"model_type": "deepseek_v2"}, "model_type"),
+]
+
+
+@pytest.mark.parametrize("change,field", BAD_FIELDS, ids=[f for _, f in BAD_FIELDS])
+def test_unsupported_fields_refused_by_name(checkpoints, change, field):
+    """config_from_hf sees only config.json: the refusal comes before any weight is read."""
+    with pytest.raises(ValueError, match=field):
+        ds.config_from_hf({**checkpoints["lora"].hf_config, **change})
+
+
+def test_legacy_rope_scaling_keys_read_as_rope_parameters(checkpoints):
+    cfg = dict(checkpoints["plain"].hf_config)
+    rp = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")
+    cfg["rope_scaling"] = rp
+    assert ds.config_from_hf(cfg) == checkpoints["plain"].config
+
+
+def test_expected_tensors_are_the_checkpoints(checkpoints):
+    for ck in checkpoints.values():
+        want = ds.expected_tensors(ck.config)
+        assert set(want) == set(ck.tensors)
+        assert {k: tuple(v.shape) for k, v in ck.tensors.items()} == want
+
+
+# ---------------------------------------------------------------------------- dense vs torch
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dense_logits_match_transformers(checkpoints, variant):
+    ck = checkpoints[variant]
+    tokens = np.random.default_rng(3).integers(0, 256, DENSE_LEN)
+    want = ck.torch_logits(tokens)
+    got = np.asarray(ds.DeepseekV3(ck.config).dense_logits(ck.params, tokens))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=2e-6 * scale, rtol=0)
+
+
+def test_absorbed_equals_naive_and_nan_never_reaches_visible_rows():
+    rng = np.random.default_rng(0)
+    Tq, S, H, r, pe, nope, v = 5, 12, 3, 16, 4, 8, 6
+    q_nope = jnp.asarray(rng.standard_normal((Tq, H, nope)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((Tq, H, pe)), jnp.float32)
+    lat = rng.standard_normal((Tq, S, r + pe)).astype(np.float32)
+    vis = rng.random((Tq, S)) < 0.6
+    vis[0] = False  # a token that sees nothing
+    lat[~vis] = np.nan
+    w_uk = jnp.asarray(rng.standard_normal((r, H, nope)), jnp.float32)
+    w_uv = jnp.asarray(rng.standard_normal((r, H, v)), jnp.float32)
+    kw = dict(softmax_scale=0.3)
+    naive = np.asarray(latent_attention(q_nope, q_pe, jnp.asarray(lat), jnp.asarray(vis), w_uk, w_uv,
+                                        form="naive", **kw))
+    absorbed = np.asarray(latent_attention(q_nope, q_pe, jnp.asarray(lat), jnp.asarray(vis), w_uk, w_uv,
+                                           form="absorbed", **kw))
+    assert np.isfinite(naive).all() and np.isfinite(absorbed).all()
+    assert (naive[0] == 0).all()
+    np.testing.assert_allclose(absorbed, naive, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------- paged driver
+
+
+class Driver:
+    """Hand-driven rows and blocks for the requests of PROMPTS, one bucket (T, R)."""
+
+    def __init__(self, model, params, kv_cache_dtype="auto", poisoned=False):
+        self.model, self.params = model, params
+        self.sizes = CacheSizes(num_kernel_blocks=NUM_BLOCKS, kernel_block_size=BLOCK_SIZE,
+                                num_state_slots=1, kv_cache_dtype=kv_cache_dtype)
+        fill = np.nan if poisoned else 0.0
+        self.pools = {s.name: jnp.full(s.shape, fill, s.dtype) for s in model.pool_specs(self.sizes)}
+        self.requests = RequestState.create(MAX_NUM_REQS, MAX_MODEL_LEN)
+        self.tables = BlockTables.create([SPEC], MAX_NUM_REQS, num_cache_blocks=NUM_BLOCKS)
+        self.row = {"a": 2, "b": 0}
+        self.free_blocks = [7, 3, 12, 9, 1, 14, 5, 10, 2, 13]  # never the null block 0
+        self.used_blocks: set[int] = set()
+        self.records = []  # (tokens seen, logits row)
+        for req, row in self.row.items():
+            self.requests = self.requests.add_request(row, PROMPTS[req])
+
+    def tokens(self, req):
+        row = self.row[req]
+        return np.asarray(self.requests.all_token_ids[row, : int(self.requests.total_len[row])]).tolist()
+
+    def step(self, schedule):
+        known = {req: self.tokens(req) for req in self.row}
+        schedule = list(schedule) + [None] * (R - len(schedule))
+        idx = np.full((R,), -1, np.int32)
+        nsched = np.zeros((R,), np.int32)
+        for b, entry in enumerate(schedule):
+            if entry is None:
+                continue
+            req, n = entry
+            row = self.row[req]
+            have = int(self.tables.num_blocks[0, row])
+            need = cdiv(int(self.requests.num_computed_tokens[row]) + n, BLOCK_SIZE) - have
+            if need > 0:
+                new = [self.free_blocks.pop(0) for _ in range(need)]
+                self.used_blocks.update(new)
+                self.tables = self.tables.append_block_ids(row, [new])
+            idx[b], nsched[b] = row, n
+        sched = ScheduledBatch(idx_mapping=idx, num_scheduled_tokens=nsched,
+                               num_draft_tokens=np.zeros((R,), np.int32))
+        batch = BUILD(self.requests, self.tables, sched, num_tokens_padded=T, num_logits_padded=R)
+        logits, self.pools = STEP(self.model, self.params, batch, self.pools, self.sizes)
+        logits = np.asarray(logits)
+        cu, li = np.asarray(batch.cu_num_logits), np.asarray(batch.logits_indices)
+        ids, qsl = np.asarray(batch.input_ids), np.asarray(batch.query_start_loc)
+        nc = np.asarray(batch.num_computed_tokens)
+        sampled = np.zeros((R, 1), np.int32)
+        num_sampled = np.zeros((R,), np.int32)
+        for b, entry in enumerate(schedule):
+            if entry is None:
+                continue
+            for i in range(cu[b], cu[b + 1]):
+                seen = known[entry[0]][: nc[b]] + ids[qsl[b]: li[i] + 1].tolist()
+                assert np.isfinite(logits[i]).all()
+                self.records.append((seen, logits[i]))
+                sampled[b, 0], num_sampled[b] = int(np.argmax(logits[i])), 1
+        self.requests = self.requests.post_update(idx, nsched, sampled, num_sampled)
+
+    def run(self):
+        for sched in SCHEDULE:
+            self.step(sched)
+        return self
+
+
+def paged_run(ck, form="absorbed", kv_cache_dtype="auto", poisoned=False):
+    model = ds.DeepseekV3(ck.config, attention_form=form)
+    return model, Driver(model, ck.params, kv_cache_dtype, poisoned).run()
+
+
+def check_records(model, params, drv, atol, kv_cache_dtype="auto"):
+    assert len(drv.records) == 2 + 5 + 6  # a, b mid-prefill rows + sampling rows
+    worst = 0.0
+    for seen, got in drv.records:
+        want = dense(model, params, seen, kv_cache_dtype)[-1]
+        worst = max(worst, float(np.abs(got - want).max()))
+    assert worst <= atol, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def lora_poisoned(checkpoints):
+    return paged_run(checkpoints["lora"], poisoned=True)
+
+
+def test_paged_steps_match_dense_with_nan_poisoned_pools(checkpoints, lora_poisoned):
+    """Every pool byte NaN at the start (null block 0, unused blocks, block tails): the paged
+    logits equal the dense oracle, bitwise equal a run on zeroed pools, and never-used blocks
+    stay NaN (a PAD slot writes nothing)."""
+    ck = checkpoints["lora"]
+    model, drv = lora_poisoned
+    check_records(model, ck.params, drv, atol=2e-5)
+    _, clean = paged_run(ck)
+    assert [s for s, _ in clean.records] == [s for s, _ in drv.records]
+    for (_, got), (_, want) in zip(drv.records, clean.records):
+        np.testing.assert_array_equal(got, want)
+    unused = sorted(set(range(NUM_BLOCKS)) - drv.used_blocks)
+    assert 0 in unused
+    for pool in drv.pools.values():
+        assert np.isnan(np.asarray(pool)[unused]).all()
+
+
+def test_paged_naive_form_matches_dense(checkpoints):
+    ck = checkpoints["lora"]
+    model, drv = paged_run(ck, form="naive", poisoned=True)
+    check_records(model, ck.params, drv, atol=2e-5)
+
+
+def test_paged_plain_variant_matches_dense(checkpoints):
+    ck = checkpoints["plain"]
+    model, drv = paged_run(ck, poisoned=True)
+    check_records(model, ck.params, drv, atol=2e-5 * 10)  # logits up to ~35 here
+
+
+def test_fp8_latent_cache(checkpoints):
+    """The fp8 paged step equals the fp8 dense oracle (which rounds the latent as the cache
+    stores it) tightly, and the unquantised model within a stated tolerance."""
+    ck = checkpoints["lora"]
+    model, drv = paged_run(ck, kv_cache_dtype="fp8", poisoned=True)
+    check_records(model, ck.params, drv, atol=2e-5, kv_cache_dtype="fp8")
+    worst = 0.0
+    for seen, got in drv.records:
+        want = dense(model, ck.params, seen)[-1]
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    assert 1e-4 < worst < 0.1, worst  # fp8 rounding is visible, and bounded (e4m3: 3 mantissa bits)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_tokens_match_transformers_generate(checkpoints, lora_poisoned, variant):
+    ck = checkpoints[variant]
+    drv = lora_poisoned[1] if variant == "lora" else paged_run(ck, poisoned=True)[1]
+    for req, prompt in PROMPTS.items():
+        toks = drv.tokens(req)
+        n_new = len(toks) - len(prompt)
+        assert n_new >= 4
+        with torch.no_grad():
+            out = ck.torch_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
+                                          min_new_tokens=n_new, eos_token_id=None, pad_token_id=0)
+        assert out[0].tolist() == toks, (req, out[0].tolist(), toks)
