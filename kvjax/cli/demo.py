@@ -1,10 +1,16 @@
-"""``python -m kvjax demo``: serve a seeded workload on the tiny hybrid model.
+"""``python -m kvjax demo``: serve a seeded workload on the tiny hybrid model, on one device or a mesh.
 
-Start-up compiles every bucket ahead of time; serving then runs the scheduler
+Start-up compiles every bucket ahead of time; serving then runs the schedulers
 and the runner step by step with no compile (strict mode), and the run ends
 with each request checked against the dense reference (one request, no cache,
 no padding, full recompute): identical greedy tokens and logits within
 ``LOGITS_ATOL`` at every generated position.
+
+With ``--mesh data=D,model=M`` each data rank has its own scheduler and block
+pool; requests are placed on arrival on the least loaded rank, ranks with
+nothing scheduled run the dummy step in the same SPMD program
+(:mod:`kvjax.runner.serving`), and the report counts each rank's real and dummy
+steps. The mesh model gains an MoE block whose experts are sharded over "data".
 """
 
 from __future__ import annotations
@@ -18,10 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.testing.progress import Progress
+from kvjax.models import TinyHybridConfig
 from kvjax.runner import Runner, RunnerConfig
+from kvjax.runner.mesh import DATA, MODEL, force_host_device_count
 from kvjax.runner.serving import run_to_completion
 from kvjax.runner.memory import dense_reference_length
 from kvjax.host.scheduler import Request
+
+# The demo model over a mesh: attention, Mamba2, and an MoE block of 8 experts (top-2)
+# whose experts are sharded over "data", so every step needs every data rank.
+MESH_MODEL = TinyHybridConfig(layer_types=("attn", "mamba", "moe"))
 
 LOGITS_ATOL = 1e-4
 # fp8 caches: the paged path and the dense reference compute K/V with float32 ops in a
@@ -56,7 +68,12 @@ def run_settings(config: RunnerConfig, **extra) -> dict:
 
 @dataclasses.dataclass
 class ServeReport:
-    """What :func:`serve` did: per-request results, counts and timings, and ``settings`` (:func:`run_settings`)."""
+    """What :func:`serve` did: per-request results, counts and timings, and ``settings`` (:func:`run_settings`).
+
+    ``mesh``: the mesh's axis sizes; ``ranks[d]``: this process's rank ``d``'s ``real_steps`` (it
+    had work), ``dummy_steps`` (it ran the dummy step because another rank had work) and
+    ``requests`` (ids placed on it); ``checked``: the sanitizer verified every step on every rank.
+    """
 
     requests: dict
     steps: int
@@ -73,48 +90,65 @@ class ServeReport:
     drafts_accepted: int
     all_match: bool
     settings: dict = dataclasses.field(default_factory=dict)
+    mesh: dict = dataclasses.field(default_factory=lambda: {DATA: 1, MODEL: 1})
+    process_index: int = 0
+    ranks: dict = dataclasses.field(default_factory=dict)
+    checked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.all_match and self.nan_count == 0 and self.serving_compiles == 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def serve(config: RunnerConfig, requests: list[Request], *, strict: bool = True, progress_stream=sys.stderr,
-          runner: Runner | None = None, compile_workers: int = 2, drafter=None,
+def serve(config: RunnerConfig, requests: list[Request], *, mesh=None, strict: bool = True,
+          progress_stream=sys.stderr, runner: Runner | None = None, compile_workers: int = 2, drafter=None,
           overlap: bool = False) -> tuple[ServeReport, Runner]:
-    """Run ``requests`` to completion; returns the report and the runner (for inspection).
+    """Run ``requests`` to completion (every process passes the same list); returns this
+    process's report and the runner (for inspection).
 
+    ``mesh``: a ``("data", "model")`` mesh (None: one device).
     ``drafter``: ``(tokens, k) -> drafts`` for speculative decoding (default: n-gram lookup).
-    ``overlap``: plan and dispatch each step while the previous one runs
+    ``overlap``: plan and pack each step while the previous one runs
     (:mod:`kvjax.runner.serving`; needs ``num_speculative_tokens == 0``).
+    Checked mode (``config.poison``): a memory violation on any rank raises
+    :class:`~kvjax.runner.sanitizer.SanitizerError`.
     """
-    runner = runner or Runner(config, strict=strict)
+    runner = runner or Runner(config, mesh=mesh, strict=strict)
     runner.precompile(workers=compile_workers)
     runner.warm_up()
-    sched = config.make_scheduler(drafter)
-    for r in sorted(requests, key=lambda r: r.arrival_step):
-        sched.add_request(r)
+    scheds = {d: config.make_scheduler(drafter) for d in runner.local_ranks}
     bar = Progress(len(requests), progress_stream, unit="requests finished")
     t0 = time.perf_counter()
 
-    def progress(plan):
-        bar.update(len(sched.finished), f"step {plan.step + 1}")
+    def progress(step, plans):
+        bar.update(sum(len(s.finished) for s in scheds.values()), f"step {step + 1}")
 
-    steps = run_to_completion(sched, runner, overlap=overlap, on_step=progress)
+    stats = run_to_completion(scheds, runner, arrivals=requests, overlap=overlap, on_step=progress)
     serving = time.perf_counter() - t0
     bar.close()
+    D, M = runner.num_ranks, runner.model_size
     report = ServeReport(
-        **serve_report_fields(runner, config, [sched], steps=steps, serving=serving,
+        **serve_report_fields(runner, config, list(scheds.values()), steps=stats.steps, serving=serving,
                               buckets=config.bucket_spec.buckets),
-        settings=run_settings(config, strict=strict, compile_workers=compile_workers, overlap=overlap),
+        settings=run_settings(config, strict=strict, compile_workers=compile_workers, overlap=overlap,
+                              mesh=f"data={D},model={M}", processes=jax.process_count()),
+        mesh={DATA: D, MODEL: M},
+        process_index=jax.process_index(),
+        ranks={d: {"real_steps": stats.real_steps[d], "dummy_steps": stats.dummy_steps[d],
+                   "requests": stats.placed[d]} for d in runner.local_ranks},
+        checked=config.poison,
     )
     return report, runner
 
 
 def serve_report_fields(runner: Runner, config: RunnerConfig, schedulers, *, steps: int,
                         serving: float, buckets) -> dict:
-    """The :class:`ServeReport` fields every serving loop reports: parity with the dense
-    reference, token and step counts, speed, compiles, preemptions and drafts, summed over
-    ``schedulers`` (one per data rank)."""
+    """The :class:`ServeReport` fields every run reports: parity with the dense reference,
+    token and step counts, speed, compiles, preemptions and drafts, summed over
+    ``schedulers`` (one per local data rank)."""
     finished = [r for s in schedulers for r in s.finished]
     results, nan_count = check_against_reference(runner, config, finished)
     generated = sum(len(r.output) for r in finished)
@@ -180,3 +214,35 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> 
     if config.num_speculative_tokens:
         lines.insert(-2, f"draft tokens accepted   {report.drafts_accepted}/{report.drafts_proposed}")
     print("\n".join(lines), file=out)
+    m = report.mesh
+    if m[DATA] * m[MODEL] > 1:
+        lines = [f"mesh                    data={m[DATA]}, model={m[MODEL]} (process {report.process_index})"]
+        for d, r in sorted(report.ranks.items()):
+            lines.append(f"rank {d:<3}                real steps {r['real_steps']}, dummy steps "
+                         f"{r['dummy_steps']}, requests {len(r['requests'])}")
+        if report.checked:
+            lines.append("sanitizer               ok (every rank, every step: null block/slot, fresh memory, "
+                         "idle ranks bitwise unchanged)")
+        print("\n".join(lines), file=out)
+
+
+def start_devices(args, mesh_shape: tuple[int, int]) -> bool:
+    """Before JAX starts its backends: the host device count and ``jax.distributed``.
+
+    Returns whether ``XLA_FLAGS`` was changed (a CPU-only machine then gets the devices).
+    Raises ValueError for an impossible process layout.
+    """
+    D, M = mesh_shape
+    nproc = args.num_processes
+    if not 0 <= args.process_id < nproc:
+        raise ValueError(f"--process-id must be in [0, {nproc}) with --num-processes {nproc}")
+    if D % nproc:
+        raise ValueError(f"--mesh data={D},model={M} must give each of the {nproc} processes whole data ranks")
+    if nproc > 1 and not args.coordinator:
+        raise ValueError("--num-processes > 1 needs --coordinator HOST:PORT")
+    local_devices = D * M // nproc
+    forced = local_devices > 1 and force_host_device_count(local_devices)
+    if args.coordinator:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, num_processes=nproc, process_id=args.process_id)
+    return forced

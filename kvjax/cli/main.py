@@ -9,20 +9,21 @@ import sys
 
 import jax
 
-from kvjax.cli import mesh_demo
+from kvjax.cli import demo as demo_cli
 from kvjax.cli.demo import print_summary, serve
 from kvjax.cli.trace import run_trace
 from kvjax.cli.workload import generate_workload, load_workload, validate_workload
-from kvjax.models import TinyHybridConfig
+from kvjax.models import TinyHybridConfig, TinyHybridModel
 from kvjax.models.caches import KV_LAYOUTS
 from kvjax.runner import RunnerConfig
 from kvjax.runner.compile_guard import check_compiles_ahead
 from kvjax.runner.serving import check_overlap_supported
 from kvjax.runner.memory import available_memory, check_fits, estimate_memory
+from kvjax.runner.mesh import make_mesh, parse_mesh_shape
 from kvjax.runner.sanitizer import SanitizerError
 from kvjax.testing import difftest as dt
 from kvjax.testing.scenarios import OPS
-from pallas_kernels._backend import BACKENDS
+from pallas_kernels.backend import BACKENDS
 
 
 def _token_sizes(text: str) -> tuple[int, ...]:
@@ -56,19 +57,18 @@ def runner_config(args, model: TinyHybridConfig) -> RunnerConfig:
 def _demo(args, parser) -> int:
 
     model = TinyHybridConfig()
+    mesh_shape, forced_devices = (1, 1), False
     if args.mesh is not None:
         try:
-            mesh_shape = mesh_demo.parse_mesh_shape(args.mesh)
+            mesh_shape = parse_mesh_shape(args.mesh)
         except ValueError as e:
             parser.error(f"--mesh: {e}")
-        if args.overlap:
-            parser.error("--overlap is not supported with --mesh")
-        model = mesh_demo.MESH_MODEL
+        model = demo_cli.MESH_MODEL
         try:  # before anything starts JAX's backends
-            forced_devices = mesh_demo.start_devices(args, mesh_shape)
+            TinyHybridModel(model).check_mesh(*mesh_shape)
+            forced_devices = demo_cli.start_devices(args, mesh_shape)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            parser.error(f"--mesh: {e}")
     elif args.coordinator or args.num_processes != 1:
         parser.error("--coordinator / --num-processes need --mesh")
     try:
@@ -95,16 +95,25 @@ def _demo(args, parser) -> int:
     except ValueError as e:  # WorkloadError, config errors, too little memory: before any compile
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.mesh is not None:
-        return mesh_demo.main(args, config, requests, mesh_shape, forced_devices)
-    print(f"serving {len(requests)} requests on the tiny hybrid model "
-          f"({len(model.layer_types)} layers: {', '.join(model.layer_types)}); estimated memory "
-          f"{memory.describe()}", file=sys.stderr)
+    D, M = mesh_shape
+    if forced_devices and jax.default_backend() == "cpu":
+        print(f"CPU-only machine: set XLA_FLAGS=--xla_force_host_platform_device_count="
+              f"{D * M // jax.process_count()} for --mesh data={D},model={M}", file=sys.stderr)
+    try:
+        mesh = make_mesh(D, M)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    where = "" if D * M == 1 else (f" over mesh data={D}, model={M} (process {jax.process_index()} of "
+                                   f"{jax.process_count()})")
+    if not args.quiet:
+        print(f"serving {len(requests)} requests on {config.model.description}{where}; estimated memory "
+              f"{memory.describe()}", file=sys.stderr)
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     try:
-        report, _ = serve(config, requests, strict=not args.no_strict,
+        report, _ = serve(config, requests, mesh=mesh, strict=not args.no_strict,
                           progress_stream=None if args.quiet else sys.stderr,
                           compile_workers=args.compile_workers, overlap=args.overlap)
     except SanitizerError as e:
@@ -113,10 +122,10 @@ def _demo(args, parser) -> int:
     print_summary(report, config)
     if args.json:
         report.settings["workload"] = args.workload or f"generated: {args.requests} requests, seed {args.seed}"
-        with open(args.json, "w") as f:
+        path = args.json if jax.process_count() == 1 else f"{args.json}.{jax.process_index()}"
+        with open(path, "w") as f:
             json.dump(report.to_json(), f, indent=1)
-    ok = report.all_match and report.nan_count == 0 and report.serving_compiles == 0
-    return 0 if ok else 1
+    return 0 if report.ok else 1
 
 
 def _ops_list(text: str) -> list[str]:

@@ -5,6 +5,7 @@ from kvjax.models.config import TinyHybridConfig as TinyHybridConfig
 from kvjax.models.dense import dense_forward as dense_forward
 from kvjax.models.tiny_hybrid import (
     TinyHybrid as TinyHybrid,
+    TinyHybridModel as TinyHybridModel,
     forward_step as forward_step,
     init_params as init_params,
 )
@@ -13,6 +14,7 @@ __all__ = [
     "HybridCaches",
     "TinyHybrid",
     "TinyHybridConfig",
+    "TinyHybridModel",
     "dense_forward",
     "forward_step",
     "init_caches",

@@ -29,6 +29,10 @@ import numpy as np
 
 from kvjax.models.step_context import StepContext
 
+# The mesh axes: data parallel ranks (own requests, blocks and rows; MoE experts) and
+# tensor-parallel head shards.
+DATA, MODEL = "data", "model"
+MESH_AXES = (DATA, MODEL)
 POOL_KINDS = ("kv", "state")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 KV_LAYOUTS = ("flash", "rpa")

@@ -18,7 +18,6 @@ import os
 import jax
 import numpy as np
 
-from kvjax.models import init_caches
 from kvjax.runner.runner import RunnerConfig
 from kvjax.state import BlockTables, RequestState
 
@@ -100,9 +99,9 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     """
     c, m = config, config.model
     g = c.kv_group
-    caches = jax.eval_shape(lambda: init_caches(
-        m, c.num_blocks * g.blocks_per_kv_block, g.kernel_block_size, c.num_state_slots,
-        c.kv_cache_dtype, num_spec_tokens=c.num_speculative_tokens, kv_layout=c.kv_layout))
+    pools = m.pool_specs(c.cache_sizes)
+    kv_bytes = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in pools if p.kind == "kv")
+    state_bytes = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in pools if p.kind == "state")
     rows = jax.eval_shape(lambda: RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens))
     tables = jax.eval_shape(lambda: BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks))
 
@@ -112,7 +111,7 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     # memory_analysis() of the compiled step agrees within 15% (tests/runner/test_memory.py).
     T = max(b.num_tokens for b in c.bucket_spec.buckets)
     S = g.table_width * g.kernel_block_size
-    attention = (2 * T * S * m.num_kv_heads * m.head_dim + 3 * T * m.num_heads * S) * 4 if m.num_attn_layers else 0
+    attention = m.step_temp_bytes(T, S) if hasattr(m, "step_temp_bytes") else 0
     # The new requests' token rows travel in the step's packed input buffer ([U, max_model_len]),
     # and post_update may hold a second copy of the request rows.
     step = attention + 4 * c.max_new_requests * c.max_model_len + _nbytes(rows)
@@ -124,10 +123,10 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
         longest_request = c.max_model_len
     if longest_request:
         n = dense_reference_length(min(longest_request, c.max_model_len), c.max_model_len)
-        dense = n * n * (2 * 4 * m.num_heads + 1) if m.num_attn_layers else 0
+        dense = m.dense_temp_bytes(n) if hasattr(m, "dense_temp_bytes") else 0
     else:
         dense = 0
-    return MemoryEstimate(kv_cache=_nbytes(caches.kv_arrays), states=_nbytes(caches.state_arrays),
+    return MemoryEstimate(kv_cache=kv_bytes, states=state_bytes,
                           rows_and_tables=_nbytes((rows, tables)), step=step, dense_reference=dense)
 
 

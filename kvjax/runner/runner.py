@@ -1,12 +1,33 @@
-"""Bucketed, ahead-of-time compiled step functions: kvjax's CUDA-graph replacement.
+"""Bucketed, ahead-of-time compiled step functions over a device mesh: kvjax's CUDA-graph replacement.
 
 One executable per bucket (:mod:`kvjax.host.buckets`) runs a whole step on the
 device: apply the step's staged writes (cleared rows, new requests, block-table
 appends), zero the fresh KV blocks and recurrent slots (one ``zero_blocks``
-launch each), build the padded :class:`~kvjax.state.StepBatch`, run the model,
-sample greedily, verify drafts, and apply ``post_update``. Runner state and
-caches are donated, so they are updated in place. The host sends one packed,
-fixed-shape :class:`StepInputs` per step (numpy, made by :meth:`Runner.pack`).
+launch per pool kind), build the padded :class:`~kvjax.state.StepBatch`, run the
+model (any :class:`~kvjax.models.interface.Model`), sample greedily, verify
+drafts, and apply ``post_update``. Runner state and pools are donated, so they
+are updated in place.
+
+The mesh is a dimension of the runner: a ``("data", "model")`` mesh, 1x1 on one
+device. Every runner-state array has a leading axis of size ``D`` (the "data"
+axis) sharded over "data", so data rank ``d`` owns row ``d`` of each: its own
+block ids, null block 0, null slot 0 and request rows. Pools are split over
+"model" where the model's :class:`~kvjax.models.interface.PoolSpec` says so, and
+the model runs per shard (:meth:`~kvjax.models.interface.Model.shard`). A step
+is one SPMD program (``shard_map``) in which every rank uses the same bucket; a
+rank with nothing scheduled runs the dummy step (every slot ``PAD_SLOT_ID``,
+block tables and state indices ``NULL_BLOCK_ID``) and must write nothing. MoE
+experts are sharded over "data", so every step holds collectives every rank
+joins: that is why an idle rank cannot skip a step.
+
+Arguments cross into the executable as: the params; one donated int32 buffer of
+request rows and block tables per rank (followed by an area the step copies its
+input into, so that only that copy refers to the per-step buffer); the pools;
+one int32 input buffer per rank (:class:`StepInputs` packed by
+:func:`~kvjax.runner.packing.pack`). The outputs come back as one int32 buffer
+per rank. Three entry points: :meth:`Runner.prepare` (host: pack),
+:meth:`Runner.launch` (enqueue, returns at once), :meth:`PendingStep.fetch`
+(wait, copy, judge).
 
 All executables are compiled at start-up (:meth:`Runner.precompile`); at
 serving time nothing traces or compiles (:class:`~kvjax.runner.compile_guard.ServingGuard`).
@@ -17,36 +38,40 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
 from kvjax.host.buckets import Bucket, BucketSpec
+from kvjax.host.scheduler import Scheduler, StepPlan
+from kvjax.models import TinyHybridConfig, TinyHybridModel
+from kvjax.models.interface import DATA, MODEL, CacheSizes, Model, PoolSpec
+from kvjax.models.step_context import make_step_context
 from kvjax.runner import sanitizer
 from kvjax.runner.compile_guard import ServingGuard
-from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
-from kvjax.runner.packing import (
-    DtypeLayout, PackSpec, flatten_by_dtype, pack, pack_device, spec_of, unflatten_by_dtype, unpack,
-)
-from kvjax.models import HybridCaches, TinyHybridConfig, dense_forward, forward_step, init_caches, init_params
-from kvjax.models.caches import check_kv_layout
-from kvjax.host.scheduler import Scheduler, StepPlan
+from kvjax.runner.mesh import check_mesh, global_array, make_mesh
+from kvjax.runner.packing import PackSpec, pack, pack_device, spec_of, unpack
 from kvjax.spec import KVGroupSpec, cdiv
-from pallas_kernels import zero_blocks
 from kvjax.state import (
-    BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch, expand_to_kernel_blocks,
-    gather_index,
+    BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch, gather_index,
 )
+from kvjax.state.padding import is_real_row
+from pallas_kernels import zero_blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    """Sizes and options of a runner (hashable).
+    """Sizes and options of a runner (hashable). Sizes are per data rank.
 
+    ``model``: any :class:`~kvjax.models.interface.Model` (a :class:`TinyHybridConfig` is
+    taken as the tiny hybrid model of that config).
     ``num_blocks`` counts logical KV blocks including the reserved block 0.
     ``matmul_precision`` is the ``jax.default_matmul_precision`` the step (and the
     dense reference) is traced under: "highest" keeps float32 matmuls float32 on GPUs,
@@ -54,7 +79,7 @@ class RunnerConfig:
     ``num_state_slots`` (derived) is ``1 + max_num_seqs * (1 + num_speculative_tokens)``.
     """
 
-    model: TinyHybridConfig = TinyHybridConfig()
+    model: Model = TinyHybridModel()
     block_size: int = 8
     num_blocks: int = 64
     max_model_len: int = 128
@@ -71,6 +96,10 @@ class RunnerConfig:
     matmul_precision: str = "highest"
 
     def __post_init__(self):
+        if isinstance(self.model, TinyHybridConfig):
+            object.__setattr__(self, "model", TinyHybridModel(self.model))
+        if not isinstance(self.model, Model):
+            raise ValueError(f"model must implement kvjax.models.interface.Model, got {type(self.model).__name__}")
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -79,9 +108,7 @@ class RunnerConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
-        check_kv_layout(self.kv_layout)
+        self.cache_sizes  # validates kv_cache_dtype and kv_layout
         if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one decode window "
@@ -94,7 +121,7 @@ class RunnerConfig:
         return max(1, min(self.max_new_requests_per_step, self.max_num_seqs))
 
     def make_scheduler(self, drafter=None):
-        """A :class:`~kvjax.host.scheduler.Scheduler` sized for this runner (optional custom drafter)."""
+        """A :class:`~kvjax.host.scheduler.Scheduler` sized for one data rank (optional custom drafter)."""
 
         return Scheduler(self.specs, self.bucket_spec, num_blocks=self.num_blocks,
                          max_model_len=self.max_model_len, num_state_slots=self.num_state_slots,
@@ -113,6 +140,16 @@ class RunnerConfig:
         return 1 + self.max_num_seqs * (1 + self.num_speculative_tokens)
 
     @property
+    def cache_sizes(self) -> CacheSizes:
+        """What the model needs to lay out its pools."""
+        g = self.kv_group
+        return CacheSizes(
+            num_kernel_blocks=self.num_blocks * g.blocks_per_kv_block, kernel_block_size=g.kernel_block_size,
+            num_state_slots=self.num_state_slots, num_spec_tokens=self.num_speculative_tokens,
+            kv_cache_dtype=self.kv_cache_dtype, kv_layout=self.kv_layout,
+        )
+
+    @property
     def bucket_spec(self) -> BucketSpec:
         if self.token_sizes is not None:
             return BucketSpec(tuple(self.token_sizes), self.max_num_seqs, self.num_speculative_tokens)
@@ -121,16 +158,16 @@ class RunnerConfig:
 
 @struct.dataclass
 class DeviceState:
-    """Everything the step mutates (donated): request rows, block tables, caches."""
+    """Everything one data rank's step mutates (donated): request rows, block tables, pools by name."""
 
     requests: RequestState
     tables: BlockTables
-    caches: HybridCaches
+    pools: dict
 
 
 @struct.dataclass
 class StepInputs:
-    """One step's host-to-device payload, fixed shapes per bucket (``-1`` pads ids/rows).
+    """One rank's step payload from the host, fixed shapes per bucket (``-1`` pads ids/rows).
 
     Attributes:
       cleared_rows: int32 ``[max_num_seqs]`` rows freed since the last step.
@@ -166,10 +203,18 @@ class StepInputs:
     live_rows: jax.Array
     live_slots: jax.Array
 
+    def is_dummy(self, num_rows: int) -> jax.Array:
+        """True iff these inputs name no row, block, slot or request (a dummy step)."""
+        ids = (self.cleared_rows, self.new.rows, self.write_rows, self.sched.idx_mapping)
+        named = [jnp.any(is_real_row(a, num_rows)) for a in ids]
+        named += [jnp.any(a >= 0) for a in (self.zero_blocks, self.zero_slots, self.poison_blocks,
+                                             self.poison_slots)]
+        return ~jnp.any(jnp.stack(named))
+
 
 @dataclasses.dataclass
 class StepOutput:
-    """One step's outputs on the host: batch row ``b`` sampled ``sampled[b, :num_sampled[b]]``
+    """One rank's step outputs on the host: batch row ``b`` sampled ``sampled[b, :num_sampled[b]]``
     (accepted drafts, then the bonus or correction token); ``logits``: one row per logits index."""
 
     sampled: np.ndarray  # int32 [R, 1 + k]
@@ -177,44 +222,65 @@ class StepOutput:
     logits: np.ndarray  # float32 [L, vocab]
 
 
-@dataclasses.dataclass(frozen=True)
-class PendingOutput:
-    """A dispatched step's outputs, still on the device (JAX dispatch is asynchronous).
+@dataclasses.dataclass
+class StepResult:
+    """One step on the host: its bucket and each local rank's outputs."""
 
-    In checked mode ``checks`` holds the sanitizer's results and ``verdict`` raises
-    :class:`~kvjax.runner.sanitizer.SanitizerError` on a violation when they are fetched.
-    With the packed layout the four outputs come as one int32 buffer ``packed`` laid out
-    by ``packed_spec`` (one transfer; the other fields are None).
+    bucket: Bucket
+    outputs: dict[int, StepOutput]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """A step packed on the host, not yet enqueued (:meth:`Runner.prepare`, :meth:`Runner.launch`):
+    ``buf`` is int32 ``[local ranks, n]`` in ``bucket``'s layout; ``labels[d]`` names rank ``d``'s step
+    (the scheduler's step number, ``"dummy"`` or ``"release"``) for the sanitizer's errors."""
+
+    bucket: Bucket
+    buf: np.ndarray
+    labels: Mapping[int, object]
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """An enqueued step whose outputs are still on the device (JAX dispatch is asynchronous).
+
+    ``packed``: int32 ``[D, n]`` laid out by ``spec`` per rank. In checked mode ``verdicts[d]``
+    raises :class:`~kvjax.runner.sanitizer.SanitizerError` on a violation when fetched.
     """
 
-    sampled: jax.Array | None
-    num_sampled: jax.Array | None
-    logits: jax.Array | None
-    checks: jax.Array | None = None
-    verdict: Callable[[jax.Array], None] | None = None
-    packed: jax.Array | None = None
-    packed_spec: PackSpec | None = None
+    bucket: Bucket
+    packed: jax.Array
+    spec: PackSpec
+    local_ranks: tuple[int, ...]
+    verdicts: Mapping[int, Callable[[np.ndarray], None]] | None = None
 
     def wait(self) -> None:
         """Block until the step has run on the device (no host copy, no verdict)."""
-        jax.block_until_ready(self.packed if self.packed is not None else
-                              (self.sampled, self.num_sampled, self.logits, self.checks))
+        jax.block_until_ready(self.packed)
 
-    def fetch(self) -> StepOutput:
-        """Wait for the step and copy its outputs to the host (checked mode: then judge it)."""
-        if self.packed is not None:
-            sampled, num_sampled, logits, checks = unpack(np.asarray(self.packed), self.packed_spec)
-        else:
-            sampled, num_sampled, logits, checks = self.sampled, self.num_sampled, self.logits, self.checks
-        out = StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits))
-        if self.verdict is not None:
-            self.verdict(checks)
-        return out
+    def fetch(self) -> StepResult:
+        """Wait for the step and copy its outputs to the host (checked mode: then judge each rank)."""
+        rows = _local_rows(self.packed)
+        outputs = {}
+        for d in self.local_ranks:
+            sampled, num_sampled, logits, checks = unpack(rows[d], self.spec)
+            outputs[d] = StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits))
+            if self.verdicts is not None:
+                self.verdicts[d](checks)
+        return StepResult(self.bucket, outputs)
 
 
-def _zero_fresh_kv(kv, ids, r, backend):
-    """Zero the step's fresh KV blocks (logical ids, ``-1`` pads) of every K/V array."""
-    return list(zero_blocks(kv, ids, kernel_blocks_per_block=r, backend=backend))
+def _local_rows(arr: jax.Array) -> dict[int, np.ndarray]:
+    """This process's rows of a ``[D, ...]`` array sharded over "data" (one host copy per rank)."""
+    if arr.is_fully_addressable:
+        host = np.asarray(arr)
+        return dict(enumerate(host))
+    out = {}
+    for shard in arr.addressable_shards:
+        d = shard.index[0].start or 0
+        out.setdefault(d, np.asarray(shard.data)[0])
+    return out
 
 
 def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
@@ -242,21 +308,21 @@ def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
     return sampled, num_sampled
 
 
-def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerConfig, bucket: Bucket,
-            spec: PackSpec, expert_axis: str | None = None, model_axis: str | None = None,
-            sanitize: bool | None = None):
-    """One whole step on the device (pure; ``dstate`` is donated by the runner).
+def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, config: RunnerConfig,
+            bucket: Bucket, pool_specs: tuple[PoolSpec, ...], expert_axis: str | None = None,
+            model_axis: str | None = None, sanitize: bool | None = None):
+    """One data rank's whole step on the device (pure; the runner donates ``dstate``).
 
-    ``packed`` is the int32 buffer of :class:`StepInputs` made by :func:`kvjax.runner.packing.pack`.
-    ``expert_axis``: run per data rank inside ``shard_map`` with MoE experts sharded over
-    that mesh axis, and heads over ``model_axis`` (:mod:`kvjax.runner.mesh`). ``sanitize``
-    (default ``config.poison``): compute the checks of :mod:`kvjax.runner.sanitizer`, returned
-    as the last output (``int32 [0, 1]`` when off); the inputs must then carry the host's
-    expectations.
+    ``model`` is the one this shard runs (:meth:`~kvjax.models.interface.Model.shard`),
+    ``pool_specs`` its pools. ``sanitize`` (default ``config.poison``): compute the checks of
+    :mod:`kvjax.runner.sanitizer`, returned as the last output (``int32 [0, 1]`` when off);
+    the inputs must then carry the host's expectations.
+
+    Returns ``(new DeviceState, (sampled, num_sampled, logits, checks))``.
     """
     sanitize = config.poison if sanitize is None else sanitize
-    inp: StepInputs = unpack(packed, spec)
-    req, tables, caches = dstate.requests, dstate.tables, dstate.caches
+    req, tables, pools = dstate.requests, dstate.tables, dict(dstate.pools)
+    before = dict(_state_arrays(dstate)) if sanitize else None
     G = tables.num_groups
     n_clear = inp.cleared_rows.shape[0]
     req = req.clear_rows(inp.cleared_rows)
@@ -272,25 +338,27 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
     tables = tables.write_rows(inp.write_rows, inp.write_ids, inp.write_num, inp.write_overwrite)
 
     r = config.kv_group.blocks_per_kv_block
-    kv = caches.kv_arrays
-    states = caches.state_arrays
+    kv_names = [s.name for s in pool_specs if s.kind == "kv"]
+    st_names = [s.name for s in pool_specs if s.kind == "state"]
+    kv, states = [pools[n] for n in kv_names], [pools[n] for n in st_names]
     if config.poison:
         kv = sanitizer.poison_ids(kv, inp.poison_blocks, r)
         states = sanitizer.poison_ids(states, inp.poison_slots)
-    kv = _zero_fresh_kv(kv, inp.zero_blocks, r, config.backend)
+    if kv:
+        kv = zero_blocks(kv, inp.zero_blocks, kernel_blocks_per_block=r, backend=config.backend)
     if states:
-        states = list(zero_blocks(states, inp.zero_slots, backend=config.backend))
-    caches = caches.replace_kv_arrays(kv).replace(
-        conv_state=tuple(states[0::2]), ssm_state=tuple(states[1::2]),
-    )
+        states = zero_blocks(states, inp.zero_slots, backend=config.backend)
+    pools.update(zip(kv_names, kv))
+    pools.update(zip(st_names, states))
     if sanitize:
-        g = config.model.kv_group
+        g = 0  # the runner's one KV-cache group
         fresh = jnp.concatenate([
             inp.zero_blocks, sanitizer.appended_ids(inp.write_rows, inp.write_ids[g], inp.write_num[g],
                                                      tables.max_num_reqs)
         ])
-        pre_checks = sanitizer.pre_forward_checks(req, caches, added_rows=inp.new.rows, fresh_blocks=fresh,
-                                                  fresh_slots=inp.zero_slots, r=r)
+        pre_checks = sanitizer.pre_forward_checks(
+            req, dict(zip(kv_names, kv)), dict(zip(st_names, states)), added_rows=inp.new.rows,
+            fresh_blocks=fresh, fresh_slots=inp.zero_slots, r=r)
 
     sched = inp.sched
     k = config.num_speculative_tokens
@@ -302,46 +370,38 @@ def step_fn(params, dstate: DeviceState, packed: jax.Array, *, config: RunnerCon
         backend=config.backend,
     )
     valid = batch.row_valid
-    safe = gather_index(batch.idx_mapping, req.max_num_reqs)
     if k:
-        state_indices = inp.state_indices
-        num_accepted = jnp.where(valid, req.num_accepted_tokens[safe], 1)
+        safe = gather_index(batch.idx_mapping, req.max_num_reqs)
+        state_indices, num_accepted = inp.state_indices, req.num_accepted_tokens[safe]
     else:
         state_indices, num_accepted = inp.state_indices[:, 0], None
+    ctx = make_step_context(batch, state_indices, num_accepted, 0)
     with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
-        logits, caches = forward_step(
-            params, config.model, batch, caches, state_indices, num_accepted, backend=config.backend,
-            expert_axis=expert_axis, model_axis=model_axis,
-        )
+        logits, pools = model.apply(params, ctx, pools, backend=config.backend, sizes=config.cache_sizes,
+                                    expert_axis=expert_axis, model_axis=model_axis)
     ndraft = jnp.where(valid, sched.num_draft_tokens, 0)
     sampled, num_sampled = _greedy_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k)
     # The batch's rows: a row the bucket could not hold is padding there, and here.
     req = req.post_update(batch.idx_mapping, jnp.diff(batch.query_start_loc), sampled, num_sampled)
+    new = DeviceState(requests=req, tables=tables, pools=pools)
     checks = jnp.zeros((0, 1), jnp.int32)
     if sanitize:
-        checks = sanitizer.encode({**pre_checks, **sanitizer.post_step_checks(
-            req, tables, caches, expect_tables=inp.expect_tables, expect_num_blocks=inp.expect_num_blocks,
-            live_rows=inp.live_rows, live_slots=inp.live_slots, r=r, kv_group=config.model.kv_group,
-        )})
-    out = (sampled, num_sampled, logits, checks)
-    return DeviceState(requests=req, tables=tables, caches=caches), out
+        post = sanitizer.post_step_checks(
+            req, tables, {n: pools[n] for n in kv_names}, {n: pools[n] for n in st_names},
+            expect_tables=inp.expect_tables, expect_num_blocks=inp.expect_num_blocks,
+            live_rows=inp.live_rows, live_slots=inp.live_slots, r=r, kv_group=0,
+        )
+        idle = sanitizer.idle_rank_checks(inp.is_dummy(req.max_num_reqs), before, dict(_state_arrays(new)))
+        checks = sanitizer.encode({**pre_checks, **post, **idle})
+    return new, (sampled, num_sampled, logits.astype(jnp.float32), checks)
 
 
-def _packed_step(params, rows, caches, buf, *, step, params_layout: DtypeLayout | None, rows_spec: PackSpec,
-                 stable_input: bool):
-    """``step`` (a ``step_fn`` partial) with the packed layout's arguments and results (see
-    :class:`Runner`): returns ``(rows, caches, packed outputs)``; ``rows`` and ``caches`` donated.
-    ``params``: the params tree, or (``params_layout`` given) their :func:`flatten_by_dtype` groups."""
-    n = rows_spec.size
-    if stable_input:  # the one reader of ``buf``; everything else reads the donated rows buffer
-        rows = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(rows, buf, (n,)))
-        buf = rows[n: n + buf.shape[0]]
-    req, tables = unpack(rows[:n], rows_spec)
-    if params_layout is not None:
-        params = unflatten_by_dtype(params, params_layout)
-    new, out = step(params, DeviceState(requests=req, tables=tables, caches=caches), buf)
-    rows = jax.lax.dynamic_update_slice(rows, pack_device((new.requests, new.tables)), (0,))
-    return rows, new.caches, pack_device(out)
+def _state_arrays(state: DeviceState):
+    """``(name, array)`` of every array of a rank's state (request fields, tables, pools)."""
+    for path, a in jax.tree_util.tree_leaves_with_path((state.requests, state.tables)):
+        yield jax.tree_util.keystr(path), a
+    for name, a in state.pools.items():
+        yield name, a
 
 
 # XLA options of the step executables on a GPU: command buffers (CUDA graphs) also around
@@ -359,128 +419,136 @@ def default_compiler_options() -> dict | None:
     return dict(GPU_COMPILER_OPTIONS) if jax.default_backend() == "gpu" else None
 
 
-def default_layout() -> str:
-    """The Runner's argument layout when none is given: ``"packed"`` on a GPU, where the host's
-    cost per argument, per output and per transfer sets the step rate (figures in
-    BENCHMARKS.md), ``"tree"`` elsewhere."""
-    return "packed" if jax.default_backend() == "gpu" else "tree"
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedStep:
-    """A step packed on the host, not yet enqueued (:meth:`Runner.prepare`, :meth:`Runner.launch`):
-    ``buf`` is its int32 input buffer in ``bucket``'s layout."""
-
-    bucket: Bucket
-    buf: np.ndarray
-    step: object
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedState:
-    """The device state as the packed layout passes it: the request rows and block tables
-    as one int32 buffer ``rows`` (:func:`~kvjax.runner.packing.pack` layout; with a stable
-    input, followed by the step-input area), and the caches as they are."""
-
-    rows: jax.Array
-    caches: HybridCaches
-
-
-LAYOUTS = ("tree", "packed")
-
-
 class Runner:
-    """Owns the params, the donated device state and one compiled step per bucket.
+    """Owns the params, the donated device state and one compiled SPMD step per bucket.
 
     Args:
-      config: sizes and options.
+      config: sizes (per data rank) and options; ``config.model`` is the model.
+      mesh: a ``("data", "model")`` mesh (:func:`kvjax.runner.mesh.make_mesh`); None: 1x1 on
+        the first device. This process drives the data ranks whose devices it can address
+        (:attr:`local_ranks`: all of them in a single process).
+      params: the model's params, unsharded (host or device arrays); None: the model's
+        :meth:`~kvjax.models.interface.Model.init_params` of ``config.seed``.
       strict: a trace or compile at serving time raises (else a counted warning).
       compiler_options: XLA options of the step executables (None: :func:`default_compiler_options`).
-      layout: how a step's arguments cross into the executable (None: :func:`default_layout`).
-        ``"tree"``: params, state and outputs leaf by leaf (~53 arguments, 25 outputs).
-        ``"packed"``: request rows and block tables as one donated int32 buffer, the caches
-        as they are, and the four outputs as one int32 buffer (~41 arguments of which 9
-        donated, 10 outputs: less host work per call). Results are bitwise the same.
-      pack_params: (packed layout) also pass the params as one array per dtype (11 arguments);
-        the step then slices them, which may cost copies on the device.
-      stable_input: (packed layout; None: on with it) the step first copies its packed input
-        into an area of the donated rows buffer and reads it from there, so only that copy
-        refers to the per-step input buffer (an XLA command buffer then updates one node for
-        it, not every reader).
     """
 
-    def __init__(self, config: RunnerConfig, *, strict: bool = True, compiler_options: dict | None = None,
-                 layout: str | None = None, stable_input: bool | None = None, pack_params: bool = False):
-        layout = default_layout() if layout is None else layout
-        stable_input = layout == "packed" if stable_input is None else stable_input
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if (stable_input or pack_params) and layout != "packed":
-            what = "stable_input=True" if stable_input else "pack_params=True"
-            raise ValueError(f"{what} needs layout='packed', got layout={layout!r}")
+    def __init__(self, config: RunnerConfig, *, mesh: Mesh | None = None, params=None, strict: bool = True,
+                 compiler_options: dict | None = None):
+        mesh = make_mesh(1, 1) if mesh is None else mesh
+        check_mesh(mesh)
+        D, M = mesh.shape[DATA], mesh.shape[MODEL]
+        model = config.model
+        check = getattr(model, "check_mesh", None)
+        if check is not None:
+            check(D, M)
+        if M > 1 and config.kv_layout != "flash":
+            raise ValueError(f"tensor parallelism supports kv_layout='flash', got {config.kv_layout!r}")
         self.config = config
-        self.layout = layout
-        self.stable_input = stable_input
-        self.pack_params = pack_params
+        self.model = model
+        self.mesh = mesh
+        self.num_ranks = D
+        self.model_size = M
+        self.shard_model = model.shard(M)
+        me = jax.process_index()
+        self.local_ranks = tuple(d for d in range(D) if mesh.devices[d, 0].process_index == me)
         self.compiler_options = default_compiler_options() if compiler_options is None else compiler_options
         self.buckets = config.bucket_spec
-        self.params = init_params(config.model, config.seed)
         self.guard = ServingGuard(strict=strict)
         self.executables: dict[Bucket, tuple[jax.stages.Compiled, PackSpec]] = {}
+        self._out_specs: dict[Bucket, PackSpec] = {}
         self.compile_seconds = 0.0
-        self.sanitizer = None
+        self.pool_specs = self.shard_model.pool_specs(config.cache_sizes)
+        self._pool_pspecs = {s.name: P(DATA, *s.axes) for s in self.pool_specs}
+
+        self.dense_params = model.init_params(config.seed) if params is None else params
+        host = model.layout_for_shards(self.dense_params, M) if M > 1 else self.dense_params
+        self.param_specs = model.param_partitioning(host)
+        self.params = jax.tree.map(lambda a, s: self._place(a, s), host, self.param_specs)
+
+        self.sanitizers = None
         if config.poison:
-            self.sanitizer = sanitizer.Sanitizer(config.specs, config.max_num_seqs, config.num_state_slots)
-        if layout == "packed":
-            self._param_args, self._param_layout = (flatten_by_dtype(self.params) if pack_params
-                                                    else (self.params, None))
-            self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
-            self._out_specs: dict[Bucket, PackSpec] = {}
-        self.state = self._initial_state()
-        if self.sanitizer is not None:
-            s = self.state
-            self.sanitizer.set_layout(s.requests, s.tables, s.caches, r=config.kv_group.blocks_per_kv_block,
-                                      kv_group=config.model.kv_group)
+            self.sanitizers = {d: sanitizer.Sanitizer(config.specs, config.max_num_seqs, config.num_state_slots)
+                               for d in self.local_ranks}
+        self._rows_spec = spec_of(self._initial_rows())
+        self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
+        self._rows, self._pools = self._initial_state()
+        if self.sanitizers is not None:
+            checks = jax.eval_shape(self._check_layout, self._initial_rows())
+            for s in self.sanitizers.values():
+                s.set_layout(checks)
 
     # ------------------------------------------------------------ state
 
-    @property
-    def state(self) -> DeviceState:
-        """The device state (packed layout: rebuilt from the packed buffers, a copy of the rows)."""
-        if self.layout == "tree":
-            return self._state
-        rows, spec = self._pstate.rows, self._rows_spec
-        req, tables = jax.device_put(unpack(np.asarray(rows)[: spec.size], spec))
-        return DeviceState(requests=req, tables=tables, caches=self._pstate.caches)
+    def _place(self, a, spec: P) -> jax.Array:
+        sharding = NamedSharding(self.mesh, spec)
+        if jax.process_count() == 1:
+            return jax.device_put(a, sharding)
+        a = np.asarray(a)
+        return global_array(sharding, a.shape, a)
 
-    @state.setter
-    def state(self, value: DeviceState) -> None:
-        if self.layout == "tree":
-            self._state = value
-            return
-        buf, spec = pack(jax.device_get((value.requests, value.tables)))
-        if getattr(self, "_rows_spec", spec) != spec:
-            raise ValueError("state's request rows / block tables do not match this runner's layout")
-        self._rows_spec = spec
-        extra = self._input_words + 1 if self.stable_input else 0  # + 1: never a whole-buffer update
-        rows = np.concatenate([buf, np.zeros((extra,), np.int32)])
-        self._pstate = PackedState(rows=jax.device_put(rows), caches=value.caches)
-
-    def _initial_state(self) -> DeviceState:
+    def _initial_rows(self):
         c = self.config
-        g = c.kv_group
-        caches = init_caches(
-            c.model, c.num_blocks * g.blocks_per_kv_block, g.kernel_block_size,
-            c.num_state_slots, c.kv_cache_dtype, num_spec_tokens=c.num_speculative_tokens,
-            kv_layout=c.kv_layout,
-        )
-        if c.poison:  # every block and slot starts as garbage: only zeroed memory may be read
-            caches = jax.tree.map(sanitizer.poison_like, caches)
-        return DeviceState(
-            requests=RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens),
-            tables=BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks),
-            caches=caches,
-        )
+        return jax.device_get((RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens),
+                               BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks)))
+
+    def _global_pool_shape(self, spec: PoolSpec) -> tuple[int, ...]:
+        return (self.num_ranks,) + tuple(n * self.model_size if ax == MODEL else n
+                                         for n, ax in zip(spec.shape, spec.axes))
+
+    def _initial_state(self):
+        """``(rows, pools)``: every rank's request rows and tables (one int32 buffer per rank, the
+        step-input area after them), and the pools, zeroed (checked mode: poisoned), made sharded
+        on the devices."""
+        buf, _ = pack(self._initial_rows())
+        extra = self._input_words + 1  # + 1: never a whole-buffer update
+        rows = np.concatenate([buf, np.zeros((extra,), np.int32)])
+        rows = np.broadcast_to(rows[None], (self.num_ranks, rows.size))
+        rows = global_array(NamedSharding(self.mesh, P(DATA)), rows.shape, rows)
+        shapes = {s.name: (self._global_pool_shape(s), s.dtype) for s in self.pool_specs}
+        fill = sanitizer.poison_like if self.config.poison else (lambda a: a)
+
+        def make():  # every block and slot starts as garbage in checked mode: only zeroed memory may be read
+            return {name: fill(jnp.zeros(shape, dtype)) for name, (shape, dtype) in shapes.items()}
+
+        out = {name: NamedSharding(self.mesh, p) for name, p in self._pool_pspecs.items()}
+        return rows, jax.jit(make, out_shardings=out)()
+
+    def read_state(self, rank: int = 0) -> DeviceState:
+        """A host (numpy) copy of data rank ``rank``'s state (every head shard's pools joined)."""
+        self._check_rank(rank)
+        rows = _local_rows(self._rows)[rank]
+        req, tables = unpack(rows[: self._rows_spec.size], self._rows_spec)
+        pools = {name: _local_rows(a)[rank] for name, a in self._pools.items()}
+        return DeviceState(requests=req, tables=tables, pools=pools)
+
+    def write_state(self, state: DeviceState, rank: int | None = None) -> None:
+        """Replace data rank ``rank``'s state (None: every rank's) with ``state`` (host or device
+        arrays, shaped as :meth:`read_state` returns them). For tests and notebooks."""
+        ranks = range(self.num_ranks) if rank is None else [self._check_rank(rank)]
+        buf, spec = pack(jax.device_get((state.requests, state.tables)))
+        if spec != self._rows_spec:
+            raise ValueError("state's request rows / block tables do not match this runner's layout")
+        if set(state.pools) != set(self._pools):
+            raise ValueError(f"state's pools {sorted(state.pools)} are not this runner's {sorted(self._pools)}")
+        rows = np.array(jax.device_get(self._rows))
+        pools = {n: np.array(jax.device_get(a)) for n, a in self._pools.items()}
+        for d in ranks:
+            rows[d, : buf.size] = buf
+            for n in pools:
+                pools[n][d] = np.asarray(state.pools[n])
+        self._rows = global_array(self._rows.sharding, rows.shape, rows)
+        self._pools = {n: global_array(self._pools[n].sharding, a.shape, a) for n, a in pools.items()}
+
+    def _check_rank(self, rank: int) -> int:
+        if rank not in self.local_ranks:
+            raise ValueError(f"rank must be one of this process's data ranks {list(self.local_ranks)}, got {rank!r}")
+        return rank
+
+    @property
+    def sanitizer(self) -> sanitizer.Sanitizer | None:
+        """Rank 0's sanitizer (checked mode), the one a single-device runner has."""
+        return None if self.sanitizers is None else self.sanitizers[self.local_ranks[0]]
 
     # ------------------------------------------------------------ packing
 
@@ -490,10 +558,12 @@ class Runner:
         Z = 2 * bucket.num_reqs * M
         return M, Z
 
-    def pack(self, plan: StepPlan | None, bucket: Bucket | None = None) -> StepInputs:
-        """The step's fixed-shape numpy payload (``plan=None``: an all-padding dummy step)."""
+    def pack(self, plan: StepPlan | None, bucket: Bucket | None = None, rank: int | None = None) -> StepInputs:
+        """One rank's fixed-shape numpy payload (``plan=None``: an all-padding dummy step) in
+        ``bucket`` (default: the plan's). Checked mode: advances nothing; the expectations come
+        from rank ``rank``'s sanitizer mirror after ``plan``."""
         c = self.config
-        bucket = plan.bucket if plan is not None else bucket
+        bucket = plan.bucket if bucket is None else bucket
         R, k = bucket.num_reqs, c.num_speculative_tokens
         M, Z = self._sizes(bucket)
         S = c.max_num_seqs
@@ -513,6 +583,8 @@ class Runner:
         if plan is None:
             sched = ScheduledBatch.empty(R)
         else:
+            if self.buckets.buckets.index(plan.bucket) > self.buckets.buckets.index(bucket):
+                raise ValueError(f"the plan needs bucket {plan.bucket}, larger than the step's {bucket}")
             sc = plan.scheduled
             if len(plan.block_writes) > R or len(plan.blocks_to_zero) > Z or len(plan.added) > U:
                 raise RuntimeError(f"step plan exceeds the bucket's staging sizes: {bucket}")
@@ -545,8 +617,9 @@ class Runner:
             if n and sc[0].req.state_slots:
                 sidx[:n] = [s.req.state_slots for s in sc]
             sched = ScheduledBatch(idx_mapping=idx, num_scheduled_tokens=q, num_draft_tokens=nd)
-        if self.sanitizer is not None:
-            expect = self.sanitizer.expectations(self.sanitizer.mirror.after(plan))
+        if self.sanitizers is not None:
+            san = self.sanitizers[self.local_ranks[0] if rank is None else rank]
+            expect = san.expectations(san.mirror.after(plan))
         else:
             expect = {"tables": tuple(np.zeros((0, s.table_width), np.int32) for s in c.specs),
                       "num_blocks": np.zeros((len(c.specs), 0), np.int32),
@@ -567,24 +640,73 @@ class Runner:
 
     # --------------------------------------------------------- compiling
 
-    def jitted_step(self, bucket: Bucket):
-        """``(fn, args, spec)``: ``bucket``'s jitted step (state donated), example args, layout.
+    def _check_layout(self, rows):
+        """The sanitizer's checks of one rank (abstract: for their layout)."""
+        req, tables = rows
+        pools = {s.name: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.pool_specs}
+        pools = {n: jnp.zeros(a.shape, a.dtype) for n, a in pools.items()}
+        kv = {s.name: pools[s.name] for s in self.pool_specs if s.kind == "kv"}
+        st = {s.name: pools[s.name] for s in self.pool_specs if s.kind == "state"}
+        one = jnp.zeros((1,), jnp.int32)
+        c = self.config
+        state = DeviceState(requests=req, tables=tables, pools=pools)
+        arrays = dict(_state_arrays(state))
+        return {
+            **sanitizer.pre_forward_checks(req, kv, st, added_rows=one, fresh_blocks=one, fresh_slots=one,
+                                           r=c.kv_group.blocks_per_kv_block),
+            **sanitizer.post_step_checks(
+                req, tables, kv, st, expect_tables=tables.tables, expect_num_blocks=tables.num_blocks,
+                live_rows=jnp.zeros((c.max_num_seqs,), jnp.bool_),
+                live_slots=jnp.zeros((c.num_state_slots,), jnp.bool_), r=c.kv_group.blocks_per_kv_block,
+                kv_group=0),
+            **sanitizer.idle_rank_checks(jnp.bool_(False), arrays, arrays),
+        }
 
-        ``fn.lower(*args)`` under ``jax.default_matmul_precision(config.matmul_precision)``
-        is what :meth:`precompile` compiles; ``jax.export`` lowers the same ``fn`` for
-        another platform (``args`` are concrete: map them to ``jax.ShapeDtypeStruct``).
+    def jitted_step(self, bucket: Bucket):
+        """``(fn, args, spec)``: ``bucket``'s jitted SPMD step (rows and pools donated), its
+        arguments (the input buffer as a ``ShapeDtypeStruct``), and one rank's input layout.
+
+        ``fn(params, rows, pools, inputs)``: ``inputs`` int32 ``[D, n]`` sharded over "data",
+        one :class:`StepInputs` buffer per rank. ``fn.lower(*args)`` under
+        ``jax.default_matmul_precision(config.matmul_precision)`` is what :meth:`precompile`
+        compiles; ``jax.export`` lowers the same ``fn`` for another platform.
         """
-        buf, spec = pack(self.pack(None, bucket))
-        step = functools.partial(step_fn, config=self.config, bucket=bucket, spec=spec)
-        if self.layout == "packed":
-            fn = functools.partial(_packed_step, step=step, params_layout=self._param_layout,
-                                   rows_spec=self._rows_spec, stable_input=self.stable_input)
-            args = (self._param_args, self._pstate.rows, self._pstate.caches, buf)
-            self._out_specs[bucket] = spec_of(jax.eval_shape(step, self.params, self.state, buf)[1])
-            fn = jax.jit(fn, donate_argnums=(1, 2), compiler_options=self.compiler_options)
-            return fn, args, spec
-        fn = jax.jit(step, donate_argnums=(1,), compiler_options=self.compiler_options)
-        return fn, (self.params, self.state, buf), spec
+        _, in_spec = pack(self.pack(None, bucket))
+        n, m = self._rows_spec.size, in_spec.size
+        D, M = self.num_ranks, self.model_size
+        step = functools.partial(
+            step_fn, model=self.shard_model, config=self.config, bucket=bucket, pool_specs=self.pool_specs,
+            expert_axis=DATA if D > 1 else None, model_axis=MODEL if M > 1 else None)
+        rows_spec, out_specs = self._rows_spec, self._out_specs
+
+        def per_rank(params, rows, pools, buf):
+            rows, buf = rows[0], buf[0]
+            # the one reader of ``buf``; everything else reads the donated rows buffer
+            rows = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(rows, buf, (n,)))
+            inp = unpack(rows[n: n + m], in_spec)
+            req, tables = unpack(rows[:n], rows_spec)
+            new, out = step(params, DeviceState(req, tables, {k: v[0] for k, v in pools.items()}), inp)
+            out_specs[bucket] = spec_of(out)
+            rows = jax.lax.dynamic_update_slice(rows, pack_device((new.requests, new.tables)), (0,))
+            return rows[None], {k: v[None] for k, v in new.pools.items()}, pack_device(out)[None]
+
+        from pallas_kernels import tpu_target  # noqa: PLC0415  (see tpu_target.shard_map_mesh)
+
+        def sm(params, rows, pools, buf):
+            # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
+            # replication of outputs over "model" is proved by the parity tests instead. The mesh
+            # is picked at trace time: inside tpu_target.lowering, one whose device is the target.
+            return jax.shard_map(per_rank, mesh=tpu_target.shard_map_mesh(self.mesh),
+                                 in_specs=(self.param_specs, P(DATA), self._pool_pspecs, P(DATA)),
+                                 out_specs=(P(DATA), self._pool_pspecs, P(DATA)),
+                                 check_vma=False)(params, rows, pools, buf)
+
+        named = lambda p: NamedSharding(self.mesh, p)  # noqa: E731
+        fn = jax.jit(sm, donate_argnums=(1, 2), compiler_options=self.compiler_options,
+                     out_shardings=(named(P(DATA)), {k: named(p) for k, p in self._pool_pspecs.items()},
+                                    named(P(DATA))))
+        arg = jax.ShapeDtypeStruct((D, m), jnp.int32, sharding=named(P(DATA)))
+        return fn, (self.params, self._rows, self._pools, arg), in_spec
 
     def _lower(self, bucket: Bucket):
         fn, args, spec = self.jitted_step(bucket)
@@ -611,84 +733,101 @@ class Runner:
 
     # ------------------------------------------------------------ running
 
-    def _input_buffer(self, bucket: Bucket, inputs: StepInputs) -> np.ndarray:
-        """``inputs`` as ``bucket``'s executable takes them: one int32 buffer."""
-        try:
-            _, spec = self.executables[bucket]
-        except KeyError:
-            raise RuntimeError(f"bucket {bucket} was not precompiled; call precompile() first") from None
-        buf, got = pack(inputs)
-        if got != spec:
-            raise RuntimeError(f"step inputs do not match bucket {bucket}'s layout")
-        return buf
-
-    def _dispatch(self, bucket: Bucket, inputs: StepInputs, step="dummy") -> "PendingOutput":
-        return self.enqueue(bucket, self._input_buffer(bucket, inputs), step)
-
-    def enqueue(self, bucket: Bucket, buf, step="dummy") -> "PendingOutput":
-        """Call ``bucket``'s executable on a packed input (numpy or device int32 buffer, the
-        layout of :meth:`pack` then :func:`~kvjax.runner.packing.pack`); returns at once.
-        The outputs' device-to-host copies are queued right behind the step, so that
-        :meth:`PendingOutput.fetch` finds them on the host.
-        """
-        exe, _ = self.executables[bucket]
-        verdict = None if self.sanitizer is None else functools.partial(self.sanitizer.verdict, step)
+    def agree(self, values: Mapping[int, tuple[int, ...]]) -> np.ndarray:
+        """Every rank's small ints (this process's ranks given): int32 ``[D, n]``, the same in
+        every process. In one process this is a host operation; over several processes a
+        tiny SPMD all-gather (as vLLM all-reduces the DP token counts)."""
+        missing = set(self.local_ranks) - set(values)
+        if missing:
+            raise ValueError(f"no value given for local rank(s) {sorted(missing)}")
+        local = np.stack([np.asarray(values[d], np.int32) for d in self.local_ranks])
+        if len(self.local_ranks) == self.num_ranks:
+            return local
+        exe = self._agree_exe(local.shape[1:])
+        arr = jax.make_array_from_process_local_data(NamedSharding(self.mesh, P(DATA)), local,
+                                                     (self.num_ranks,) + local.shape[1:])
         with self.guard.serving():
-            if self.layout == "packed":
-                p = self._pstate
-                rows, caches, out = exe(self._param_args, p.rows, p.caches, buf)
-                self._pstate = PackedState(rows=rows, caches=caches)
-                out.copy_to_host_async()
-                return PendingOutput(None, None, None, verdict=verdict, packed=out,
-                                     packed_spec=self._out_specs[bucket])
-            self.state, (sampled, num_sampled, logits, checks) = exe(self.params, self.state, buf)
-        for a in (sampled, num_sampled, logits) + ((checks,) if verdict is not None else ()):
-            a.copy_to_host_async()
-        return PendingOutput(sampled, num_sampled, logits, checks, verdict)
+            return np.asarray(exe(arr).addressable_data(0))
 
-    def _run(self, bucket: Bucket, inputs: StepInputs) -> StepOutput:
-        return self._dispatch(bucket, inputs).fetch()
+    @functools.cache
+    def _agree_exe(self, shape):
+        arg = jax.ShapeDtypeStruct((self.num_ranks,) + tuple(shape), jnp.int32,
+                                   sharding=NamedSharding(self.mesh, P(DATA)))
+        return jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, P())).lower(arg).compile()
 
-    def dispatch(self, plan: StepPlan) -> "PendingOutput":
-        """Enqueue one scheduled step and return at once; ``.fetch()`` waits for its outputs.
+    def prepare(self, plans: StepPlan | Mapping[int, StepPlan | None] | None,
+                bucket: Bucket | None = None) -> PreparedStep:
+        """Pack one step on the host. ``plans``: one plan per local rank (``None``: that rank runs
+        the dummy step; a rank left out runs it too), or a single plan for the first local rank.
+        ``bucket``: the step's (default: the largest any plan needs). Checked mode: each plan is
+        checked against its rank's host mirror, which then advances."""
+        if plans is None or isinstance(plans, StepPlan):
+            plans = {self.local_ranks[0]: plans}
+        unknown = set(plans) - set(self.local_ranks)
+        if unknown:
+            raise ValueError(f"plans name rank(s) {sorted(unknown)}, not among this process's {list(self.local_ranks)}")
+        if bucket is None:
+            needed = [p.bucket for p in plans.values() if p is not None]
+            bucket = max(needed, key=self.buckets.buckets.index) if needed else self.buckets.buckets[0]
+        if bucket not in self.executables:
+            raise RuntimeError(f"bucket {bucket} was not precompiled; call precompile() first")
+        bufs, labels = [], {}
+        for d in self.local_ranks:
+            plan = plans.get(d)
+            inputs = self.pack(plan, bucket, rank=d)
+            if self.sanitizers is not None and plan is not None:
+                san = self.sanitizers[d]
+                mirror = san.mirror.after(plan)
+                san.check_host(plan, mirror)
+                san.mirror = mirror
+            bufs.append(pack(inputs)[0])
+            labels[d] = "dummy" if plan is None else plan.step
+        return PreparedStep(bucket, np.stack(bufs), labels)
 
-        Checked mode (``poison``): ``.fetch()`` raises :class:`~kvjax.runner.sanitizer.SanitizerError`
-        when a memory invariant failed in the step (its state update has happened).
-        """
-        return self.launch(self.prepare(plan))
+    def launch(self, prepared: PreparedStep) -> PendingStep:
+        """Enqueue a :meth:`prepare`-d step and return at once (steps must be launched in the
+        order prepared). The outputs' device-to-host copies are queued right behind the step."""
+        exe, spec = self.executables[prepared.bucket]
+        if prepared.buf.shape[1] != spec.size:
+            raise RuntimeError(f"step inputs do not match bucket {prepared.bucket}'s layout")
+        sharding = NamedSharding(self.mesh, P(DATA))
+        if len(self.local_ranks) == self.num_ranks:
+            buf = jax.device_put(prepared.buf, sharding)
+        else:
+            buf = jax.make_array_from_process_local_data(sharding, prepared.buf,
+                                                         (self.num_ranks, prepared.buf.shape[1]))
+        with self.guard.serving():
+            self._rows, self._pools, out = exe(self.params, self._rows, self._pools, buf)
+        out.copy_to_host_async()
+        verdicts = None
+        if self.sanitizers is not None:
+            verdicts = {d: functools.partial(self.sanitizers[d].verdict, prepared.labels[d], rank=d)
+                        for d in self.local_ranks}
+        return PendingStep(prepared.bucket, out, self._out_specs[prepared.bucket], self.local_ranks, verdicts)
 
-    def prepare(self, plan: StepPlan) -> "PreparedStep":
-        """The host's half of :meth:`dispatch`: pack the step (checked mode: check the plan
-        against the host mirror and advance it). :meth:`launch` enqueues it."""
-        inputs = self.pack(plan)
-        if self.sanitizer is not None:
-            mirror = self.sanitizer.mirror.after(plan)
-            self.sanitizer.check_host(plan, mirror)
-            self.sanitizer.mirror = mirror
-        return PreparedStep(plan.bucket, self._input_buffer(plan.bucket, inputs), plan.step)
-
-    def launch(self, prepared: "PreparedStep") -> "PendingOutput":
-        """Enqueue a :meth:`prepare`-d step (the steps must be launched in the order prepared)."""
-        return self.enqueue(prepared.bucket, prepared.buf, step=prepared.step)
+    def step(self, plans: StepPlan | Mapping[int, StepPlan | None] | None, bucket: Bucket | None = None) -> StepResult:
+        """:meth:`prepare`, :meth:`launch` and fetch one step."""
+        return self.launch(self.prepare(plans, bucket)).fetch()
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run one scheduled step through its bucket's executable (see :meth:`dispatch`)."""
-        return self.dispatch(plan).fetch()
+        """Run one scheduled step on the first local rank (every other rank runs the dummy step);
+        returns that rank's outputs. Checked mode: raises
+        :class:`~kvjax.runner.sanitizer.SanitizerError` when a memory invariant failed in the step
+        (its state update has happened)."""
+        return self.step(plan).outputs[self.local_ranks[0]]
 
-    def dummy_step(self, bucket: Bucket | None = None) -> StepOutput:
-        """An all-padding step through a real executable (idle DP rank, warm-up)."""
-        bucket = bucket or self.buckets.buckets[0]
-        return self._run(bucket, self.pack(None, bucket))
+    def dummy_step(self, bucket: Bucket | None = None) -> StepResult:
+        """An all-padding step on every rank through a real executable (idle ranks, warm-up)."""
+        return self.step(None, bucket or self.buckets.buckets[0])
 
     @functools.cached_property
     def dense_reference(self):
-        """Jitted ``tokens int32[n] -> logits [n, vocab]`` of the dense oracle (same params, fp8 rule).
-
-        Compiles once per length ``n``: callers pad with :func:`kvjax.runner.memory.dense_reference_length`.
-        """
-
+        """Jitted ``tokens int32[n] -> logits [n, vocab]``: the model's dense oracle on the unsharded
+        params (same fp8 rule). Compiles once per length ``n``: callers pad with
+        :func:`kvjax.runner.memory.dense_reference_length`."""
         c = self.config
-        fn = jax.jit(lambda toks: dense_forward(self.params, c.model, toks, c.kv_cache_dtype))
+        params = self.dense_params
+        fn = jax.jit(lambda toks: self.model.dense_logits(params, toks, kv_cache_dtype=c.kv_cache_dtype))
 
         def reference(tokens):
             with jax.default_matmul_precision(c.matmul_precision):
@@ -697,21 +836,22 @@ class Runner:
         return reference
 
     def reset(self) -> None:
-        """Device state back to the initial one (checked mode: caches poisoned again and the
-        sanitizer's host mirror emptied, so both sides agree that every row is free)."""
-        self.state = self._initial_state()
-        if self.sanitizer is not None:
-            self.sanitizer.mirror = sanitizer.HostMirror(len(self.config.specs))
+        """Device state back to the initial one (checked mode: pools poisoned again and the
+        sanitizers' host mirrors emptied, so both sides agree that every row is free)."""
+        self._rows, self._pools = self._initial_state()
+        if self.sanitizers is not None:
+            for s in self.sanitizers.values():
+                s.mirror = sanitizer.HostMirror(len(self.config.specs))
 
     def release_all(self) -> None:
-        """Free every request row on the device, as a new scheduler (every row free) expects;
+        """Free every request row of every rank, as new schedulers (every row free) expect;
         in checked mode every block and slot but the null ones is poisoned."""
         c = self.config
         plan = StepPlan(step="release", bucket=self.buckets.buckets[0], scheduled=[], added=[],
                         cleared_rows=list(range(c.max_num_seqs)), block_writes=[], blocks_to_zero=[],
                         slots_to_zero=[], freed_blocks=list(range(1, c.num_blocks)),
                         freed_slots=list(range(1, c.num_state_slots)))
-        self.execute(plan)
+        self.step({d: plan for d in self.local_ranks})
 
     def warm_up(self) -> None:
         """Start afresh (:meth:`release_all`), then one dummy step through every executable."""

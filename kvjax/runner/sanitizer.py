@@ -25,7 +25,12 @@ After the step:
 * ``free_row_not_reset``: free request rows hold :meth:`RequestState.create`'s
   values, bitwise;
 * ``device_table_differs`` / ``device_count_differs``: the device block tables
-  equal the host's (:class:`HostMirror`, built from the plans sent).
+  equal the host's (:class:`HostMirror`, built from the plans sent);
+* ``idle_rank_changed``: a data rank that ran the dummy step left its whole state
+  (request rows, block tables, every pool) bitwise unchanged.
+
+On a mesh every data rank runs these checks on its own memory against its own
+host mirror; a violation names the rank.
 
 The poison is a NaN with a payload (float32 ``0x7FE5A5A5``), so a bug that
 writes a computed value, finite or a canonical NaN, into the null block differs
@@ -69,6 +74,7 @@ INVARIANTS = (
     "free_row_not_reset",
     "live_block_holds_nan",
     "live_slot_holds_nan",
+    "idle_rank_changed",
 )
 
 
@@ -81,9 +87,11 @@ class SanitizerError(RuntimeError):
     name) and ``index`` (the first offending index into that array).
     """
 
-    def __init__(self, step, invariant: str, array: str, index: tuple[int, ...]):
+    def __init__(self, step, invariant: str, array: str, index: tuple[int, ...], rank: int = 0):
         self.step, self.invariant, self.array, self.index = step, invariant, array, tuple(index)
-        super().__init__(f"sanitizer: step {step}: {invariant} in {array} at index {self.index}")
+        self.rank = rank
+        where = f" (data rank {rank})" if rank else ""
+        super().__init__(f"sanitizer: step {step}{where}: {invariant} in {array} at index {self.index}")
 
 
 # ------------------------------------------------------------------ bit views
@@ -162,14 +170,6 @@ def _first(bad: jax.Array) -> tuple[jax.Array, jax.Array]:
 # ------------------------------------------------------------- device checks
 
 
-def _array_names(caches) -> tuple[list[str], list[str]]:
-    """Names of ``caches.kv_arrays`` and ``caches.state_arrays``, in their order."""
-    names = ("kv_pages",) if caches.kv_layout == "rpa" else ("key", "value")
-    kv = [f"{n}[{i}]" for i in range(len(caches.key)) for n in names]
-    st = [f"{n}[{i}]" for i in range(len(caches.conv_state)) for n in ("conv_state", "ssm_state")]
-    return kv, st
-
-
 def poison_rows(req: RequestState, rows: jax.Array) -> RequestState:
     """Fill every field of the rows ``>= 0`` with :data:`ROW_POISON_BITS` (before an add)."""
     dest = scatter_index(rows, req.max_num_reqs)
@@ -181,19 +181,19 @@ def poison_rows(req: RequestState, rows: jax.Array) -> RequestState:
     return jax.tree.map(fill, req)
 
 
-def pre_forward_checks(req: RequestState, caches, *, added_rows, fresh_blocks, fresh_slots,
+def pre_forward_checks(req: RequestState, kv: dict, states: dict, *, added_rows, fresh_blocks, fresh_slots,
                        r: int) -> dict:
     """Checks between the step's staged writes and its first model write (see module doc).
 
+    ``kv`` / ``states``: the KV pools and the recurrent-state pools by name;
     ``fresh_blocks``: int32 logical KV block ids handed out this step (``-1`` pads);
     ``fresh_slots``: int32 recurrent slots; ``added_rows``: int32 ``[U]`` rows installed.
     """
     out = {}
-    kv_names, st_names = _array_names(caches)
-    for name, a in zip(kv_names, caches.kv_arrays):
+    for name, a in kv.items():
         fresh = _id_mask(a.shape[0], fresh_blocks, r)
         out[("fresh_block_not_zero", name)] = _first(_rows(fresh, a) & (bits(a) != 0))
-    for name, a in zip(st_names, caches.state_arrays):
+    for name, a in states.items():
         fresh = _id_mask(a.shape[0], fresh_slots)
         out[("fresh_slot_not_zero", name)] = _first(_rows(fresh, a) & (bits(a) != 0))
     added = _id_mask(req.max_num_reqs, added_rows)
@@ -205,7 +205,7 @@ def pre_forward_checks(req: RequestState, caches, *, added_rows, fresh_blocks, f
     return out
 
 
-def post_step_checks(req: RequestState, tables, caches, *, expect_tables, expect_num_blocks,
+def post_step_checks(req: RequestState, tables, kv: dict, states: dict, *, expect_tables, expect_num_blocks,
                      live_rows, live_slots, r: int, kv_group: int) -> dict:
     """Checks of the state a step leaves (see module doc).
 
@@ -214,13 +214,12 @@ def post_step_checks(req: RequestState, tables, caches, *, expect_tables, expect
     ``live_slots``: bool ``[num_state_slots]``.
     """
     out = {}
-    kv_names, st_names = _array_names(caches)
-    for name, a in zip(kv_names, caches.kv_arrays):
+    for name, a in kv.items():
         null = _id_mask(a.shape[0], jnp.asarray([NULL_BLOCK_ID], jnp.int32), r)
         out[("null_block_changed", name)] = _first(
             _rows(null, a) & (bits(a) != jnp.asarray(poison_bits(a.dtype), _uint(a.dtype)))
         )
-    for name, a in zip(st_names, caches.state_arrays):
+    for name, a in states.items():
         null = _id_mask(a.shape[0], jnp.asarray([NULL_BLOCK_ID], jnp.int32))
         out[("null_slot_changed", name)] = _first(
             _rows(null, a) & (bits(a) != jnp.asarray(poison_bits(a.dtype), _uint(a.dtype)))
@@ -236,12 +235,19 @@ def post_step_checks(req: RequestState, tables, caches, *, expect_tables, expect
     tbl, cnt = tables.tables[kv_group], tables.num_blocks[kv_group]
     col = jnp.arange(tbl.shape[1], dtype=jnp.int32)[None, :]
     owned_ids = jnp.where(live_rows[:, None] & (col < cnt[:, None]), tbl, -1)
-    for name, a in zip(kv_names, caches.kv_arrays):
+    for name, a in kv.items():
         owned = _id_mask(a.shape[0], owned_ids)
         out[("live_block_holds_nan", name)] = _first(_rows(owned, a) & jnp.isnan(a))
-    for name, a in zip(st_names, caches.state_arrays):
+    for name, a in states.items():
         out[("live_slot_holds_nan", name)] = _first(_rows(live_slots, a) & jnp.isnan(a))
     return out
+
+
+def idle_rank_checks(idle: jax.Array, before: dict, after: dict) -> dict:
+    """``idle_rank_changed``: a rank that ran the dummy step (``idle``) left every array of its
+    state (``before`` / ``after``: name -> array) bitwise as it was."""
+    return {("idle_rank_changed", name): _first(idle & (bits(after[name]) != bits(a)))
+            for name, a in before.items()}
 
 
 def result_keys(results: dict) -> list[tuple[str, str]]:
@@ -308,22 +314,10 @@ class Sanitizer:
         self.mirror = HostMirror(len(self.specs))
         self.layout: list[tuple[str, str, int]] = []  # (invariant, array, ndim) per encoded row
 
-    def set_layout(self, req: RequestState, tables, caches, *, r: int, kv_group: int) -> None:
-        """Record the rows :func:`encode` emits for this state's structure (abstract trace)."""
-        one = jax.ShapeDtypeStruct((1,), jnp.int32)
-
-        def both(req, tables, caches):
-            pre = pre_forward_checks(req, caches, added_rows=jnp.zeros_like(one), fresh_blocks=jnp.zeros_like(one),
-                                     fresh_slots=jnp.zeros_like(one), r=r)
-            post = post_step_checks(
-                req, tables, caches, expect_tables=tables.tables, expect_num_blocks=tables.num_blocks,
-                live_rows=jnp.zeros((self.max_num_seqs,), jnp.bool_),
-                live_slots=jnp.zeros((self.num_state_slots,), jnp.bool_), r=r, kv_group=kv_group,
-            )
-            return {**pre, **post}
-
-        res = jax.eval_shape(both, req, tables, caches)
-        self.layout = [(inv, arr, res[(inv, arr)][1].shape[0]) for inv, arr in result_keys(res)]
+    def set_layout(self, checks) -> None:
+        """Record the rows :func:`encode` emits, from the checks' abstract values
+        (``jax.eval_shape`` of the function that builds them)."""
+        self.layout = [(inv, arr, checks[(inv, arr)][1].shape[0]) for inv, arr in result_keys(checks)]
 
     def expectations(self, mirror: HostMirror) -> dict[str, np.ndarray]:
         """numpy inputs of :func:`post_step_checks` for the state ``mirror`` describes."""
@@ -350,11 +344,11 @@ class Sanitizer:
             if sent != [list(b) for b in s.req.blocks]:
                 raise SanitizerError(plan.step, "host_tables_disagree", f"row {s.req.row}", (s.req.row,))
 
-    def verdict(self, step, encoded) -> None:
+    def verdict(self, step, encoded, rank: int = 0) -> None:
         """Raise :class:`SanitizerError` for the first violated check of a step's :func:`encode` output."""
         encoded = np.asarray(encoded)
         if len(encoded) != len(self.layout):
             raise RuntimeError(f"sanitizer layout has {len(self.layout)} rows, the step returned {len(encoded)}")
         for (invariant, array, ndim), row in zip(self.layout, encoded):
             if row[0]:
-                raise SanitizerError(step, invariant, array, tuple(int(x) for x in row[1: 1 + ndim]))
+                raise SanitizerError(step, invariant, array, tuple(int(x) for x in row[1: 1 + ndim]), rank)

@@ -1,45 +1,57 @@
-"""The serving loop: schedule a step, run it, apply its results — in lockstep or overlapped.
+"""The serving loop, on one device or a mesh: schedule, run, apply — in lockstep or overlapped.
 
-Overlapped, the host plans step N+1 while the device runs step N. That needs only token
-*counts* on the host: the device already holds every row's last sampled token (the token
-combine reads it there), a greedy step without drafts samples exactly one token per row that
-finishes its prompt or decodes, and requests finish by length. The host applies step N with
-:data:`PENDING_TOKEN` placeholders and fills in the values when step N's outputs arrive, one
-step later. Only a re-admitted (preempted) request needs its generated tokens on the host
-before its step is packed; then the loop waits for the pending step first. Outputs are
-bitwise those of the lockstep loop.
+Every data rank has its own :class:`~kvjax.host.scheduler.Scheduler`; this process
+drives its local ranks. Each step the ranks agree (:meth:`Runner.agree`) on whether
+anyone has work and on the bucket (the largest any rank needs); requests are placed
+on arrival on the least loaded rank (:func:`kvjax.host.placement.least_loaded`);
+ranks with nothing scheduled run the dummy step in the same SPMD program. One device
+is the case ``D = 1``.
 
-Two overlapped modes (:data:`OVERLAP_MODES`): ``"plan"`` (``overlap=True``) schedules and
-packs step N+1 while N runs, waits for N, enqueues N+1, then reads N's outputs while N+1
-runs (a sanitizer violation of step N is raised after N+1 is enqueued); ``"dispatch"``
-enqueues N+1 before waiting for N. On a GPU ``"dispatch"`` makes XLA re-record most of the
-step's command buffer before every step (step N still holds its temporaries when N+1 is
-enqueued); which mode is faster depends on the batch (BENCHMARKS.md).
+Overlapped (``overlap=True``), the host schedules and packs step N+1 while the device
+runs step N, waits for N, enqueues N+1, then reads N's outputs while N+1 runs. That
+needs only token *counts* on the host: the device already holds every row's last
+sampled token (the token combine reads it there), a greedy step without drafts samples
+exactly one token per row that finishes its prompt or decodes, and requests finish by
+length. The host applies step N with :data:`PENDING_TOKEN` placeholders and fills in
+the values when N's outputs arrive, one step later. Only a re-admitted (preempted)
+request needs its generated tokens on the host before its step is packed; then the
+loop waits for the pending step first. Outputs are bitwise those of the lockstep loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from kvjax.host.placement import least_loaded
 from kvjax.host.scheduler import Request, Scheduler, StepPlan
-from kvjax.runner.runner import PendingOutput, Runner
+from kvjax.runner.runner import PendingStep, Runner
 
 #: Placeholder for a sampled token whose value is still on the device (never a token id).
 PENDING_TOKEN = -1
 
-#: ``overlap`` values of :func:`run_to_completion` besides False (lockstep); True is "plan".
-OVERLAP_MODES = ("plan", "dispatch")
+
+@dataclasses.dataclass
+class ServeStats:
+    """What :func:`run_to_completion` did: ``steps`` executed, and per local rank its
+    ``real_steps`` (it had work), ``dummy_steps`` (it ran the dummy step because another rank
+    had work) and ``placed`` (ids of the requests placed on it on arrival)."""
+
+    steps: int = 0
+    real_steps: dict = dataclasses.field(default_factory=dict)
+    dummy_steps: dict = dataclasses.field(default_factory=dict)
+    placed: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class _InFlight:
-    plan: StepPlan
-    output: PendingOutput
-    # (request, first output index, batch row) for every row that sampled a token
-    placeholders: list[tuple[Request, int, int]]
+    plans: dict[int, StepPlan | None]
+    output: PendingStep
+    # per rank: (request, first output index, batch row) for every row that sampled a token
+    placeholders: dict[int, list[tuple[Request, int, int]]]
 
 
 def check_overlap_supported(num_speculative_tokens: int) -> None:
@@ -60,71 +72,113 @@ def _apply_counts(sched: Scheduler, plan: StepPlan) -> list[tuple[Request, int, 
 
 
 def _resolve(step: _InFlight) -> None:
-    """Wait for ``step`` and write its tokens (and logits rows) over the placeholders."""
-    out = step.output.fetch()
-    rows = [b for _, _, b in step.placeholders]
-    counts = out.num_sampled[rows]
-    if np.any(counts != 1):
-        b = rows[int(np.argmax(counts != 1))]
-        raise RuntimeError(
-            f"overlapped step {step.plan.step}: batch row {b} sampled "
-            f"{int(out.num_sampled[b])} tokens, the host assumed 1")
-    for (req, i, b), token in zip(step.placeholders, out.sampled[rows, 0].tolist()):
-        req.output[i] = token
-        req.logits.append(out.logits[b])  # one logits row per batch row (no drafts)
+    """Wait for ``step`` and write every rank's tokens (and logits rows) over the placeholders.
+
+    Each placeholder names the batch row it came from; the value written is that row's,
+    whatever order the rows were scheduled in."""
+    result = step.output.fetch()
+    for d, placeholders in step.placeholders.items():
+        out = result.outputs[d]
+        for req, i, b in placeholders:
+            if out.num_sampled[b] != 1:
+                raise RuntimeError(
+                    f"overlapped step {step.plans[d].step} (rank {d}): batch row {b} sampled "
+                    f"{int(out.num_sampled[b])} tokens, the host assumed 1")
+            req.output[i] = int(out.sampled[b, 0])
+            req.logits.append(out.logits[b])  # one logits row per batch row (no drafts)
 
 
-def _needs_values(plan: StepPlan) -> bool:
-    return any(PENDING_TOKEN in tokens for _, tokens, _ in plan.added)
+def _needs_values(plans: Mapping[int, StepPlan | None]) -> bool:
+    return any(p is not None and any(PENDING_TOKEN in tokens for _, tokens, _ in p.added)
+               for p in plans.values())
 
 
-def _refresh_added(plan: StepPlan) -> None:
-    by_row = {s.req.row: s.req for s in plan.scheduled}
-    plan.added[:] = [(row, by_row[row].tokens[: len(tokens)], plen) for row, tokens, plen in plan.added]
-
-
-def run_to_completion(sched: Scheduler, runner: Runner, *, overlap: bool | str = False,
-                      on_step: Callable[[StepPlan], None] | None = None) -> int:
-    """Serve every request of ``sched`` through ``runner``; returns the number of steps run.
-
-    ``overlap``: False (lockstep), True or ``"plan"``, or ``"dispatch"`` (module docstring).
-    ``on_step(plan)`` is called after each step is applied (overlapped: after it is
-    dispatched and its counts applied; its token values may still be pending).
-    """
-    mode = "plan" if overlap is True else overlap
-    if mode is not False and mode not in OVERLAP_MODES:
-        raise ValueError(f"overlap must be False, True or one of {OVERLAP_MODES}, got {overlap!r}")
-    if mode:
-        check_overlap_supported(runner.config.num_speculative_tokens)
-    in_flight: _InFlight | None = None
-    steps = 0
-    while sched.has_work:
-        plan = sched.schedule()
+def _refresh_added(plans: Mapping[int, StepPlan | None]) -> None:
+    for plan in plans.values():
         if plan is None:
             continue
-        if not mode:
-            out = runner.execute(plan)
-            sched.update(plan, out.sampled, out.num_sampled, out.logits)
+        by_row = {s.req.row: s.req for s in plan.scheduled}
+        plan.added[:] = [(row, by_row[row].tokens[: len(tokens)], plen) for row, tokens, plen in plan.added]
+
+
+def run_to_completion(scheds: Scheduler | Mapping[int, Scheduler], runner: Runner, *,
+                      arrivals: Iterable[Request] = (), overlap: bool = False,
+                      on_step: Callable[[int, Mapping[int, StepPlan | None]], None] | None = None) -> ServeStats:
+    """Serve every request through ``runner`` until no rank has work; returns the counts.
+
+    Args:
+      scheds: this process's ranks' schedulers (a single Scheduler: rank 0's); requests
+        already added to them are served where they are.
+      arrivals: requests placed on arrival (``arrival_step``) on the least loaded rank;
+        every process passes the same list.
+      overlap: plan and pack each step while the previous one runs (module docstring;
+        needs ``num_speculative_tokens == 0``).
+      on_step: called as ``on_step(step, plans)`` after each executed step is applied
+        (overlapped: its counts; its token values may still be pending).
+    """
+    if isinstance(scheds, Scheduler):
+        scheds = {runner.local_ranks[0]: scheds}
+    if set(scheds) != set(runner.local_ranks):
+        raise ValueError(f"scheds must have one scheduler per local rank {list(runner.local_ranks)}, "
+                         f"got ranks {sorted(scheds)}")
+    if overlap not in (False, True):
+        raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    if overlap:
+        check_overlap_supported(runner.config.num_speculative_tokens)
+    buckets = list(runner.buckets.buckets)
+    pending = deque(sorted(arrivals, key=lambda r: r.arrival_step))
+    stats = ServeStats(real_steps={d: 0 for d in scheds}, dummy_steps={d: 0 for d in scheds},
+                       placed={d: [] for d in scheds})
+    in_flight: _InFlight | None = None
+    step = 0
+    while True:
+        g = runner.agree({d: (len(s.waiting) + len(s.running), int(s.has_work)) for d, s in scheds.items()})
+        if not pending and not g[:, 1].any():
+            break
+        loads = [int(x) for x in g[:, 0]]
+        while pending and pending[0].arrival_step <= step:
+            req = pending.popleft()
+            d = least_loaded(loads)
+            loads[d] += 1
+            if d in scheds:
+                scheds[d].add_request(req)
+                stats.placed[d].append(req.req_id)
+        plans = {}
+        for d, s in scheds.items():
+            s.step_count = step  # the loop drives every rank's clock
+            plans[d] = s.schedule()
+        need = runner.agree({d: (-1 if p is None else buckets.index(p.bucket),) for d, p in plans.items()})
+        b = int(need[:, 0].max())
+        step += 1
+        if b < 0:  # nobody has anything to run yet
+            continue
+        if in_flight is not None and _needs_values(plans):
+            _resolve(in_flight)
+            in_flight = None
+            _refresh_added(plans)
+        prepared = runner.prepare(plans, buckets[b])  # overlapped: packed while the step in flight runs
+        if not overlap:
+            result = runner.launch(prepared).fetch()
+            for d, plan in plans.items():
+                if plan is not None:
+                    out = result.outputs[d]
+                    scheds[d].update(plan, out.sampled, out.num_sampled, out.logits)
         else:
-            if in_flight is not None and _needs_values(plan):
+            if in_flight is not None:
+                in_flight.output.wait()
+            output = runner.launch(prepared)
+            if in_flight is not None:  # its outputs are read while the new step runs
                 _resolve(in_flight)
-                in_flight = None
-                _refresh_added(plan)
-            if mode == "dispatch":
-                output = runner.dispatch(plan)  # the device queues it behind the step in flight
-                if in_flight is not None:
-                    _resolve(in_flight)
+            in_flight = _InFlight(plans, output, {d: _apply_counts(scheds[d], p)
+                                                  for d, p in plans.items() if p is not None})
+        stats.steps += 1
+        for d, plan in plans.items():
+            if plan is None:
+                stats.dummy_steps[d] += 1
             else:
-                prepared = runner.prepare(plan)  # packed while the step in flight runs
-                if in_flight is not None:
-                    in_flight.output.wait()
-                output = runner.launch(prepared)
-                if in_flight is not None:  # its outputs are read while the new step runs
-                    _resolve(in_flight)
-            in_flight = _InFlight(plan, output, _apply_counts(sched, plan))
-        steps += 1
+                stats.real_steps[d] += 1
         if on_step is not None:
-            on_step(plan)
+            on_step(step - 1, plans)
     if in_flight is not None:
         _resolve(in_flight)
-    return steps
+    return stats
