@@ -3,6 +3,7 @@
 from kvjax.models.caches import HybridCaches as HybridCaches, init_caches as init_caches
 from kvjax.models.config import TinyHybridConfig as TinyHybridConfig
 from kvjax.models.dense import dense_forward as dense_forward
+from kvjax.models.hf.loader import load_pretrained as load_pretrained
 from kvjax.models.tiny_hybrid import (
     TinyHybrid as TinyHybrid,
     TinyHybridModel as TinyHybridModel,
@@ -19,4 +20,5 @@ __all__ = [
     "forward_step",
     "init_caches",
     "init_params",
+    "load_pretrained",
 ]

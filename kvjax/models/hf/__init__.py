@@ -1,0 +1,12 @@
+"""Hugging Face checkpoints: the loader and the architectures it serves.
+
+``load_pretrained(path, dtype=..., mesh=...) -> (model, params)`` (:mod:`kvjax.models.hf.loader`)
+reads a local directory (kvjax never downloads one). Architectures: Granite-4.0-H
+(:mod:`~kvjax.models.hf.granite`), Bamba (:mod:`~kvjax.models.hf.bamba`), Nemotron-H
+(:mod:`~kvjax.models.hf.nemotron_h`), all on the shared hybrid decoder of
+:mod:`~kvjax.models.hf.hybrid`.
+"""
+
+from kvjax.models.hf.loader import ARCHITECTURES as ARCHITECTURES, load_pretrained as load_pretrained
+
+__all__ = ["ARCHITECTURES", "load_pretrained"]

@@ -1,0 +1,87 @@
+"""``BambaForCausalLM``: Mamba2 layers with full attention at ``attn_layer_indices``, each layer
+followed by a SwiGLU MLP.
+
+A layer is two blocks of :mod:`kvjax.models.hf.hybrid`: ``input_layernorm`` + mixer, then
+``pre_ff_layernorm`` + ``feed_forward``. Attention scores are scaled by ``1/sqrt(head_dim)``;
+RoPE rotates the first ``partial_rotary_factor * head_dim`` features (transformers pins the
+factor to 0.5 for Bamba). The Mamba2 mixer is Granite-4.0-H's (:mod:`kvjax.models.hf.granite`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.models.attention import AttnSpec
+from kvjax.models.hf import hybrid as hy
+from kvjax.models.hf.granite import _common, _mamba_spec, attn_entries, mamba_entries
+from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
+from kvjax.models.moe import MLPSpec
+
+ARCH = "BambaForCausalLM"
+Model = HybridModel
+
+
+def config_from_hf(cfg: dict) -> HybridConfig:
+    arch = ARCH
+    V, d, L, eps, Hq, Hkv, D = _common(arch, cfg)
+    idx = hy.field(cfg, "attn_layer_indices") or []
+    if not isinstance(idx, list) or any(not isinstance(i, int) or not 0 <= i < L for i in idx):
+        raise ValueError(f"{arch}: config.json attn_layer_indices must list layer indices in [0, {L}), got {idx!r}")
+    kinds = ["attn" if i in idx else "mamba" for i in range(L)]
+    theta, partial = hy.check_rope(arch, cfg)
+    rotary = int(D * partial)
+    if rotary % 2 or not 0 < rotary <= D:
+        hy.refuse(arch, "partial_rotary_factor", partial, f"it must rotate an even number of the {D} features")
+    blocks = []
+    for k in kinds:
+        blocks += [Block(k), Block("mlp")]
+    return HybridConfig(
+        architecture=arch, vocab_size=V, d_model=d, rms_eps=eps, blocks=tuple(blocks),
+        attn=AttnSpec(Hq, Hkv, D, rope_theta=theta, rotary_dim=None if rotary == D else rotary)
+        if "attn" in kinds else None,
+        mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
+        mlp=MLPSpec(hy.check_int(arch, cfg, "intermediate_size"), True, "silu"),
+        attn_bias=bool(hy.field(cfg, "attention_bias", False)),
+        mlp_bias=bool(hy.field(cfg, "mlp_bias", False)),
+        mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),
+        mamba_conv_bias=bool(hy.field(cfg, "mamba_conv_bias", True)),
+        tie_embeddings=bool(hy.field(cfg, "tie_word_embeddings", False)),
+    )
+
+
+def _plan(c: HybridConfig) -> list[Entry]:
+    d, V, F = c.d_model, c.vocab_size, c.mlp.hidden
+    plan = [Entry(("embed",), ("model.embed_tokens.weight",), ((V, d),), hy.same),
+            Entry(("final_norm",), ("model.final_layernorm.weight",), ((d,),), hy.same)]
+    if not c.tie_embeddings:
+        plan.append(Entry(("lm_head",), ("lm_head.weight",), ((V, d),), hy.linear_t))
+    for i in range(len(c.blocks) // 2):
+        pre = f"model.layers.{i}."
+        mix, ffn = 2 * i, 2 * i + 1
+        plan.append(Entry(("blocks", mix, "norm"), (pre + "input_layernorm.weight",), ((d,),), hy.same))
+        plan.append(Entry(("blocks", ffn, "norm"), (pre + "pre_ff_layernorm.weight",), ((d,),), hy.same))
+        if c.blocks[mix].kind == "attn":
+            plan += attn_entries(c, mix, pre + "self_attn.")
+        else:
+            plan += mamba_entries(c, mix, pre + "mamba.")
+        for n, leaf, shape in (("gate_proj", "w_gate", (F, d)), ("up_proj", "w_up", (F, d)),
+                               ("down_proj", "w_down", (d, F))):
+            name = f"{pre}feed_forward.{n}."
+            plan.append(Entry(("blocks", ffn, leaf), (name + "weight",), (shape,), hy.linear_t))
+            if c.mlp_bias:
+                plan.append(Entry(("blocks", ffn, "b" + leaf[1:]), (name + "bias",), ((shape[0],),), hy.same))
+    return plan
+
+
+def expected_tensors(config: HybridConfig) -> dict[str, tuple[int, ...]]:
+    return hy.expected_from_plan(_plan(config))
+
+
+def ignored_tensor(config: HybridConfig, name: str) -> bool:
+    return config.tie_embeddings and name == "lm_head.weight"
+
+
+def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
+    if config.dtype != dtype:
+        config = dataclasses.replace(config, dtype=dtype)
+    return hy.params_from_plan(config, _plan(config), get, put)

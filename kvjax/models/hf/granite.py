@@ -1,0 +1,212 @@
+"""``GraniteMoeHybridForCausalLM`` (Granite-4.0-H): Mamba2 / attention layers, each followed by
+a shared SwiGLU MLP with or without routed experts.
+
+A layer is two blocks of :mod:`kvjax.models.hf.hybrid`: ``input_layernorm`` + mixer
+(Mamba2 for ``layer_types`` ``"mamba"`` / ``"linear_attention"``, attention for ``"attention"`` /
+``"full_attention"``), then ``post_attention_layernorm`` + feed-forward (the shared MLP, plus
+softmax-top-k routed experts when ``num_local_experts > 0``); both residuals are scaled by
+``residual_multiplier``. Embeddings are scaled by ``embedding_multiplier``, attention scores by
+``attention_multiplier`` (instead of ``1/sqrt(head_dim)``), logits divided by ``logits_scaling``.
+RoPE when ``position_embedding_type == "rope"``, none (NoPE) when it is null / ``"nope"``.
+The Mamba gated norm normalises each of ``mamba_n_groups`` groups on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.models.attention import AttnSpec
+from kvjax.models.hf import hybrid as hy
+from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
+from kvjax.models.mamba_layer import MambaSpec
+from kvjax.models.moe import MLPSpec, MoESpec
+
+ARCH = "GraniteMoeHybridForCausalLM"
+Model = HybridModel
+
+
+def _mamba_spec(arch: str, cfg: dict, d: int, eps: float) -> MambaSpec:
+    """The Mamba2 fields Granite-4.0-H and Bamba share (``mamba_*``)."""
+    H = hy.check_int(arch, cfg, "mamba_n_heads", 128)
+    G = hy.check_int(arch, cfg, "mamba_n_groups", 1)
+    N = hy.check_int(arch, cfg, "mamba_d_state", 256)
+    W = hy.check_int(arch, cfg, "mamba_d_conv", 4, lo=2)
+    expand = hy.check_int(arch, cfg, "mamba_expand", 2)
+    hy.check_int(arch, cfg, "mamba_chunk_size", 256)  # prefill chunking only: no effect on the math
+    inner = expand * d
+    P = hy.field(cfg, "mamba_d_head", "auto")
+    if P == "auto":
+        P = inner // H
+    if not isinstance(P, int) or P < 1 or P * H != inner:
+        raise ValueError(f"{arch}: config.json mamba_d_head={P!r} times mamba_n_heads={H} must equal "
+                         f"mamba_expand * hidden_size = {inner}")
+    if H % G:
+        raise ValueError(f"{arch}: mamba_n_heads={H} must be a multiple of mamba_n_groups={G}")
+    act = hy.field(cfg, "hidden_act", "silu")
+    if act != "silu":
+        hy.refuse(arch, "hidden_act", act, "the Mamba conv, the MLPs and the experts use SiLU only")
+    return MambaSpec(num_heads=H, head_dim=P, d_state=N, n_groups=G, conv_width=W, rms_eps=eps,
+                     norm_groups=G, norm_spans_shards=G == 1, dt_limit=hy.check_dt_limit(arch, cfg))
+
+
+def _common(arch: str, cfg: dict):
+    """vocab, hidden, eps, layer count, attention heads / head_dim (fields both archs read)."""
+    V = hy.check_int(arch, cfg, "vocab_size")
+    d = hy.check_int(arch, cfg, "hidden_size")
+    L = hy.check_int(arch, cfg, "num_hidden_layers")
+    eps = hy.as_float(hy.field(cfg, "rms_norm_eps", 1e-6), "rms_norm_eps")
+    Hq = hy.check_int(arch, cfg, "num_attention_heads")
+    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", Hq)
+    D = hy.check_int(arch, cfg, "head_dim", d // Hq)
+    if Hq % Hkv:
+        raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
+    sw = hy.field(cfg, "sliding_window")
+    if sw is not None:
+        hy.refuse(arch, "sliding_window", sw, "sliding-window attention is not implemented")
+    return V, d, L, eps, Hq, Hkv, D
+
+
+def config_from_hf(cfg: dict) -> HybridConfig:
+    arch = ARCH
+    V, d, L, eps, Hq, Hkv, D = _common(arch, cfg)
+    types = hy.field(cfg, "layer_types") or hy.field(cfg, "layers_block_type")
+    if types is None:
+        types = ["linear_attention"] * L
+    if not isinstance(types, list) or len(types) != L:
+        raise ValueError(f"{arch}: config.json layer_types must list num_hidden_layers={L} entries, got {types!r}")
+    kinds = []
+    for t in types:
+        t = hy.remap_layer_type(t)
+        if t not in ("linear_attention", "full_attention"):
+            hy.refuse(arch, "layer_types", t, "expected 'mamba' / 'linear_attention' or 'attention' / 'full_attention'")
+        kinds.append("mamba" if t == "linear_attention" else "attn")
+    pe = hy.field(cfg, "position_embedding_type")
+    if pe not in (None, "rope", "nope"):
+        hy.refuse(arch, "position_embedding_type", pe, "expected 'rope' or null (NoPE)")
+    theta = None
+    if pe == "rope":
+        # transformers' Granite default RoPE rotates the whole head (it ignores partial_rotary_factor)
+        theta, _ = hy.check_rope(arch, cfg)
+    rm = hy.as_float(hy.field(cfg, "residual_multiplier", 1.0), "residual_multiplier")
+    attn = AttnSpec(Hq, Hkv, D, rope_theta=theta,
+                    sm_scale=hy.as_float(hy.field(cfg, "attention_multiplier", 1.0), "attention_multiplier"))
+    E = hy.check_int(arch, cfg, "num_local_experts", 8, lo=0)
+    shared = MLPSpec(hy.check_int(arch, cfg, "shared_intermediate_size", 1024), True, "silu")
+    moe = None
+    if E:
+        moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
+                      hy.check_int(arch, cfg, "intermediate_size", 11008))
+        if moe.top_k > E:
+            raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > num_local_experts={E}")
+    blocks = []
+    for k in kinds:
+        blocks += [Block(k, rm), Block("moe" if E else "mlp", rm)]
+    return HybridConfig(
+        architecture=arch, vocab_size=V, d_model=d, rms_eps=eps, blocks=tuple(blocks),
+        attn=attn if "attn" in kinds else None,
+        mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
+        mlp=None if E else shared, moe=moe, moe_shared=shared if E else None,
+        attn_bias=bool(hy.field(cfg, "attention_bias", False)),
+        mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),
+        mamba_conv_bias=bool(hy.field(cfg, "mamba_conv_bias", True)),
+        embedding_multiplier=hy.as_float(hy.field(cfg, "embedding_multiplier", 1.0), "embedding_multiplier"),
+        logits_scaling=hy.as_float(hy.field(cfg, "logits_scaling", 1.0), "logits_scaling"),
+        tie_embeddings=bool(hy.field(cfg, "tie_word_embeddings", False)),
+    )
+
+
+# ------------------------------------------------------------------ checkpoint tensors
+
+
+def attn_entries(c: HybridConfig, bi: int, pre: str, names=("q_proj", "k_proj", "v_proj", "o_proj")):
+    a = c.attn
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    d = c.d_model
+    out = []
+    for n, leaf, shape in zip(names, ("wq", "wk", "wv", "wo"), ((q, d), (kv, d), (kv, d), (d, q))):
+        out.append(Entry(("blocks", bi, leaf), (f"{pre}{n}.weight",), (shape,), hy.linear_t))
+        if c.attn_bias:
+            out.append(Entry(("blocks", bi, "b" + leaf[1]), (f"{pre}{n}.bias",), ((shape[0],),), hy.same))
+    return out
+
+
+def mamba_entries(c: HybridConfig, bi: int, pre: str):
+    m, d = c.mamba, c.d_model
+    out = [
+        Entry(("blocks", bi, "in_proj"), (f"{pre}in_proj.weight",), ((m.in_proj_dim, d),), hy.linear_t),
+        Entry(("blocks", bi, "conv_weight"), (f"{pre}conv1d.weight",), ((m.conv_dim, 1, m.conv_width),), hy.conv_w),
+        Entry(("blocks", bi, "dt_bias"), (f"{pre}dt_bias",), ((m.num_heads,),), hy.same),
+        Entry(("blocks", bi, "A_log"), (f"{pre}A_log",), ((m.num_heads,),), hy.same),
+        Entry(("blocks", bi, "D"), (f"{pre}D",), ((m.num_heads,),), hy.same),
+        Entry(("blocks", bi, "gate_norm"), (f"{pre}norm.weight",), ((m.d_inner,),), hy.same),
+        Entry(("blocks", bi, "out_proj"), (f"{pre}out_proj.weight",), ((d, m.d_inner),), hy.linear_t),
+    ]
+    if c.mamba_conv_bias:
+        out.append(Entry(("blocks", bi, "conv_bias"), (f"{pre}conv1d.bias",), ((m.conv_dim,),), hy.same))
+    if c.mamba_proj_bias:
+        out.append(Entry(("blocks", bi, "in_proj_bias"), (f"{pre}in_proj.bias",), ((m.in_proj_dim,),), hy.same))
+        out.append(Entry(("blocks", bi, "out_proj_bias"), (f"{pre}out_proj.bias",), ((d,),), hy.same))
+    return out
+
+
+def _fused_gate_up(F: int, which: int):
+    """Granite's fused ``[.., 2F, d]`` input_linear -> gate (0) or up (1) as ``[.., d, F]``."""
+    def fn(a):
+        a = np.asarray(a)[..., which * F:(which + 1) * F, :]
+        return np.swapaxes(a, -1, -2)
+    return fn
+
+
+def _swap_last(a):
+    return np.swapaxes(np.asarray(a), -1, -2)
+
+
+def _plan(c: HybridConfig) -> list[Entry]:
+    d, V = c.d_model, c.vocab_size
+    plan = [Entry(("embed",), ("model.embed_tokens.weight",), ((V, d),), hy.same),
+            Entry(("final_norm",), ("model.norm.weight",), ((d,),), hy.same)]
+    if not c.tie_embeddings:
+        plan.append(Entry(("lm_head",), ("lm_head.weight",), ((V, d),), hy.linear_t))
+    for i in range(len(c.blocks) // 2):
+        pre = f"model.layers.{i}."
+        mix, ffn = 2 * i, 2 * i + 1
+        plan.append(Entry(("blocks", mix, "norm"), (pre + "input_layernorm.weight",), ((d,),), hy.same))
+        plan.append(Entry(("blocks", ffn, "norm"), (pre + "post_attention_layernorm.weight",), ((d,),), hy.same))
+        if c.blocks[mix].kind == "attn":
+            plan += attn_entries(c, mix, pre + "self_attn.")
+        else:
+            plan += mamba_entries(c, mix, pre + "mamba.")
+        shared = c.moe_shared if c.moe is not None else c.mlp
+        sp = ("blocks", ffn, "shared") if c.moe is not None else ("blocks", ffn)
+        Fs = shared.hidden
+        name = pre + "shared_mlp.input_linear.weight"
+        plan.append(Entry(sp + ("w_gate",), (name,), ((2 * Fs, d),), _fused_gate_up(Fs, 0)))
+        plan.append(Entry(sp + ("w_up",), (name,), ((2 * Fs, d),), _fused_gate_up(Fs, 1)))
+        plan.append(Entry(sp + ("w_down",), (pre + "shared_mlp.output_linear.weight",), ((d, Fs),), hy.linear_t))
+        if c.moe is not None:
+            E, F = c.moe.num_experts, c.moe.hidden
+            mp = pre + "block_sparse_moe."
+            plan.append(Entry(("blocks", ffn, "router"), (mp + "router.layer.weight",), ((E, d),), hy.linear_t))
+            plan.append(Entry(("blocks", ffn, "w_gate"), (mp + "input_linear.weight",), ((E, 2 * F, d),),
+                              _fused_gate_up(F, 0)))
+            plan.append(Entry(("blocks", ffn, "w_up"), (mp + "input_linear.weight",), ((E, 2 * F, d),),
+                              _fused_gate_up(F, 1)))
+            plan.append(Entry(("blocks", ffn, "w_down"), (mp + "output_linear.weight",), ((E, d, F),), _swap_last))
+    return plan
+
+
+def expected_tensors(config: HybridConfig) -> dict[str, tuple[int, ...]]:
+    return hy.expected_from_plan(_plan(config))
+
+
+def ignored_tensor(config: HybridConfig, name: str) -> bool:
+    """Tensors transformers ignores too: a tied checkpoint's redundant ``lm_head.weight``."""
+    return config.tie_embeddings and name == "lm_head.weight"
+
+
+def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
+    import dataclasses  # noqa: PLC0415
+
+    if config.dtype != dtype:
+        config = dataclasses.replace(config, dtype=dtype)
+    return hy.params_from_plan(config, _plan(config), get, put)

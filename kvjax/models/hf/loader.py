@@ -1,0 +1,305 @@
+"""Load a local Hugging Face checkpoint directory: ``load_pretrained(path) -> (model, params)``.
+
+kvjax never downloads anything: ``path`` is a directory already on disk, holding
+``config.json`` and ``model.safetensors`` (or a sharded ``model.safetensors.index.json`` and
+its files), as ``transformers``' ``save_pretrained`` writes it.
+
+Order of work, so that a bad checkpoint fails fast and says why (``ValueError`` naming the
+field or tensor, what was expected and what came):
+
+1. ``config.json`` is parsed; ``architectures[0]`` picks a module from :data:`ARCHITECTURES`
+   (an unknown one is refused, naming the supported ones);
+2. the module turns the config into a frozen model config, refusing any field value it does
+   not implement — before any weight is read;
+3. the safetensors headers (only) are read: every tensor the config needs must be there
+   with its shape, none may be left over, every file must hold the bytes its header
+   promises (a truncated file is refused here);
+4. tensors are read one by one (memory-mapped), converted to the requested dtype and placed:
+   with ``mesh`` each with its own ``NamedSharding`` right after it is read (attention and
+   Mamba heads over ``"model"``, routed experts over ``"data"``), so the whole model is
+   never on one device first.
+
+**The architecture protocol.** A module registered in :data:`ARCHITECTURES` provides:
+
+* ``config_from_hf(cfg: dict) -> config``: a frozen, hashable config from ``config.json``'s
+  dict; ``ValueError`` naming any unsupported field value. If the config dataclass has a
+  ``dtype`` field, the loader sets it to the requested dtype.
+* ``expected_tensors(config) -> dict[name, shape]``: every checkpoint tensor it reads.
+* ``params_from_tensors(config, get, dtype, put=None) -> params``: the param pytree, reading
+  tensors through ``get(name) -> np.ndarray`` (memory-mapped, read on access). ``put``
+  (optional in the signature) is ``put(path, host_array) -> leaf``, called once per leaf as
+  soon as it is built (``path`` a tuple of dict keys / sequence indices); the loader's
+  ``put`` places the leaf on the device(s). A module without ``put`` gets its params placed
+  afterwards.
+* ``Model`` (or a class named as the architecture without ``ForCausalLM``, e.g. ``DeepseekV3``):
+  ``Model(config)``, or ``Model(config, dtype=dtype)`` when it takes ``dtype``, implementing
+  :class:`kvjax.models.interface.Model`.
+* optionally ``ignored_tensor(config, name) -> bool``: tensors present in checkpoints that
+  the architecture does not use (transformers does not load them either).
+
+With ``mesh`` the leaf's PartitionSpec comes from ``model.param_spec(path)`` when the model
+has it, else from ``model.param_partitioning`` of the params' shapes; with a ``"model"``
+axis of ``M > 1`` each leaf is first reordered by ``model.layout_leaf(path, array, M)``
+(else the whole host tree goes through ``model.layout_for_shards``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# architectures[0] -> the module implementing it (imported when first used).
+ARCHITECTURES: dict[str, str] = {
+    "GraniteMoeHybridForCausalLM": "kvjax.models.hf.granite",
+    "BambaForCausalLM": "kvjax.models.hf.bamba",
+    "NemotronHForCausalLM": "kvjax.models.hf.nemotron_h",
+    "DeepseekV3ForCausalLM": "kvjax.models.hf.deepseek_v3",
+}
+DTYPES = ("float32", "bfloat16")
+
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+def architecture_module(name: str):
+    """The module implementing ``architectures[0] == name``; ValueError if there is none."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"config.json: architecture {name!r} is not supported "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    try:
+        return importlib.import_module(ARCHITECTURES[name])
+    except ModuleNotFoundError as e:
+        if e.name == ARCHITECTURES[name]:
+            raise ValueError(f"config.json: architecture {name!r} is not yet supported "
+                             f"({ARCHITECTURES[name]} is not written yet)") from None
+        raise
+
+
+# ---------------------------------------------------------------------------- safetensors
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorInfo:
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def _read_header(file: str) -> dict[str, _TensorInfo]:
+    """Every tensor of one safetensors file, from its header alone (nothing else is read)."""
+    size = os.path.getsize(file)
+    name = os.path.basename(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{name}: not a safetensors file (truncated: {size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{name}: truncated safetensors file (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{name}: safetensors header must be a JSON object")
+    out = {}
+    for tname, info in header.items():
+        if tname == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{name}: malformed header entry for tensor {tname!r}: {info!r}") from None
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: tensor {tname!r} has dtype {dtype!r}, expected one of "
+                             f"{sorted(_ST_DTYPES)}")
+        dt = _ST_DTYPES[dtype]
+        nbytes = math.prod(shape) * dt.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise ValueError(f"{name}: tensor {tname!r} of shape {list(shape)} {dtype} needs {nbytes} "
+                             f"bytes, its header gives {end - begin}")
+        if 8 + n + end > size:
+            raise ValueError(f"{name}: truncated safetensors file: tensor {tname!r} ends at byte "
+                             f"{8 + n + end}, the file has {size}")
+        out[tname] = _TensorInfo(file, dt, shape, 8 + n + begin, nbytes)
+    return out
+
+
+def _index_checkpoint(path: str) -> dict[str, _TensorInfo]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"model.safetensors.index.json: no valid 'weight_map' ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+        tensors: dict[str, _TensorInfo] = {}
+        for fn in files:
+            full = os.path.join(path, fn)
+            if not os.path.exists(full):
+                raise ValueError(f"model.safetensors.index.json names {fn!r}, which is not in {path}")
+            for tname, info in _read_header(full).items():
+                if weight_map.get(tname) != fn:
+                    raise ValueError(f"{fn}: tensor {tname!r} is not listed for this file in "
+                                     f"model.safetensors.index.json")
+                tensors[tname] = info
+        listed = set(weight_map) - set(tensors)
+        if listed:
+            raise ValueError(f"model.safetensors.index.json lists tensor {sorted(listed)[0]!r}, "
+                             f"which its file does not hold")
+        return tensors
+    if os.path.exists(single):
+        return _read_header(single)
+    raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _reader(tensors: dict[str, _TensorInfo]):
+    def get(name: str) -> np.ndarray:
+        try:
+            t = tensors[name]
+        except KeyError:
+            raise ValueError(f"checkpoint has no tensor {name!r}") from None
+        if t.nbytes == 0:
+            return np.zeros(t.shape, t.dtype)
+        raw = np.memmap(t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
+        return raw.view(t.dtype).reshape(t.shape)
+
+    return get
+
+
+def check_tensors(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any], ignored=None) -> None:
+    """Missing, wrong-shape and unexpected tensors, each a ValueError naming the tensor."""
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+        got = tuple(tensors[name].shape)
+        if got != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+    extra = sorted(n for n in tensors if n not in expected and not (ignored and ignored(n)))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(f"checkpoint has unexpected tensor {extra[0]!r}{more}: the config does not use it")
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def read_config(path: str) -> dict:
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"path must be a local checkpoint directory, got {path!r}")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise ValueError(f"{path}: no config.json")
+    try:
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file}: must hold a JSON object")
+    return cfg
+
+
+def config_from_dir(path: str, dtype: str = "float32"):
+    """``(module, config)`` of a checkpoint directory: config.json only, no weight read."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    cfg = read_config(path)
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ValueError(f"config.json: 'architectures' must be a non-empty list of names, got {archs!r}")
+    module = architecture_module(archs[0])
+    config = module.config_from_hf(cfg)
+    if dataclasses.is_dataclass(config) and any(f.name == "dtype" for f in dataclasses.fields(config)):
+        config = dataclasses.replace(config, dtype=dtype)
+    return module, config
+
+
+def _make_model(module, config, dtype: str):
+    arch = getattr(module, "ARCH", None) or getattr(module, "ARCHITECTURE", "")
+    cls = getattr(module, "Model", None) or getattr(module, arch.removesuffix("ForCausalLM"), None)
+    if cls is None:
+        raise ValueError(f"{module.__name__} defines no Model class")
+    if "dtype" in inspect.signature(cls).parameters:
+        return cls(config, dtype=dtype)
+    return cls(config)
+
+
+def load_pretrained(path, dtype: str = "float32", mesh=None):
+    """``(model, params)`` of the Hugging Face checkpoint directory ``path`` (see the module
+    docstring). ``dtype``: ``"float32"`` (parity on a CPU) or ``"bfloat16"``; ``mesh``: a
+    ``jax.sharding.Mesh`` with axes ``("data", "model")`` to place the params on, or None
+    (the default device)."""
+    import jax  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+
+    from kvjax.models.hf.hybrid import path_tuple  # noqa: PLC0415
+
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    module, config = config_from_dir(path, dtype)
+    model = _make_model(module, config, dtype)
+    tensors = _index_checkpoint(path)
+    ignored = getattr(module, "ignored_tensor", None)
+    check_tensors(module.expected_tensors(config), tensors,
+                  None if ignored is None else (lambda n: ignored(config, n)))
+
+    M = 1
+    spec_of = None
+    if mesh is not None:
+        if tuple(mesh.axis_names) != ("data", "model"):
+            raise ValueError(f"mesh axes must be ('data', 'model'), got {tuple(mesh.axis_names)}")
+        M = int(mesh.shape["model"])
+        if hasattr(model, "check_mesh"):
+            model.check_mesh(int(mesh.shape["data"]), M)
+        if hasattr(model, "param_spec"):
+            spec_of = model.param_spec
+        else:
+            shapes = jax.eval_shape(lambda: model.init_params(0))
+            flat = jax.tree_util.tree_flatten_with_path(model.param_partitioning(shapes))[0]
+            table = {path_tuple(p): s for p, s in flat}
+            spec_of = table.__getitem__
+    per_leaf = M == 1 or hasattr(model, "layout_leaf")
+
+    def put(leaf_path, arr):
+        if mesh is None:
+            return jax.device_put(arr)
+        if M > 1:
+            arr = model.layout_leaf(leaf_path, arr, M)
+        return jax.device_put(arr, NamedSharding(mesh, spec_of(leaf_path)))
+
+    def host(leaf_path, arr):
+        return arr
+
+    accepts_put = "put" in inspect.signature(module.params_from_tensors).parameters
+    get = _reader(tensors)
+    if accepts_put and per_leaf:
+        params = module.params_from_tensors(config, get, dtype, put=put)
+    else:
+        params = (module.params_from_tensors(config, get, dtype, put=host) if accepts_put
+                  else module.params_from_tensors(config, get, dtype))
+        if M > 1:
+            params = model.layout_for_shards(params, M)
+            flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+            params = jax.tree_util.tree_unflatten(treedef, [
+                jax.device_put(np.asarray(a), NamedSharding(mesh, spec_of(path_tuple(p)))) for p, a in flat])
+        else:
+            params = jax.tree_util.tree_map_with_path(lambda p, a: put(path_tuple(p), np.asarray(a)), params)
+    return model, params

@@ -1,0 +1,186 @@
+"""``NemotronHForCausalLM``: one block per layer, each a Mamba2, attention, MLP or MoE mixer.
+
+``layers_block_type`` (or the legacy ``hybrid_override_pattern``: ``M`` Mamba2, ``*``
+attention, ``-`` MLP, ``E`` MoE) gives each layer's mixer; every layer is ``x + mixer(norm(x))``
+(:mod:`kvjax.models.hf.hybrid`). Attention has no positional encoding and scores scaled by
+``1/sqrt(head_dim)``; MLPs are ungated ``down(relu2(up(x)))`` (``mlp_hidden_act``); MoE blocks
+route with sigmoid scores plus ``e_score_correction_bias``, limited to the ``topk_group`` best of
+``n_group`` groups, weights normalised (``norm_topk_prob``) and scaled
+(``routed_scaling_factor``), ungated relu2 experts (optionally between latent projections,
+``moe_latent_size``) plus one shared MLP. The Mamba2 gated norm is grouped (``n_groups``); as in
+transformers' chunked scan, ``dt`` is clipped below at ``time_step_min`` (kvjax clips on every
+path, prefill and decode alike).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from kvjax.models.attention import AttnSpec
+from kvjax.models.hf import hybrid as hy
+from kvjax.models.hf.granite import attn_entries, mamba_entries
+from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
+from kvjax.models.mamba_layer import MambaSpec
+from kvjax.models.moe import ACTIVATIONS, MLPSpec, MoESpec
+
+ARCH = "NemotronHForCausalLM"
+Model = HybridModel
+_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+_KIND = {"linear_attention": "mamba", "full_attention": "attn", "mlp": "mlp", "moe": "moe"}
+_SSM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _layer_types(arch: str, cfg: dict) -> list[str]:
+    types = hy.field(cfg, "layers_block_type") or hy.field(cfg, "layer_types")
+    if types is None:
+        pattern = hy.field(cfg, "hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern or any(ch not in _PATTERN for ch in pattern):
+            raise ValueError(f"{arch}: config.json needs layers_block_type (a list) or hybrid_override_pattern "
+                             f"(a string of {''.join(_PATTERN)}), got {pattern!r}")
+        types = [_PATTERN[ch] for ch in pattern]
+    if not isinstance(types, list) or not types:
+        raise ValueError(f"{arch}: config.json layers_block_type must be a non-empty list, got {types!r}")
+    out = []
+    for t in types:
+        t = hy.remap_layer_type(t)
+        if t not in _KIND:
+            hy.refuse(arch, "layers_block_type", t, f"expected one of {sorted(_KIND)} (or mamba / attention)")
+        out.append(_KIND[t])
+    return out
+
+
+def config_from_hf(cfg: dict) -> HybridConfig:
+    arch = ARCH
+    kinds = _layer_types(arch, cfg)
+    V = hy.check_int(arch, cfg, "vocab_size")
+    d = hy.check_int(arch, cfg, "hidden_size")
+    eps = hy.as_float(hy.field(cfg, "layer_norm_epsilon", 1e-5), "layer_norm_epsilon")
+    sw = hy.field(cfg, "sliding_window")
+    if sw is not None:
+        hy.refuse(arch, "sliding_window", sw, "transformers' Nemotron-H ignores it; kvjax does not guess")
+    act = hy.field(cfg, "mlp_hidden_act", "relu2")
+    if act not in ACTIVATIONS:
+        hy.refuse(arch, "mlp_hidden_act", act, f"implemented: {ACTIVATIONS}")
+    attn = mamba = mlp = moe = shared = None
+    latent = None
+    if "attn" in kinds:
+        Hq = hy.check_int(arch, cfg, "num_attention_heads")
+        Hkv = hy.check_int(arch, cfg, "num_key_value_heads", Hq)
+        if Hq % Hkv:
+            raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
+        attn = AttnSpec(Hq, Hkv, hy.check_int(arch, cfg, "head_dim", d // Hq), rope_theta=None)
+    if "mamba" in kinds:
+        mact = hy.field(cfg, "mamba_hidden_act", "silu")
+        if mact != "silu":
+            hy.refuse(arch, "mamba_hidden_act", mact, "the Mamba conv activation is SiLU only")
+        H = hy.check_int(arch, cfg, "mamba_num_heads", 128)
+        G = hy.check_int(arch, cfg, "n_groups", 8)
+        if H % G:
+            raise ValueError(f"{arch}: mamba_num_heads={H} must be a multiple of n_groups={G}")
+        hy.check_int(arch, cfg, "chunk_size", 128)  # prefill chunking only
+        lo = hy.as_float(hy.field(cfg, "time_step_min", 0.001), "time_step_min")
+        if lo < 0:
+            raise ValueError(f"{arch}: config.json time_step_min must be >= 0, got {lo}")
+        mamba = MambaSpec(num_heads=H, head_dim=hy.check_int(arch, cfg, "mamba_head_dim", 64),
+                          d_state=hy.check_int(arch, cfg, "ssm_state_size", 128), n_groups=G,
+                          conv_width=hy.check_int(arch, cfg, "conv_kernel", 4, lo=2), rms_eps=eps,
+                          norm_groups=G, norm_spans_shards=G == 1, dt_limit=(lo, math.inf))
+    if "mlp" in kinds:
+        mlp = MLPSpec(hy.check_int(arch, cfg, "intermediate_size"), False, act)
+    if "moe" in kinds:
+        E = hy.check_int(arch, cfg, "n_routed_experts", 8)
+        ng = hy.check_int(arch, cfg, "n_group", 1)
+        tg = hy.check_int(arch, cfg, "topk_group", 1)
+        if E % ng or tg > ng:
+            raise ValueError(f"{arch}: n_routed_experts={E} must be a multiple of n_group={ng} >= topk_group={tg}")
+        moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
+                      hy.check_int(arch, cfg, "moe_intermediate_size"), routing="sigmoid_grouped",
+                      n_group=ng, topk_group=tg, norm_topk_prob=bool(hy.field(cfg, "norm_topk_prob", True)),
+                      routed_scaling_factor=hy.as_float(hy.field(cfg, "routed_scaling_factor", 1.0),
+                                                        "routed_scaling_factor"),
+                      gated=False, activation=act)
+        if moe.top_k > E:
+            raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > n_routed_experts={E}")
+        shared = MLPSpec(hy.check_int(arch, cfg, "moe_shared_expert_intermediate_size"), False, act)
+        latent = hy.field(cfg, "moe_latent_size")
+        if latent is not None:
+            latent = hy.check_int(arch, cfg, "moe_latent_size")
+    ssm_dtype = hy.field(cfg, "mamba_ssm_cache_dtype", "float32")
+    if ssm_dtype not in _SSM_DTYPES:
+        hy.refuse(arch, "mamba_ssm_cache_dtype", ssm_dtype, f"expected one of {_SSM_DTYPES}")
+    return HybridConfig(
+        architecture=arch, vocab_size=V, d_model=d, rms_eps=eps, blocks=tuple(Block(k) for k in kinds),
+        attn=attn, mamba=mamba, mlp=mlp, moe=moe, moe_shared=shared, moe_latent=latent,
+        mlp_bias=bool(hy.field(cfg, "mlp_bias", False)),
+        mamba_proj_bias=bool(hy.field(cfg, "use_bias", False)),
+        mamba_conv_bias=bool(hy.field(cfg, "use_conv_bias", True)),
+        moe_e_bias=moe is not None, tie_embeddings=False, ssm_state_dtype=ssm_dtype,
+    )
+
+
+def _stack_t(*arrays):
+    """Per-expert torch Linear weights ``[out, in]`` -> one ``[E, in, out]`` stack."""
+    return np.stack([np.asarray(a).T for a in arrays])
+
+
+def _mlp_entries(c: HybridConfig, path: tuple, pre: str, spec: MLPSpec):
+    d = c.d_model
+    out = [Entry(path + ("w_up",), (pre + "up_proj.weight",), ((spec.hidden, d),), hy.linear_t),
+           Entry(path + ("w_down",), (pre + "down_proj.weight",), ((d, spec.hidden),), hy.linear_t)]
+    if c.mlp_bias:
+        out += [Entry(path + ("b_up",), (pre + "up_proj.bias",), ((spec.hidden,),), hy.same),
+                Entry(path + ("b_down",), (pre + "down_proj.bias",), ((d,),), hy.same)]
+    return out
+
+
+def _plan(c: HybridConfig) -> list[Entry]:
+    d, V = c.d_model, c.vocab_size
+    plan = [Entry(("embed",), ("backbone.embeddings.weight",), ((V, d),), hy.same),
+            Entry(("final_norm",), ("backbone.norm_f.weight",), ((d,),), hy.same),
+            Entry(("lm_head",), ("lm_head.weight",), ((V, d),), hy.linear_t)]
+    for i, b in enumerate(c.blocks):
+        pre = f"backbone.layers.{i}."
+        mx = pre + "mixer."
+        plan.append(Entry(("blocks", i, "norm"), (pre + "norm.weight",), ((d,),), hy.same))
+        if b.kind == "attn":
+            plan += attn_entries(c, i, mx)
+        elif b.kind == "mamba":
+            plan += mamba_entries(c, i, mx)
+        elif b.kind == "mlp":
+            plan += _mlp_entries(c, ("blocks", i), mx, c.mlp)
+        else:
+            e = c.moe
+            dl = c.moe_latent or d
+            E, F = e.num_experts, e.hidden
+            plan.append(Entry(("blocks", i, "router"), (mx + "gate.weight",), ((E, d),), hy.linear_t))
+            plan.append(Entry(("blocks", i, "e_bias"), (mx + "gate.e_score_correction_bias",), ((E,),), hy.same))
+            plan.append(Entry(("blocks", i, "w_up"), tuple(f"{mx}experts.{j}.up_proj.weight" for j in range(E)),
+                              ((F, dl),) * E, _stack_t))
+            plan.append(Entry(("blocks", i, "w_down"),
+                              tuple(f"{mx}experts.{j}.down_proj.weight" for j in range(E)), ((dl, F),) * E, _stack_t))
+            plan += _mlp_entries(c, ("blocks", i, "shared"), mx + "shared_experts.", c.moe_shared)
+            if c.moe_latent is not None:
+                plan.append(Entry(("blocks", i, "fc1"), (mx + "fc1_latent_proj.weight",), ((dl, d),), hy.linear_t))
+                plan.append(Entry(("blocks", i, "fc2"), (mx + "fc2_latent_proj.weight",), ((d, dl),), hy.linear_t))
+                if c.mlp_bias:
+                    plan.append(Entry(("blocks", i, "fc1_b"), (mx + "fc1_latent_proj.bias",), ((dl,),), hy.same))
+                    plan.append(Entry(("blocks", i, "fc2_b"), (mx + "fc2_latent_proj.bias",), ((d,),), hy.same))
+    return plan
+
+
+def expected_tensors(config: HybridConfig) -> dict[str, tuple[int, ...]]:
+    return hy.expected_from_plan(_plan(config))
+
+
+def ignored_tensor(config: HybridConfig, name: str) -> bool:
+    """Multi-token-prediction layers (``mtp.*``), which transformers does not load either."""
+    return name.startswith("mtp.")
+
+
+def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
+    if config.dtype != dtype:
+        config = dataclasses.replace(config, dtype=dtype)
+    return hy.params_from_plan(config, _plan(config), get, put)
