@@ -13,14 +13,17 @@ the updated arrays — donate them at the enclosing ``jit`` to update in place):
 ``causal_conv1d_varlen``            conv prefill over a packed batch
 ``combine_sampled_and_draft_tokens`` decode windows ``[last_sampled, drafts...]``
 ``write_kv_pages``                  K/V write into JAX's ragged-paged-attention layout
+``ragged_paged_attention``          attention over that layout (JAX's TPU kernel / jnp)
 ==================================  =====================================================
 
 Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
 ``"pallas_tpu"``, ``"pallas_gpu"``, ``"mosaic_gpu"``: the KV write and block zeroing
 only, :mod:`pallas_kernels.kv_mosaic_gpu`) and ``interpret=``, resolved in one place
-(:mod:`pallas_kernels._backend`); ops with GPU/TPU tuning knobs take a frozen
+(:mod:`pallas_kernels.backend`); ops with GPU/TPU tuning knobs take a frozen
 ``config=`` (``KVWriteConfig``, ``ZeroBlocksConfig``, ``SSUConfig``, ``ConvConfig``).
-Sentinels and argument checks: :mod:`pallas_kernels.contract`. Which TPU the
+Sentinels and argument checks: :mod:`pallas_kernels.contract`; pieces several kernels
+share: :mod:`pallas_kernels.fp8` (quantisation), :mod:`pallas_kernels.segments` (what a
+KV write copies where), :mod:`pallas_kernels.gpu_tiling` (GPU launch rules). Which TPU the
 Mosaic kernels are lowered for (also from a CPU/GPU host, e.g. ``jax.export``):
 :mod:`pallas_kernels.tpu_target`. This package imports
 nothing from ``kvjax``.
@@ -37,6 +40,7 @@ from pallas_kernels.kv_write import (
     reshape_and_cache_flash as reshape_and_cache_flash,
 )
 from pallas_kernels.kv_pages import write_kv_pages as write_kv_pages
+from pallas_kernels.rpa import ragged_paged_attention as ragged_paged_attention
 from pallas_kernels import kv_mosaic_gpu as kv_mosaic_gpu  # registers the "mosaic_gpu" flavour
 from pallas_kernels.mamba import (
     ConvConfig as ConvConfig,
@@ -61,6 +65,7 @@ __all__ = [
     "causal_conv1d_varlen",
     "combine_sampled_and_draft_tokens",
     "concat_and_cache_mla",
+    "ragged_paged_attention",
     "reshape_and_cache_flash",
     "selective_scan_varlen",
     "selective_state_update",

@@ -43,9 +43,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import contract as validation
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
+from pallas_kernels import gpu_tiling
 from pallas_kernels.contract import NULL_BLOCK_ID
 from pallas_kernels._xla import scatter_set
+from pallas_kernels.gpu_tiling import UINT_OF_WIDTH
 
 __all__ = ["ZeroBlocksConfig", "zero_blocks", "zero_blocks_reference"]
 
@@ -71,22 +73,11 @@ class ZeroBlocksConfig:
     gpu_num_warps: int | None = None
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-# Same-width unsigned views for the GPU kernel: it stores integer zeros, which
-# every lowering supports for every width (float8 constants it may not).
-_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def _live_ids(block_ids, num_logical_blocks: int):
-    """int32 ``[N]``: the id where it is a real block (not null, in range), else -1."""
-    return validation.live_ids(block_ids, num_logical_blocks, lower=NULL_BLOCK_ID + 1)
-
-
 def _uint_view(a):
     """``a`` as same-width unsigned ints (a bitcast, no copy)."""
     if jnp.issubdtype(a.dtype, jnp.integer):
         return a
-    return jax.lax.bitcast_convert_type(a, _UINT_OF_WIDTH[np.dtype(a.dtype).itemsize])
+    return jax.lax.bitcast_convert_type(a, UINT_OF_WIDTH[np.dtype(a.dtype).itemsize])
 
 
 # --------------------------------------------------------------------------
@@ -98,7 +89,7 @@ def _uint_view(a):
 def _reference_zero(block_ids, arrays, *, r, config, interpret):
     del config, interpret
     num_kernel_blocks = arrays[0].shape[0]
-    ids = _live_ids(block_ids, num_kernel_blocks // r)
+    ids = validation.live_block_ids(block_ids, num_kernel_blocks // r)
     # [N, r] kernel-block rows; padding goes to row num_kernel_blocks (dropped).
     rows = ids[:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]
     rows = jnp.where(ids[:, None] >= 0, rows, num_kernel_blocks).reshape(-1)
@@ -116,7 +107,7 @@ def _reference_zero(block_ids, arrays, *, r, config, interpret):
 def _tpu_zero(block_ids, arrays, *, r, config, interpret):
     del config
     num_kernel_blocks = arrays[0].shape[0]
-    ids = _live_ids(block_ids, num_kernel_blocks // r)
+    ids = validation.live_block_ids(block_ids, num_kernel_blocks // r)
     # One zeros buffer of r kernel blocks per distinct (dtype, block shape);
     # K and V of every layer usually share one.
     kinds = list(dict.fromkeys((np.dtype(a.dtype), a.shape[1:]) for a in arrays))
@@ -178,11 +169,7 @@ def _tpu_zero(block_ids, arrays, *, r, config, interpret):
 def _gpu_zero_views(arrays, num_logical_blocks):
     views = [_uint_view(a).reshape(num_logical_blocks, -1) for a in arrays]
     for k, v in enumerate(views):
-        if v.size > _INT32_MAX:
-            raise NotImplementedError(
-                f"the GPU kernel indexes with int32 offsets; caches[{k}] has {v.size} "
-                f"elements, more than {_INT32_MAX}"
-            )
+        gpu_tiling.check_int32_offsets(f"caches[{k}]", v.shape)
     return views
 
 
@@ -309,7 +296,7 @@ def zero_blocks(
         dtypes may differ (K and V of every layer, say).
       block_ids: int32 (or int64) ``[N]`` logical block ids; ``< 0`` is padding.
       kernel_blocks_per_block: ``r``, kernel blocks per logical block.
-      backend, interpret: see :mod:`pallas_kernels._backend`.
+      backend, interpret: see :mod:`pallas_kernels.backend`.
       config: :class:`ZeroBlocksConfig` tuning knobs (static).
 
     Returns:

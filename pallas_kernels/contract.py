@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PAD_SLOT_ID: int = -1
@@ -145,6 +146,8 @@ def narrow_ids(name: str, x, lo: int, hi: int, *, fill: int, allow=()) -> jax.Ar
 # Accepted ``kv_cache_dtype`` strings -> storage mode ("auto": the input dtype,
 # "fp8": float8_e4m3fn with a float32 scale).
 KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+# The dtype of an "fp8" cache (quantisation: pallas_kernels.fp8).
+FP8_DTYPE = jnp.float8_e4m3fn
 
 
 def kv_cache_storage(kv_cache_dtype) -> str:
@@ -173,6 +176,38 @@ def check_fp8_scale(name: str, scale) -> None:
             f"{name} must be finite and > 0, a normal float32 (>= "
             f"{np.finfo(np.float32).tiny:.4g}), got {v.tolist()}"
         )
+
+
+def check_cache_dtype(name: str, cache, mode: str, input_name: str, input_dtype) -> None:
+    """A KV cache's dtype for storage ``mode`` (:func:`kv_cache_storage`): ``input_name``'s
+    dtype for ``"auto"``, :data:`FP8_DTYPE` for ``"fp8"``."""
+    if mode == "auto":
+        if np.dtype(cache.dtype) != np.dtype(input_dtype):
+            raise ValueError(
+                f'{name} must have the dtype of {input_name} ({np.dtype(input_dtype)}) when '
+                f'kv_cache_dtype="auto", got {np.dtype(cache.dtype)}'
+            )
+    elif np.dtype(cache.dtype) != np.dtype(FP8_DTYPE):
+        raise ValueError(
+            f"{name} must have dtype float8_e4m3fn for an fp8 kv_cache_dtype, got "
+            f"{np.dtype(cache.dtype)} (view a uint8 cache with lax.bitcast_convert_type)"
+        )
+
+
+def fp8_scale_array(name: str, scale, sizes: Sequence[int]):
+    """A float32 ``[size]`` array from a Python number or a float32 ``[]``/``[size]`` scale."""
+    if scale is None:
+        raise ValueError(f"{name} is required for an fp8 kv_cache_dtype, got None")
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        scale = np.float32(scale)
+    check_dtype(name, scale, np.float32)
+    shape = tuple(np.shape(scale))
+    allowed = [()] + [(s,) for s in dict.fromkeys(sizes)]
+    if shape not in allowed:
+        want = " or ".join("[" + ", ".join(map(str, a)) + "]" for a in allowed)
+        raise ValueError(f"{name} must have shape {want}, got {list(shape)}")
+    check_fp8_scale(name, scale)
+    return jnp.reshape(jnp.asarray(scale, jnp.float32), (-1,))
 
 
 # --------------------------------------------------------------------------
@@ -221,3 +256,47 @@ def check_ids(name: str, ids, upper: int, *, what: str, lower: int = 0):
     if v.dtype == np.int64:
         return np.where(v >= 0, v, -1).astype(np.int32)
     return ids
+
+
+def live_block_ids(block_ids, num_logical_blocks: int):
+    """int32 ``[N]``: the id where it is a real block (not the null block, in range), else -1."""
+    return live_ids(block_ids, num_logical_blocks, lower=NULL_BLOCK_ID + 1)
+
+
+def check_slot_mapping(slot_mapping, num_tokens: int, num_blocks: int, block_size: int):
+    """A KV write's ``slot_mapping`` (int32/int64 ``[N]``, ``N <= num_tokens``, valid slots
+    unique and below ``num_blocks * block_size``, negative = PAD): static and (when
+    concrete) value checks; returns the slot mapping to use.
+
+    A concrete int64 mapping is narrowed to int32 here, on the host, after the
+    range check: without ``jax_enable_x64`` JAX would wrap it, and e.g.
+    ``-2**32 + 5`` would become the valid slot 5.
+    """
+    check_rank("slot_mapping", slot_mapping, 1)
+    n = np.shape(slot_mapping)[0]
+    if n > num_tokens:
+        raise ValueError(
+            f"slot_mapping must not be longer than the number of tokens: "
+            f"{n=} > num_tokens={num_tokens}"
+        )
+    num_slots = num_blocks * block_size
+    if num_slots > INT32_MAX - 1:
+        raise ValueError(
+            f"num_blocks * block_size must be < {INT32_MAX} (slots are int32 internally), "
+            f"got {num_blocks} * {block_size} = {num_slots}"
+        )
+    slot_mapping = check_ids(
+        "slot_mapping", slot_mapping, num_slots,
+        what=f"num_blocks={num_blocks} * block_size={block_size}")
+    v = concrete_values(slot_mapping)
+    if v is None or v.size == 0:
+        return slot_mapping
+    uniq, counts = np.unique(v[v >= 0], return_counts=True)
+    if (counts > 1).any():
+        slot = int(uniq[np.argmax(counts > 1)])
+        first, second = (int(i) for i in np.flatnonzero(v == slot)[:2])
+        raise ValueError(
+            f"slot_mapping must not repeat a valid slot (which token lands would be "
+            f"unspecified); got slot {slot} at indices {first} and {second}"
+        )
+    return slot_mapping

@@ -3,7 +3,7 @@
 Same contracts as :func:`pallas_kernels.kv_write.reshape_and_cache_flash` and
 :func:`pallas_kernels.block_zero.zero_blocks` (slot / id masking included); this module
 only registers the ``"mosaic_gpu"`` implementations of their ops. Needs JAX >= 0.11 on an
-NVIDIA GPU of compute capability >= 9.0 (bulk async copies); :func:`pallas_kernels._backend.resolve`
+NVIDIA GPU of compute capability >= 9.0 (bulk async copies); :func:`pallas_kernels.backend.resolve`
 rejects the backend elsewhere.
 
 In place: ``plgpu.kernel`` takes no ``input_output_aliases``, so each cache is wrapped in a
@@ -19,7 +19,7 @@ are predicated on ``t < N`` only (they start while the slot is read), the stores
 token being live (``t < N``, ``0 <= slot < num_slots``): a skipped token stores nothing,
 and a token past ``N`` loads nothing (its barrier completes at once). fp8: rows of a multiple of
 128 elements are quantised in the kernel (shared memory -> registers -> fp8 stage), with
-:func:`pallas_kernels.kv_write.quantize_fp8`'s arithmetic, when ``KVWriteConfig.mosaic_fp8_in_kernel``
+:func:`pallas_kernels.fp8.quantize_fp8`'s arithmetic, when ``KVWriteConfig.mosaic_fp8_in_kernel``
 (:func:`fp8_in_kernel`); other rows are quantised by XLA before the kernel. Either way the
 cache bytes equal the reference's.
 
@@ -41,11 +41,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
-from pallas_kernels.block_zero import OP_ZERO, _UINT_OF_WIDTH, _live_ids as _zero_live_ids
+from pallas_kernels.block_zero import OP_ZERO
 from pallas_kernels.contract import NULL_BLOCK_ID
-from pallas_kernels.kv_write import _FLASH_SEGMENTS, OP_WRITE, _reference_write, quantize_fp8
+from pallas_kernels.fp8 import quantize_fp8
+from pallas_kernels.gpu_tiling import UINT_OF_WIDTH
+from pallas_kernels.kv_write import OP_WRITE, reference_write
+from pallas_kernels.segments import FLASH_SEGMENTS
 
 __all__ = ["ROW_BYTES_MULTIPLE", "ZERO_CHUNK_BYTES", "tokens_per_cta"]
 
@@ -88,8 +91,8 @@ def fp8_in_kernel(row_shape, config) -> bool:
 
 @_backend.register(OP_WRITE, "mosaic_gpu")
 def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
-    if segments != _FLASH_SEGMENTS:  # the MLA layout: no Mosaic kernel, the reference
-        return _reference_write(slot_mapping, sources, caches, scales, segments=segments,
+    if segments != FLASH_SEGMENTS:  # the MLA layout: no Mosaic kernel, the reference
+        return reference_write(slot_mapping, sources, caches, scales, segments=segments,
                                 config=config, interpret=interpret)
     n = slot_mapping.shape[0]
     num_blocks, block_size = caches[0].shape[:2]
@@ -185,7 +188,7 @@ def _mosaic_write(slot_mapping, sources, caches, scales, *, segments, config, in
 
 def _unsigned(a):
     """``a`` bitcast to the unsigned int of its width (the zeros buffers' dtypes)."""
-    u = _UINT_OF_WIDTH[np.dtype(a.dtype).itemsize]
+    u = UINT_OF_WIDTH[np.dtype(a.dtype).itemsize]
     return a if a.dtype == u else jax.lax.bitcast_convert_type(a, u)
 
 
@@ -202,7 +205,7 @@ def _mosaic_zero(block_ids, arrays, *, r, config, interpret):
                 f"the mosaic_gpu zeroing kernel stores whole kernel blocks whose bytes must "
                 f"be a multiple of {_BULK_ALIGN}; caches[{k}] has {block_bytes}")
     if block_ids.dtype != jnp.int32:
-        block_ids = _zero_live_ids(block_ids, num_logical_blocks)
+        block_ids = validation.live_block_ids(block_ids, num_logical_blocks)
     widths = sorted({np.dtype(v.dtype).itemsize for v in views})
     chunk = {w: ZERO_CHUNK_BYTES // w for w in widths}  # elements of each zeros buffer
     n_arr = len(views)
@@ -244,7 +247,7 @@ def _mosaic_zero(block_ids, arrays, *, r, config, interpret):
     kernel = plgpu.kernel(
         body,
         out_type=(),
-        scratch_types=[plgpu.SMEM((chunk[w],), _UINT_OF_WIDTH[w]) for w in widths],
+        scratch_types=[plgpu.SMEM((chunk[w],), UINT_OF_WIDTH[w]) for w in widths],
         grid=(block_ids.shape[0], groups),
         grid_names=(_GRID_AXIS, _GROUP_AXIS),
         kernel_name="zero_blocks_mosaic_gpu",

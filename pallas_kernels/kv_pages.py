@@ -38,10 +38,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
+from pallas_kernels import gpu_tiling
 from pallas_kernels import kv_write
 from pallas_kernels.contract import PAD_SLOT_ID
+from pallas_kernels.fp8 import ieee_divide, ptx_div_rn, quantize_fp8
+from pallas_kernels.segments import ONE_ROW
 
 __all__ = [
     "interleave_kv",
@@ -50,9 +53,6 @@ __all__ = [
     "write_kv_pages",
     "write_kv_pages_reference",
 ]
-
-_ONE_ROW = (kv_write._Segment(0, 0),)
-
 
 def kv_packing(dtype) -> int:
     """Elements of ``dtype`` per 32-bit word (1 for 32-bit, 2 for bf16, 4 for fp8)."""
@@ -71,7 +71,7 @@ def _check_pages(key, value, kv_pages, slot_mapping, kv_cache_dtype, k_scale, v_
     validation.check_dtype("key", key, "floating")
     validation.check_dtype("value", value, np.dtype(key.dtype))
     validation.check_rank("kv_pages", kv_pages, (4, 5))
-    kv_write._check_cache_dtype("kv_pages", kv_pages, mode, "key", key.dtype)
+    validation.check_cache_dtype("kv_pages", kv_pages, mode, "key", key.dtype)
     combined = 2 * num_heads
     if np.ndim(kv_pages) == 4:
         validation.check_shape("kv_pages", kv_pages, (None, None, combined, head_size))
@@ -87,11 +87,11 @@ def _check_pages(key, value, kv_pages, slot_mapping, kv_cache_dtype, k_scale, v_
             "kv_pages", kv_pages, (None, None, combined // packing, packing, head_size)
         )
     num_pages, page_size = np.shape(kv_pages)[:2]
-    slot_mapping = kv_write._check_slot_mapping(slot_mapping, num_tokens, num_pages, page_size)
+    slot_mapping = validation.check_slot_mapping(slot_mapping, num_tokens, num_pages, page_size)
     if mode == "auto":
         return slot_mapping, None
     k, v = (
-        kv_write._scale_array(name, s, (1, num_heads))
+        validation.fp8_scale_array(name, s, (1, num_heads))
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
     )
     per_head = jnp.stack(
@@ -117,14 +117,14 @@ def _rows(key, value, kv_pages):
 def _via_kv_write(impl, slot_mapping, key, value, kv_pages, scale_row, config, interpret):
     scales = None if scale_row is None else (scale_row.reshape(kv_pages.shape[2:]),)
     (out,) = impl(slot_mapping, (_rows(key, value, kv_pages),), (kv_pages,), scales,
-                  segments=_ONE_ROW, config=config, interpret=interpret)
+                  segments=ONE_ROW, config=config, interpret=interpret)
     return out
 
 
 @_backend.register(OP_PAGES, "reference")
 def _reference_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpret):
     """The paged KV write's reference scatter, one combined row per token."""
-    return _via_kv_write(kv_write._reference_write, slot_mapping, key, value, kv_pages,
+    return _via_kv_write(kv_write.reference_write, slot_mapping, key, value, kv_pages,
                          scale_row, config, interpret)
 
 
@@ -135,7 +135,7 @@ def _gpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpr
     Program ``(p, h)`` writes head ``h`` of tokens ``p * bt .. p * bt + bt - 1``:
     ``key[t, h]`` to columns ``[2h D, 2h D + D)`` of the cache row of slot
     ``s``, ``value[t, h]`` to ``[(2h + 1) D, ...)``; loads first, then stores,
-    each masked as in :func:`kv_write._gpu_write` (a PAD, out-of-range or
+    each masked as in ``kv_write``'s GPU kernel (a PAD, out-of-range or
     past-``N`` token stores nothing; the range check runs in the kernel).
     fp8: one float32 scale per head, division ``div.rn.f32``.
     """
@@ -143,15 +143,15 @@ def _gpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpr
     t_in, heads, d = key.shape
     num_slots = kv_pages.shape[0] * kv_pages.shape[1]
     flat_cache = kv_pages.reshape(num_slots, 2 * heads * d)
-    kv_write._check_gpu_int32_offsets("kv_pages", flat_cache.shape)
+    gpu_tiling.check_int32_offsets("kv_pages", flat_cache.shape)
     flat_k, flat_v = key.reshape(t_in, heads * d), value.reshape(t_in, heads * d)
     tile = int(pl.next_power_of_2(d))
     quantize = scale_row is not None
-    bt = kv_write._gpu_tokens_per_program(n, quantize, config)
-    num_warps = kv_write._gpu_num_warps(tile, np.dtype(key.dtype).itemsize, config)
+    bt = gpu_tiling.tokens_per_program(n, quantize, config)
+    num_warps = gpu_tiling.num_warps(tile, np.dtype(key.dtype).itemsize, config)
     # scale_row is [2H, D], constant along D: K scales at even rows, V at odd.
     scale_args = [scale_row[0::2, 0], scale_row[1::2, 0]] if quantize else []
-    divide = kv_write.ieee_divide if interpret else kv_write._ptx_div_rn
+    divide = ieee_divide if interpret else ptx_div_rn
     evict = config.gpu_eviction
     triton = _backend.triton
 
@@ -176,7 +176,7 @@ def _gpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpr
             rows = []
             for r in src_rows:
                 x = triton.load(src.at[r, pl.ds(h * d, tile)], mask=in_head, eviction_policy=evict)
-                rows.append(kv_write.quantize_fp8(x, scale, divide=divide) if quantize else x)
+                rows.append(quantize_fp8(x, scale, divide=divide) if quantize else x)
             loaded.append(((2 * h + half) * d, rows))
         for col, rows in loaded:
             for x, row, ok in zip(rows, dst_rows, live):
@@ -218,13 +218,13 @@ def token_runs(slots, page_size: int):
 def _tpu_pages(slot_mapping, key, value, kv_pages, scale_row, *, config, interpret):
     """Mosaic kernel: one DMA per power-of-two piece of each token run, HBM to HBM.
 
-    fp8 rows are quantised by XLA first (the exact :func:`kv_write.ieee_divide`),
+    fp8 rows are quantised by XLA first (the exact :func:`pallas_kernels.fp8.ieee_divide`),
     so the kernel only copies. ``kv_pages`` is aliased to the output and never
     read; a token that starts no run issues no DMA.
     """
     rows = _rows(key, value, kv_pages)
     if scale_row is not None:
-        rows = kv_write.quantize_fp8(rows, scale_row.reshape((1,) + kv_pages.shape[2:]))
+        rows = quantize_fp8(rows, scale_row.reshape((1,) + kv_pages.shape[2:]))
     n = slot_mapping.shape[0]
     num_pages, page_size = kv_pages.shape[:2]
     slots = validation.live_ids(slot_mapping, num_pages * page_size)
@@ -321,7 +321,7 @@ def write_kv_pages(
       kv_cache_dtype: ``"auto"``, ``"fp8"`` or ``"fp8_e4m3"``.
       k_scale, v_scale: fp8 only: float32 scalar, ``[1]`` or per-head ``[H]``;
         the stored value is ``saturate(x / scale)``.
-      backend, interpret: see :mod:`pallas_kernels._backend`.
+      backend, interpret: see :mod:`pallas_kernels.backend`.
       config: tuning knobs (``KVWriteConfig``; the TPU kernel reads
         ``tpu_tokens_per_step``, the GPU kernel the ``gpu_*`` fields).
 

@@ -21,7 +21,7 @@ Sentinels and guarantees (every implementation, under ``jit`` too):
 ``saturate(x / scale)`` computed in float32, rounded to nearest even; NaN stays
 NaN, +-inf and anything beyond +-448 become +-448).
 
-Implementations (picked by :func:`pallas_kernels._backend.resolve`):
+Implementations (picked by :func:`pallas_kernels.backend.resolve`):
 
 * reference: one ``.at[].set(mode="drop")`` scatter per cache; invalid slots are
   mapped to an out-of-range row, never to ``-1``. Wherever XLA runs the fp8
@@ -33,7 +33,7 @@ Implementations (picked by :func:`pallas_kernels._backend.resolve`):
   ``KVWriteConfig.tpu_tokens_per_step`` tokens share a grid step so their DMAs overlap.
   fp8 inputs are staged through VMEM and quantised there before the DMA
   (compiled, Mosaic's float32 division; its rounding is not yet checked on a TPU).
-* GPU (Pallas Triton, :func:`pallas_kernels._backend.gpu_compiler_params`): grid (block of
+* GPU (Pallas Triton, :func:`pallas_kernels.backend.gpu_compiler_params`): grid (block of
   tokens, column tile), masked loads/stores, the slot range check in the
   kernel (one launch per call); a skipped token's stores are fully masked.
   fp8 divides with PTX ``div.rn.f32`` (Triton's ``/`` is ``div.full.f32``).
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +55,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import contract as validation
+from pallas_kernels import gpu_tiling
 from pallas_kernels.contract import KV_CACHE_DTYPES, PAD_SLOT_ID
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
 from pallas_kernels._xla import scatter_set
+from pallas_kernels.fp8 import FP8_DTYPE, FP8_MAX, ieee_divide, ptx_div_rn, quantize_fp8
+from pallas_kernels.segments import FLASH_SEGMENTS, mla_segments
 
 __all__ = [
     "FP8_DTYPE",
@@ -69,14 +71,10 @@ __all__ = [
     "concat_and_cache_mla_reference",
     "ieee_divide",
     "quantize_fp8",
+    "reference_write",
     "reshape_and_cache_flash",
     "reshape_and_cache_flash_reference",
 ]
-
-FP8_DTYPE = jnp.float8_e4m3fn
-# Largest finite float8_e4m3fn value; "saturate" clamps to +-FP8_MAX.
-FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,213 +115,7 @@ class KVWriteConfig:
     mosaic_fp8_in_kernel: bool = True
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
 OP_WRITE = "kv_write"
-
-
-# --------------------------------------------------------------------------
-# fp8 quantisation (shared by every implementation)
-# --------------------------------------------------------------------------
-
-
-def ieee_divide(x, scale):
-    """IEEE float32 ``x / scale`` (round to nearest even), exact under any XLA backend.
-
-    Plain ``x / scale`` is not: XLA:GPU divides float32 with ``div.full.f32``
-    (up to 1 ulp off, openxla/xla#37181), and XLA's simplifier rewrites
-    ``x / broadcast(s)`` as ``x * broadcast(1 / s)`` (two roundings: -90 / 0.9
-    becomes -100.00001, not -100). Either moves some quotients across an fp8
-    rounding boundary. So the quotient is computed here by integer long
-    division of the significands, which every backend does exactly:
-
-    1. unpack ``x`` and ``scale`` into 24-bit significands ``a``, ``b`` and
-       exponents (subnormal ``x`` normalised with ``clz``);
-    2. make ``b <= a < 2b`` and take 26 quotient bits, one per step, plus a
-       sticky bit for a non-zero remainder;
-    3. round to nearest even at bit 24 (further down for a subnormal result)
-       and repack; overflow gives +-inf.
-
-    Lanes where ``x`` is 0, inf or NaN, or ``scale`` is not a positive normal
-    float32, use ``x / scale`` (exact for those, or the caller's problem).
-
-    Args:
-      x: float32 array.
-      scale: float32, broadcastable to ``x``.
-
-    Returns:
-      float32 array of ``x``'s shape, bit-identical to numpy's ``x / scale``.
-    """
-    x = x.astype(jnp.float32)
-    scale = jnp.broadcast_to(scale, x.shape).astype(jnp.float32)
-    xb = jax.lax.bitcast_convert_type(x, jnp.int32)
-    sb = jax.lax.bitcast_convert_type(scale, jnp.int32)
-    sign = xb & jnp.int32(-(2**31))
-    x_exp, x_frac = (xb & 0x7FFFFFFF) >> 23, xb & 0x7FFFFF
-    subnormal = x_exp == 0
-    norm_shift = jnp.where(subnormal, jax.lax.clz(x_frac) - 8, 0)
-    a = jnp.where(subnormal, x_frac << norm_shift, x_frac | 0x800000)  # [2^23, 2^24)
-    x_exp = jnp.where(subnormal, 1 - norm_shift, x_exp)
-    b = (sb & 0x7FFFFF) | 0x800000  # [2^23, 2^24)
-    below = a < b
-    a = jnp.where(below, a << 1, a)  # now b <= a < 2b: the quotient is in [1, 2)
-    biased_exp = x_exp - (sb >> 23) + 127 - below.astype(jnp.int32)
-    q = jnp.zeros_like(a)
-    for _ in range(26):  # 24 significand bits + 2 below them
-        bit = a >= b
-        q = (q << 1) | bit.astype(jnp.int32)
-        a = jnp.where(bit, a - b, a) << 1
-    bits = (q << 1) | (a != 0).astype(jnp.int32)  # 27 bits: quotient, then sticky
-    exp_field = jnp.maximum(biased_exp, 1)  # a subnormal result has exponent field 0
-    drop = jnp.minimum(3 + (exp_field - biased_exp), 28)  # bits below the last kept one
-    kept = jax.lax.shift_right_logical(bits, drop)
-    rest = bits & ((1 << drop) - 1)
-    half = 1 << (drop - 1)
-    kept = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).astype(jnp.int32)
-    # The kept significand carries the implicit 1 (0x800000), so exponent and a
-    # rounding carry add up; a subnormal result (exp_field 1, kept < 2^23) too.
-    magnitude = ((jnp.minimum(exp_field, 255) - 1) << 23) + kept
-    magnitude = jnp.minimum(magnitude, 0x7F800000)  # overflow: inf
-    quotient = jax.lax.bitcast_convert_type(sign | magnitude, jnp.float32)
-    regular = (
-        jnp.isfinite(x) & (x != 0) & (sb >= 0x00800000) & (sb < 0x7F800000)  # scale normal, > 0
-    )
-    return jnp.where(regular, quotient, x / scale)
-
-
-def quantize_fp8(x, scale, *, divide=ieee_divide):
-    """``saturate(x / scale)`` in float32, rounded to nearest even, as float8_e4m3fn.
-
-    Args:
-      x: any float array.
-      scale: float32, broadcastable to ``x``.
-      divide: the float32 division: :func:`ieee_divide` (the default) for
-        anything XLA executes; the GPU kernel passes ``div.rn.f32``.
-
-    Returns:
-      float8_e4m3fn array of ``x``'s shape. NaN stays NaN; values beyond
-      +-448 (including +-inf) become +-448.
-    """
-    y = divide(x.astype(jnp.float32), scale)
-    # Written as two selects, not jnp.clip: comparisons with NaN are false, so
-    # NaN passes through unchanged on every lowering (min/max NaN semantics
-    # differ between backends).
-    y = jnp.where(y > FP8_MAX, FP8_MAX, y)
-    y = jnp.where(y < -FP8_MAX, -FP8_MAX, y)
-    return y.astype(FP8_DTYPE)
-
-
-def _ptx_div_rn(x, y):
-    """Correctly rounded float32 ``x / y`` inside a Pallas Triton kernel.
-
-    Triton lowers float32 ``/`` to ``div.full.f32`` (up to 2 ulp off), which
-    would move some quotients across an fp8 rounding boundary; ``div.rn.f32``
-    is IEEE division, identical to XLA's and numpy's.
-    """
-    [q] = _backend.triton.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;",
-        args=[x, jnp.broadcast_to(y, x.shape)],
-        constraints="=f,f,f",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
-    )
-    return q
-
-
-# --------------------------------------------------------------------------
-# Argument checks
-# --------------------------------------------------------------------------
-
-
-def _check_cache_dtype(name: str, cache, mode: str, input_name: str, input_dtype) -> None:
-    if mode == "auto":
-        if np.dtype(cache.dtype) != np.dtype(input_dtype):
-            raise ValueError(
-                f'{name} must have the dtype of {input_name} ({np.dtype(input_dtype)}) when '
-                f'kv_cache_dtype="auto", got {np.dtype(cache.dtype)}'
-            )
-    elif np.dtype(cache.dtype) != np.dtype(FP8_DTYPE):
-        raise ValueError(
-            f"{name} must have dtype float8_e4m3fn for an fp8 kv_cache_dtype, got "
-            f"{np.dtype(cache.dtype)} (view a uint8 cache with lax.bitcast_convert_type)"
-        )
-
-
-def _check_slot_mapping(slot_mapping, num_tokens: int, num_blocks: int, block_size: int):
-    """Static and (when concrete) value checks; returns the slot mapping to use.
-
-    A concrete int64 mapping is narrowed to int32 here, on the host, after the
-    range check: without ``jax_enable_x64`` JAX would wrap it, and e.g.
-    ``-2**32 + 5`` would become the valid slot 5.
-    """
-    validation.check_rank("slot_mapping", slot_mapping, 1)
-    n = np.shape(slot_mapping)[0]
-    if n > num_tokens:
-        raise ValueError(
-            f"slot_mapping must not be longer than the number of tokens: "
-            f"{n=} > num_tokens={num_tokens}"
-        )
-    num_slots = num_blocks * block_size
-    if num_slots > _INT32_MAX - 1:
-        raise ValueError(
-            f"num_blocks * block_size must be < {_INT32_MAX} (slots are int32 internally), "
-            f"got {num_blocks} * {block_size} = {num_slots}"
-        )
-    slot_mapping = validation.check_ids(
-        "slot_mapping", slot_mapping, num_slots,
-        what=f"num_blocks={num_blocks} * block_size={block_size}")
-    v = validation.concrete_values(slot_mapping)
-    if v is None or v.size == 0:
-        return slot_mapping
-    uniq, counts = np.unique(v[v >= 0], return_counts=True)
-    if (counts > 1).any():
-        slot = int(uniq[np.argmax(counts > 1)])
-        first, second = (int(i) for i in np.flatnonzero(v == slot)[:2])
-        raise ValueError(
-            f"slot_mapping must not repeat a valid slot (which token lands would be "
-            f"unspecified); got slot {slot} at indices {first} and {second}"
-        )
-    return slot_mapping
-
-
-def _scale_array(name: str, scale, sizes: Sequence[int]):
-    """A float32 ``[size]`` array from a Python number or a float32 ``[]``/``[size]`` scale."""
-    if scale is None:
-        raise ValueError(f"{name} is required for an fp8 kv_cache_dtype, got None")
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        scale = np.float32(scale)
-    validation.check_dtype(name, scale, np.float32)
-    shape = tuple(np.shape(scale))
-    allowed = [()] + [(s,) for s in dict.fromkeys(sizes)]
-    if shape not in allowed:
-        want = " or ".join("[" + ", ".join(map(str, a)) + "]" for a in allowed)
-        raise ValueError(f"{name} must have shape {want}, got {list(shape)}")
-    validation.check_fp8_scale(name, scale)
-    return jnp.reshape(jnp.asarray(scale, jnp.float32), (-1,))
-
-
-# --------------------------------------------------------------------------
-# What gets written where (one description for all implementations)
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Segment:
-    """Copy row ``t`` of source ``src`` into slot ``slot_mapping[t]`` of cache ``dst``.
-
-    ``col`` is the first column of the cache's last axis that the row fills
-    (``None``: the source row is the whole cache row).
-    """
-
-    src: int
-    dst: int
-    col: int | None = None
-
-
-_FLASH_SEGMENTS = (_Segment(0, 0), _Segment(1, 1))
-
-
-def _mla_segments(kv_lora_rank: int) -> tuple[_Segment, ...]:
-    return (_Segment(0, 0, 0), _Segment(1, 0, kv_lora_rank))
 
 
 # --------------------------------------------------------------------------
@@ -332,9 +124,12 @@ def _mla_segments(kv_lora_rank: int) -> tuple[_Segment, ...]:
 
 
 @_backend.register(OP_WRITE, "reference")
-def _reference_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
+def reference_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
     """One drop-mode scatter per cache; an invalid slot maps to row ``num_slots``.
 
+    The reference of every KV write op (``write_kv_pages``' too, and the Mosaic GPU
+    flavour's MLA layout): ``segments`` (:mod:`pallas_kernels.segments`) say which
+    source row goes where; ``scales`` are per-source float32 rows (fp8) or None.
     In place under donation wherever XLA scatters the cache dtype natively.
     XLA:CPU does not for bfloat16/float8: it upcasts the cache around the
     scatter (a copy XLA makes, not this code; the Pallas flavours never do).
@@ -485,46 +280,12 @@ def _tpu_write(slot_mapping, sources, caches, scales, *, segments, config, inter
 # --------------------------------------------------------------------------
 
 
-def _check_gpu_int32_offsets(name: str, shape) -> None:
-    # Triton computes element offsets in int32.
-    size = int(np.prod(shape))
-    if size > _INT32_MAX:
-        raise NotImplementedError(
-            f"the GPU kernel indexes with int32 offsets; {name} has {size} elements "
-            f"(shape {list(shape)}), more than {_INT32_MAX}"
-        )
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def _gpu_tokens_per_program(n: int, quantize: bool, cfg: KVWriteConfig) -> int:
-    """Tokens one GPU program writes: enough programs to spread over the SMs
-    (``cfg.gpu_min_programs`` where ``n`` allows), at most
-    ``cfg.gpu_max_tokens_per_program`` (``gpu_fp8_...`` when quantising)."""
-    if cfg.gpu_tokens_per_program is not None:
-        return cfg.gpu_tokens_per_program
-    most = cfg.gpu_fp8_max_tokens_per_program if quantize else cfg.gpu_max_tokens_per_program
-    return int(min(most, _pow2_floor(n // cfg.gpu_min_programs)))
-
-
-def _gpu_num_warps(tile: int, itemsize: int, cfg: KVWriteConfig, fp8_decode: bool = False) -> int:
-    """Warps that give each thread 16 bytes of a ``tile``-wide row of ``itemsize`` elements,
-    or (``fp8_decode``: quantising fewer than ``gpu_min_programs`` tokens)
-    ``cfg.gpu_fp8_columns_per_thread`` columns; at most 8."""
-    if cfg.gpu_num_warps is not None:
-        return cfg.gpu_num_warps
-    per_warp = 32 * cfg.gpu_fp8_columns_per_thread if fp8_decode else 32 * 16 // itemsize
-    return int(min(8, max(1, tile // per_warp)))
-
-
 @_backend.register(OP_WRITE, "gpu")
 def _gpu_write(slot_mapping, sources, caches, scales, *, segments, config, interpret):
     """Pallas Triton kernel on 2-D views: sources ``[T, W_s]``, caches ``[num_slots, W_d]``.
 
     Program ``(p, j)`` writes tokens ``p * bt .. p * bt + bt - 1`` (``bt`` from
-    :func:`_gpu_tokens_per_program`), columns ``[j * tile_s, (j + 1) * tile_s)``
+    :func:`pallas_kernels.gpu_tiling.tokens_per_program`), columns ``[j * tile_s, (j + 1) * tile_s)``
     of each segment ``s``. It loads every row first and stores afterwards, so
     all of a program's loads are in flight together. A token's store mask is
     empty when it is past ``N`` or its slot is negative or beyond the cache:
@@ -542,7 +303,7 @@ def _gpu_write(slot_mapping, sources, caches, scales, *, segments, config, inter
     flat_src = [s.reshape(s.shape[0], -1) for s in sources]
     flat_caches = [c.reshape(num_slots, -1) for c in caches]
     for k, c in enumerate(flat_caches):
-        _check_gpu_int32_offsets(f"cache {k}", c.shape)
+        gpu_tiling.check_int32_offsets(f"cache {k}", c.shape)
     widths = [s.shape[1] for s in flat_src]
     quantize = scales is not None
     # fp8 at decode sizes (fewer tokens than gpu_min_programs): narrow tiles, more warps.
@@ -550,13 +311,13 @@ def _gpu_write(slot_mapping, sources, caches, scales, *, segments, config, inter
     max_tile = config.gpu_fp8_max_tile if fp8_decode else config.gpu_max_tile
     tiles = [int(min(max_tile, pl.next_power_of_2(w))) for w in widths]
     num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
-    bt = _gpu_tokens_per_program(n, quantize, config)
-    num_warps = _gpu_num_warps(
+    bt = gpu_tiling.tokens_per_program(n, quantize, config)
+    num_warps = gpu_tiling.num_warps(
         max(tiles), max(np.dtype(s.dtype).itemsize for s in flat_src), config, fp8_decode)
     # Columns per scale value of each source: its last axis (D, or all of L / R).
     groups = [s.shape[-1] for s in sources]
     scale_args = [s.reshape(-1, g)[:, 0] for s, g in zip(scales, groups)] if quantize else []
-    divide = ieee_divide if interpret else _ptx_div_rn
+    divide = ieee_divide if interpret else ptx_div_rn
     evict = config.gpu_eviction
     n_src, n_dst = len(sources), len(caches)
 
@@ -644,14 +405,15 @@ def _check_flash(
     num_blocks, block_size = np.shape(key_cache)[:2]
     validation.check_shape("key_cache", key_cache, (None, None, num_heads, head_size))
     validation.check_shape("value_cache", value_cache, np.shape(key_cache))
-    _check_cache_dtype("key_cache", key_cache, mode, "key", key.dtype)
+    validation.check_cache_dtype("key_cache", key_cache, mode, "key", key.dtype)
     validation.check_dtype("value_cache", value_cache, np.dtype(key_cache.dtype))
-    slot_mapping = _check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
+    slot_mapping = validation.check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
     if mode == "auto":
         return slot_mapping, None
     # [], [1] or [H] -> [H, D]: one scale per element of a token's row.
     scales = tuple(
-        jnp.broadcast_to(_scale_array(name, s, (1, num_heads))[:, None], (num_heads, head_size))
+        jnp.broadcast_to(validation.fp8_scale_array(name, s, (1, num_heads))[:, None],
+                         (num_heads, head_size))
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
     )
     return slot_mapping, scales
@@ -669,12 +431,12 @@ def _check_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
     validation.check_dtype("k_pe", k_pe, np.dtype(kv_c.dtype))
     validation.check_rank("kv_cache", kv_cache, 3)
     validation.check_shape("kv_cache", kv_cache, (None, None, kv_lora_rank + pe_dim))
-    _check_cache_dtype("kv_cache", kv_cache, mode, "kv_c", kv_c.dtype)
+    validation.check_cache_dtype("kv_cache", kv_cache, mode, "kv_c", kv_c.dtype)
     num_blocks, block_size = np.shape(kv_cache)[:2]
-    slot_mapping = _check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
+    slot_mapping = validation.check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
     if mode == "auto":
         return slot_mapping, None
-    s = _scale_array("scale", scale, (1,))
+    s = validation.fp8_scale_array("scale", scale, (1,))
     return slot_mapping, (jnp.broadcast_to(s, (kv_lora_rank,)), jnp.broadcast_to(s, (pe_dim,)))
 
 
@@ -712,7 +474,7 @@ def reshape_and_cache_flash(
       kv_cache_dtype: ``"auto"``, ``"fp8"`` or ``"fp8_e4m3"``.
       k_scale, v_scale: fp8 only (ignored for ``"auto"``): float32 scalar, ``[1]``
         or per-head ``[H]``; stored value is ``saturate(x / scale)``.
-      backend, interpret: see :mod:`pallas_kernels._backend`.
+      backend, interpret: see :mod:`pallas_kernels.backend`.
       config: :class:`KVWriteConfig` tuning knobs (static).
 
     Returns:
@@ -733,7 +495,7 @@ def reshape_and_cache_flash(
         (key, value),
         (key_cache, value_cache),
         scales,
-        segments=_FLASH_SEGMENTS,
+        segments=FLASH_SEGMENTS,
         config=config,
     )
 
@@ -780,7 +542,7 @@ def concat_and_cache_mla(
       slot_mapping: int32 or int64 ``[N]`` with ``N <= T``; valid slots unique.
       kv_cache_dtype: ``"auto"``, ``"fp8"`` or ``"fp8_e4m3"``.
       scale: fp8 only: one float32 scale (scalar or ``[1]``).
-      backend, interpret: see :mod:`pallas_kernels._backend`.
+      backend, interpret: see :mod:`pallas_kernels.backend`.
       config: :class:`KVWriteConfig` tuning knobs (static).
 
     Returns:
@@ -794,7 +556,7 @@ def concat_and_cache_mla(
         (kv_c, k_pe),
         (kv_cache,),
         scales,
-        segments=_mla_segments(kv_c.shape[1]),
+        segments=mla_segments(kv_c.shape[1]),
         config=config,
     )
     return out

@@ -47,7 +47,7 @@ programs, so it has no padded rows, and trusts its inputs):
   past ``cu_num_logits[num_reqs]``) are 0: a valid gather index whose logits
   are never sampled. vLLM leaves them uninitialised (``torch.empty``).
 
-Implementations (picked by :func:`pallas_kernels._backend.resolve`):
+Implementations (picked by :func:`pallas_kernels.backend.resolve`):
 
 * reference: two ``.at[].set(mode="drop")`` scatters; masked lanes are sent to
   an out-of-range index, never to -1.
@@ -56,7 +56,7 @@ Implementations (picked by :func:`pallas_kernels._backend.resolve`):
   and each written id is one DMA from an SMEM staging word issued under
   ``pl.when`` (a row that writes nothing issues nothing);
   ``logits_indices`` is an SMEM output resident for the whole grid.
-* GPU (Pallas Triton, see :func:`pallas_kernels._backend.gpu_compiler_params`):
+* GPU (Pallas Triton, see :func:`pallas_kernels.backend.gpu_compiler_params`):
   one program per batch row, one launch per call; masked vector stores for
   the logits rows and the drafts, a one-lane masked store for the last sampled
   token; ``input_ids`` is aliased to the output, and ``logits_indices`` is not
@@ -75,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import contract as validation
-from pallas_kernels import _backend
+from pallas_kernels import backend as _backend
 from pallas_kernels.contract import PAD_ROW_ID
 
 OP_COMBINE = "combine_sampled_and_draft_tokens"
@@ -500,7 +500,7 @@ def combine_sampled_and_draft_tokens(
       cu_num_logits: integer ``[>= R + 1]``, cumulative logits rows per batch row.
       num_logits: static size of the returned ``logits_indices``.
       num_new_sampled_tokens: 0 or 1 (static), as in vLLM.
-      backend, interpret: see :mod:`pallas_kernels._backend`.
+      backend, interpret: see :mod:`pallas_kernels.backend`.
 
     Returns:
       ``(input_ids, logits_indices)``: int32 ``[T]`` and int32 ``[num_logits]``.

@@ -28,7 +28,7 @@ local default device otherwise. Lowering a TPU kernel on a CPU or GPU host
   target given; an explicit target (1, 2) always takes precedence.
 
 Inside :func:`lowering` the ops also treat the platform as a TPU
-(:func:`pallas_kernels._backend.platform` reads the abstract mesh's device), so
+(:func:`pallas_kernels.backend.platform` reads the abstract mesh's device), so
 ``backend="auto"``/``"pallas"``/``"pallas_tpu"`` pick the compiled Mosaic kernels,
 not the interpreter: the whole serving step lowers for TPU as it would run there.
 

@@ -17,14 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
-
-from kvjax.interop.rpa import RPAMetadata, rpa_batch_view, rpa_metadata, rpa_positions
+from kvjax.interop.rpa import RPAMetadata, rpa_metadata
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
-from kvjax.state.padding import gather_index, token_rows
-from pallas_kernels import _backend, tpu_target
+from pallas_kernels import ragged_paged_attention
 from pallas_kernels.kv_pages import write_kv_pages
 from pallas_kernels.kv_write import reshape_and_cache_flash
 
@@ -149,42 +145,17 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:
     """JAX's ``ref_ragged_paged_attention`` semantics with static shapes (jit-able, any backend).
 
-    Query token ``cu_q_lens[i] + k`` of real sequence ``i < num_seqs`` sees the
-    first ``kv_lens[i] - q_len_i + k + 1`` tokens of its pages (K at even combined
-    heads, V at odd). fp8 pages are dequantised as ``float32(stored) * scale``
-    cast to ``q.dtype``. Masking is on values (:func:`masked_attention`): NaN in
-    page tails, unlisted pages or the null page never reaches an output.
+    The ``"reference"`` flavour of :func:`pallas_kernels.ragged_paged_attention` (its
+    docstring: masking on values, malformed steps, fp8) on :class:`RPAMetadata`.
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; rows of tokens past ``cu_q_lens[num_seqs]`` are 0
       (JAX's reference returns only the real rows).
     """
-    T, Hq, D = q.shape
-    num_pages, page_size = kv_pages.shape[:2]
-    kv_pages = kv_pages.reshape(num_pages, page_size, -1, D)
-    combined = kv_pages.shape[2]
-    R, W = metadata.page_indices.shape
-    S = W * page_size
-    positions = rpa_positions(metadata, num_tokens=T)
-    _, qsl = rpa_batch_view(metadata)
-    real = jnp.arange(T) < qsl[R]
-    row = gather_index(token_rows(qsl, T), R)  # masked by `real`
-    kv_len = jnp.asarray(metadata.kv_lens, jnp.int32)[row]
-    j = jnp.arange(S, dtype=jnp.int32)
-    visible = real[:, None] & (j[None, :] <= positions[:, None]) & (j[None, :] < kv_len[:, None])
-    pages = jnp.asarray(metadata.page_indices, jnp.int32)[row]  # [T, W]
-    kv = kv_pages[pages].reshape(T, S, combined, D)
-
-    def split(x, scale):
-        x = x.astype(jnp.float32)
-        if scale is not None:
-            x = (x * jnp.float32(scale)).astype(q.dtype)
-        return x.astype(jnp.float32)
-
-    k, v = split(kv[:, :, 0::2], k_scale), split(kv[:, :, 1::2], v_scale)
-    return masked_attention(
-        q, k, v, visible, lambda s: s * jnp.float32(sm_scale)
-    ).astype(q.dtype)
+    return ragged_paged_attention(
+        q, kv_pages, *metadata.as_args(), sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+        backend="reference",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,10 +332,9 @@ def rpa_attention(
 ) -> jax.Array:
     """Attention through the ragged-paged-attention layout, described by :func:`rpa_metadata`.
 
-    Runs JAX's ``ragged_paged_attention`` kernel where ``backend`` resolves to the
-    TPU flavour (compiled on a TPU; TPU interpret mode when asked on another
-    platform), else :func:`ragged_paged_attention_xla`. Rows of pad tokens are
-    unspecified (the caller masks them).
+    :func:`pallas_kernels.ragged_paged_attention` with ``backend``: JAX's TPU kernel
+    where it resolves to the TPU flavour, the jnp reference elsewhere. Rows of pad
+    tokens are 0 (the caller masks them anyway).
     """
     page_size = kv_pages.shape[1]
     real_rows = ctx.prefill_row | ctx.decode_row
@@ -372,23 +342,7 @@ def rpa_attention(
         ctx.query_start_loc, ctx.seq_lens, ctx.block_table, real_rows, page_size=page_size
     )
     sm_scale = 1.0 / float(np.sqrt(q.shape[-1]))
-    choice = _backend.resolve(backend, None)
-    if choice.flavor != "tpu":
-        return ragged_paged_attention_xla(
-            q, kv_pages, m, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale
-        )
-    if q.shape[-1] % 128:  # JAX's kernel asserts it deep inside; say so before lowering
-        raise ValueError(
-            f"head_dim must be a multiple of 128 for JAX's ragged_paged_attention TPU kernel "
-            f"(backend={backend!r}), got {q.shape[-1]}"
-        )
-    kw = dict(
-        sm_scale=sm_scale,
-        k_scale=None if k_scale is None else float(k_scale),
-        v_scale=None if v_scale is None else float(v_scale),
+    return ragged_paged_attention(
+        q, kv_pages, *m.as_args(), sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+        backend=backend,
     )
-    if not choice.interpret:  # block sizes from the TPU target, not the local device
-        kw.update(tpu_target.rpa_block_sizes(m.page_indices.shape[1], q.shape[0]))
-        return jax_rpa.ragged_paged_attention(q, kv_pages, *m.as_args(), **kw)
-    with pltpu.force_tpu_interpret_mode():
-        return jax_rpa.ragged_paged_attention(q, kv_pages, *m.as_args(), **kw)

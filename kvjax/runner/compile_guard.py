@@ -12,7 +12,7 @@ import warnings
 
 import jax
 
-from pallas_kernels import _backend
+from pallas_kernels import backend as kernel_backend
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -30,13 +30,14 @@ def check_compiles_ahead(backend: str) -> None:
     callbacks that trace when the step runs, so a strict :class:`ServingGuard` stops the
     first step. The GPU kernels' interpreter lowers to plain XLA and compiles ahead of time.
     """
-    choice = _backend.resolve(backend, None)
+    choice = kernel_backend.resolve(backend, None)
     if choice.flavor == "tpu" and choice.interpret:
         raise ValueError(
-            f"backend={backend!r} on {_backend.platform()} runs the TPU kernels through the Pallas "
-            "TPU interpreter, which traces at run time: the step cannot be compiled ahead of time. "
-            "Use --backend pallas_gpu (the GPU kernels, interpreted as XLA, compiled ahead of time) "
-            "or --backend reference, or pass --no-strict to run it with compiles at serving time"
+            f"backend={backend!r} on {kernel_backend.platform()} runs the TPU kernels through the "
+            "Pallas TPU interpreter, which traces at run time: the step cannot be compiled ahead of "
+            "time. Use --backend pallas_gpu (the GPU kernels, interpreted as XLA, compiled ahead "
+            "of time) or --backend reference, or pass --no-strict to run it with compiles at "
+            "serving time"
         )
 
 

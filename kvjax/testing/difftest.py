@@ -57,7 +57,7 @@ import numpy as np
 
 from kvjax import state as st
 from kvjax.spec import KVGroupSpec
-from pallas_kernels import _backend, block_zero, kv_write, mamba, token_combine
+from pallas_kernels import backend as _backend, block_zero, kv_write, mamba, token_combine
 
 from kvjax.testing import scenarios as _sc
 from kvjax.testing import vllm as oracle

@@ -1,24 +1,25 @@
-"""The backend resolver and the implementation registry (pallas_kernels._backend)."""
+"""The backend resolver and the implementation registry (pallas_kernels.backend)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend
-from pallas_kernels._backend import Choice, choose, resolve
+from pallas_kernels import backend as kernel_backend
+from pallas_kernels.backend import Choice, choose, resolve
 
 OPS = ("kv_write", "zero_blocks", "selective_state_update", "causal_conv1d_update",
-       "selective_scan_varlen", "causal_conv1d_varlen", "combine_sampled_and_draft_tokens")
+       "selective_scan_varlen", "causal_conv1d_varlen", "combine_sampled_and_draft_tokens",
+       "ragged_paged_attention")
 
 
 @pytest.fixture
 def on(monkeypatch):
     """Pretend the default platform is ``plat``; KVJAX_INTERPRET unset."""
-    monkeypatch.delenv(_backend.INTERPRET_ENV, raising=False)
+    monkeypatch.delenv(kernel_backend.INTERPRET_ENV, raising=False)
 
     def set_platform(plat):
-        monkeypatch.setattr(_backend, "platform", lambda: plat)
+        monkeypatch.setattr(kernel_backend, "platform", lambda: plat)
 
     return set_platform
 
@@ -43,15 +44,15 @@ def on(monkeypatch):
 )
 def test_resolve_table(on, monkeypatch, plat, backend, interpret, want):
     on(plat)
-    monkeypatch.setattr(_backend.tpu_target, "prepare_compiled_tpu", lambda: None)
+    monkeypatch.setattr(kernel_backend.tpu_target, "prepare_compiled_tpu", lambda: None)
     assert resolve(backend, interpret) == want
 
 
 def test_env_switch_interprets_auto_on_cpu(on, monkeypatch):
     on("cpu")
-    monkeypatch.setenv(_backend.INTERPRET_ENV, "1")
+    monkeypatch.setenv(kernel_backend.INTERPRET_ENV, "1")
     assert resolve("auto", None) == Choice("tpu", True)
-    monkeypatch.setenv(_backend.INTERPRET_ENV, "0")
+    monkeypatch.setenv(kernel_backend.INTERPRET_ENV, "0")
     assert resolve("auto", None) == Choice("reference", False)
 
 
@@ -64,13 +65,15 @@ def test_resolve_rejects_bad_arguments(backend, interpret):
 
 def test_every_op_registers_a_reference_and_its_flavours():
     for op in OPS:
-        assert "reference" in _backend.flavors(op), op
-    assert _backend.flavors("causal_conv1d_varlen") == ("reference",)
-    assert _backend.flavors("selective_scan_varlen") == ("reference", "tpu", "gpu")
+        assert "reference" in kernel_backend.flavors(op), op
+    assert kernel_backend.flavors("causal_conv1d_varlen") == ("reference",)
+    assert kernel_backend.flavors("selective_scan_varlen") == ("reference", "tpu", "gpu")
     for op in ("kv_write", "zero_blocks"):
-        assert _backend.flavors(op) == ("reference", "tpu", "gpu", "mosaic_gpu"), op
-    for op in set(OPS) - {"causal_conv1d_varlen", "kv_write", "zero_blocks"}:
-        assert _backend.flavors(op) == ("reference", "tpu", "gpu"), op
+        assert kernel_backend.flavors(op) == ("reference", "tpu", "gpu", "mosaic_gpu"), op
+    assert kernel_backend.flavors("ragged_paged_attention") == ("reference", "tpu")  # JAX's kernel
+    for op in set(OPS) - {"causal_conv1d_varlen", "kv_write", "zero_blocks",
+                          "ragged_paged_attention"}:
+        assert kernel_backend.flavors(op) == ("reference", "tpu", "gpu"), op
 
 
 def test_choose_falls_back_to_the_reference_only_for_missing_flavours(on):
@@ -84,24 +87,24 @@ def test_choose_falls_back_to_the_reference_only_for_missing_flavours(on):
 def test_register_and_run_pass_interpret_and_static_arguments():
     seen = []
 
-    @_backend.register("test_only_op", "reference", "gpu")
+    @kernel_backend.register("test_only_op", "reference", "gpu")
     def impl(x, *, interpret, scale):
         seen.append((interpret, scale))
         return x * scale
 
     try:
         with pytest.raises(ValueError, match="already has a 'gpu'"):
-            _backend.register("test_only_op", "gpu")(impl)
+            kernel_backend.register("test_only_op", "gpu")(impl)
         with pytest.raises(ValueError, match="flavor must be one of"):
-            _backend.register("test_only_op", "cuda")
-        out = _backend.run("test_only_op", Choice("gpu", True), np.float32(2), scale=3)
+            kernel_backend.register("test_only_op", "cuda")
+        out = kernel_backend.run("test_only_op", Choice("gpu", True), np.float32(2), scale=3)
         assert float(out) == 6.0 and seen[-1] == (True, 3)
-        _backend.run("test_only_op", Choice("reference", False), np.float32(2), scale=3)
+        kernel_backend.run("test_only_op", Choice("reference", False), np.float32(2), scale=3)
         assert seen[-1] == (False, 3)
         with pytest.raises(ValueError, match="no 'tpu' implementation"):
-            _backend.run("test_only_op", Choice("tpu", True), np.float32(2), scale=3)
+            kernel_backend.run("test_only_op", Choice("tpu", True), np.float32(2), scale=3)
     finally:
-        del _backend._IMPLS["test_only_op"]
+        del kernel_backend._IMPLS["test_only_op"]
 
 
 def test_interpret_arg_per_flavour():

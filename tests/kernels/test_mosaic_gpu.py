@@ -7,20 +7,20 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import _backend, kv_mosaic_gpu, kv_write, block_zero
+from pallas_kernels import backend as kernel_backend, kv_mosaic_gpu, kv_write, block_zero, segments
 from pallas_kernels import reshape_and_cache_flash, zero_blocks
-from pallas_kernels._backend import Choice, choose, resolve
+from pallas_kernels.backend import Choice, choose, resolve
 
 
 @pytest.fixture
 def gpu(monkeypatch):
     """Pretend to be on a GPU of capability ``cap`` with JAX ``version``."""
-    monkeypatch.delenv(_backend.INTERPRET_ENV, raising=False)
+    monkeypatch.delenv(kernel_backend.INTERPRET_ENV, raising=False)
 
     def set_up(cap=(9, 0), version=(0, 11), plat="gpu"):
-        monkeypatch.setattr(_backend, "platform", lambda: plat)
-        monkeypatch.setattr(_backend, "_jax_version", lambda: version)
-        monkeypatch.setattr(_backend, "_gpu_capability", lambda: ("cuda:0", cap))
+        monkeypatch.setattr(kernel_backend, "platform", lambda: plat)
+        monkeypatch.setattr(kernel_backend, "_jax_version", lambda: version)
+        monkeypatch.setattr(kernel_backend, "_gpu_capability", lambda: ("cuda:0", cap))
 
     return set_up
 
@@ -88,9 +88,9 @@ def _trace_write(h, d, dtype, fp8):
     c = jax.ShapeDtypeStruct((8, 16, h, d), dtype)
     scales = (jnp.ones((h, d), jnp.float32),) * 2 if fp8 else None
     return jax.eval_shape(
-        lambda k, v, kc, vc, sm: _backend.run(
+        lambda k, v, kc, vc, sm: kernel_backend.run(
             kv_write.OP_WRITE, choice, sm, (k, v), (kc, vc), scales,
-            segments=kv_write._FLASH_SEGMENTS, config=kv_write.KVWriteConfig()),
+            segments=segments.FLASH_SEGMENTS, config=kv_write.KVWriteConfig()),
         k, k, c, c, jax.ShapeDtypeStruct((4,), jnp.int32))
 
 
@@ -104,6 +104,6 @@ def test_rows_not_a_multiple_of_16_bytes_are_not_implemented():
 def test_zero_blocks_below_16_bytes_are_not_implemented():
     a = jax.ShapeDtypeStruct((8, 3), jnp.float32)
     with pytest.raises(NotImplementedError, match=r"multiple of 16; caches\[0\] has 12"):
-        jax.eval_shape(lambda ids, a: _backend.run(
+        jax.eval_shape(lambda ids, a: kernel_backend.run(
             block_zero.OP_ZERO, Choice("mosaic_gpu", False), ids, (a,), r=1,
             config=block_zero.ZeroBlocksConfig()), jax.ShapeDtypeStruct((2,), jnp.int32), a)

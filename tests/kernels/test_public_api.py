@@ -16,6 +16,7 @@ OPS = (
     "causal_conv1d_varlen",
     "combine_sampled_and_draft_tokens",
     "concat_and_cache_mla",
+    "ragged_paged_attention",
     "reshape_and_cache_flash",
     "selective_scan_varlen",
     "selective_state_update",
@@ -41,6 +42,10 @@ def _calls():
             one((1, 1, 2), f32), one((1, 1, 2), f32), np.zeros((2, 2, 2, 2), f32),
             np.array([2], np.int32), backend="reference"),
         "zero_blocks": lambda f: f([one((2, 2), f32)], idx, backend="reference"),
+        "ragged_paged_attention": lambda f: f(
+            one((1, 1, 2), f32), one((2, 2, 2, 2), f32), np.array([1], np.int32),
+            np.array([[1]], np.int32), np.array([0, 1], np.int32), np.array([1], np.int32),
+            backend="reference"),
         "selective_state_update": lambda f: f(
             np.zeros((2, 1, 1, 2), f32), one((1, 1, 1), f32), one((1, 1, 1), f32),
             -one((1, 1, 1), f32), one((1, 1, 2), f32), one((1, 1, 2), f32),

@@ -66,6 +66,18 @@ def _pages(T, H, D, bs, dtype, fp8=False, packed=False, num_pages=40):
     return f, args + extra[1:]
 
 
+def _rpa(T, Hq, Hkv, D, ps, W, R, dtype, fp8=False, num_pages=40):
+    """JAX's ragged paged attention (``T`` query tokens, ``R`` rows of ``W`` pages)."""
+    args = (SD((T, Hq, D), dtype), SD((num_pages, ps, 2 * Hkv, D), FP8 if fp8 else dtype),
+            SD((R,), I32), SD((R, W), I32), SD((R + 1,), I32), SD((1,), I32))
+    scales = dict(k_scale=0.5, v_scale=0.25) if fp8 else {}
+
+    def f(*a):
+        return pk.ragged_paged_attention(*a, sm_scale=D**-0.5, **scales, **TPU)
+
+    return f, args
+
+
 def _zero(n_ids, r, shapes_dtypes):
     args = tuple(SD(s, d) for s, d in shapes_dtypes) + (SD((n_ids,), I32),)
 
@@ -132,6 +144,7 @@ def test_every_public_tpu_op_is_covered():
                                                         "causal_conv1d_varlen"}
     prefixes = {"reshape_and_cache_flash": "flash", "concat_and_cache_mla": "mla",
                 "write_kv_pages": "pages", "zero_blocks": "zero",
+                "ragged_paged_attention": "rpa",
                 "selective_state_update": "ssu", "causal_conv1d_update": "conv",
                 "combine_sampled_and_draft_tokens": "combine"}
     assert ops <= set(prefixes), f"add lowering cases for {sorted(ops - set(prefixes))}"
@@ -161,6 +174,9 @@ CASES = {
     "pages-prefill-bf16-packed-bs128": _pages(1024, 4, 128, 128, BF16, packed=True),
     "pages-decode-f32-d80-bs16": _pages(5, 2, 80, 16, F32),
     "pages-prefill-fp8-packed-bs128": _pages(300, 4, 128, 128, BF16, fp8=True, packed=True),
+    # ragged_paged_attention (JAX's kernel): decode and prefill, bf16 and fp8 pages.
+    "rpa-decode-bf16-ps16": _rpa(8, 8, 2, 128, 16, 8, 8, BF16),
+    "rpa-prefill-fp8-ps128": _rpa(512, 8, 2, 128, 128, 4, 4, BF16, fp8=True),
     # zero_blocks: KV caches of both block sizes plus state pools, 1 and 2 kernel blocks
     # per logical block, one id (decode-sized) and many.
     "zero-kv-bs16": _zero(1, 1, KV),
