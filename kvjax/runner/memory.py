@@ -39,6 +39,11 @@ def dense_reference_length(num_tokens: int, max_model_len: int) -> int:
     return min(max_model_len, 1 << (max(num_tokens, MIN_DENSE_LENGTH) - 1).bit_length())
 
 
+def _pool_bytes(pool) -> int:
+    """Bytes of one :class:`~kvjax.models.interface.PoolSpec` (one data rank's whole pool)."""
+    return int(np.prod(pool.shape)) * np.dtype(pool.dtype).itemsize
+
+
 def _nbytes(tree) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
@@ -100,8 +105,8 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     c, m = config, config.model
     g = c.kv_group
     pools = m.pool_specs(c.cache_sizes)
-    kv_bytes = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in pools if p.kind == "kv")
-    state_bytes = sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in pools if p.kind == "state")
+    kv_bytes = sum(_pool_bytes(p) for p in pools if p.kind == "kv")
+    state_bytes = sum(_pool_bytes(p) for p in pools if p.kind == "state")
     rows = jax.eval_shape(lambda: RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens))
     tables = jax.eval_shape(lambda: BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks))
 
@@ -112,6 +117,12 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     T = max(b.num_tokens for b in c.bucket_spec.buckets)
     S = g.table_width * g.kernel_block_size
     attention = m.step_temp_bytes(T, S) if hasattr(m, "step_temp_bytes") else 0
+    if c.kv_layout == "rpa":
+        # The XLA path of JAX's ragged paged attention (ragged_paged_attention_xla, used off the
+        # TPU) first gathers each token's pages whole, K and V interleaved, in the storage dtype:
+        # T x S tokens of one KV pool (1.70x short in float32 before this term; issue 25 item 6).
+        attention += T * S * max((_pool_bytes(p) // (p.shape[0] * g.kernel_block_size)
+                                  for p in pools if p.kind == "kv"), default=0)
     # The new requests' token rows travel in the step's packed input buffer ([U, max_model_len]),
     # and post_update may hold a second copy of the request rows.
     step = attention + 4 * c.max_new_requests * c.max_model_len + _nbytes(rows)
