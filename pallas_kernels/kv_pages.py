@@ -206,7 +206,8 @@ def token_runs(slots, page_size: int):
     idx = jnp.arange(n, dtype=jnp.int32)
     live = slots >= 0
     prev = jnp.concatenate([jnp.full((1,), PAD_SLOT_ID, slots.dtype), slots[:-1]])
-    cont = live & (prev >= 0) & (slots == prev + 1) & (jax.lax.rem(slots, page_size) != 0)
+    ps = jnp.asarray(page_size, slots.dtype)  # lax.rem takes one dtype (int64 under x64)
+    cont = live & (prev >= 0) & (slots == prev + 1) & (jax.lax.rem(slots, ps) != 0)
     start = live & ~cont
     breaks = jnp.where(cont, n, idx)  # a run ends before the next start or invalid token
     next_break = jax.lax.cummin(jnp.concatenate([breaks[1:], jnp.full((1,), n, jnp.int32)]),
