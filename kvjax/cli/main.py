@@ -9,6 +9,7 @@ import sys
 
 import jax
 
+import kvjax
 from kvjax.cli import demo as demo_cli
 from kvjax.cli.demo import print_summary, serve
 from kvjax.cli.trace import run_trace
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``python -m kvjax`` parser; every option has help text and shows its default."""
     fmt = _HelpFormatter
     parser = argparse.ArgumentParser(prog="python -m kvjax", description="kvjax demos", formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"kvjax {kvjax.__version__}",
+                        help="print the kvjax version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve a seeded workload on the tiny hybrid model and check parity",
                           formatter_class=fmt)

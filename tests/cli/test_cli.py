@@ -150,3 +150,52 @@ def test_the_parity_check_pads_to_the_request_not_to_max_model_len():
     done.output, done.logits = [0, 0], [np.zeros(config.model.vocab_size, np.float32)] * 2
     results, nan_count = check_against_reference(FakeRunner(), config, [done])
     assert shapes == [(16,)] and nan_count == 0 and results["a"]["matches_reference"]
+
+
+def test_version_prints_the_package_version(capsys):
+    import kvjax
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvjax {kvjax.__version__}"
+
+
+@pytest.mark.parametrize("mesh, fragment", [
+    ("data=3", "moe_num_experts=8 must be a multiple of the data axis size 3"),
+    ("model=3", "model=3 must divide num_kv_heads=2"),
+    ("data=0", "mesh axis 'data' needs a positive int, got 0"),
+    ("model=-2", "mesh axis 'model' needs a positive int, got -2"),
+    ("data=two", "mesh axis 'data' needs a positive int, got 'two'"),
+    ("data", "mesh must look like 'data=D,model=M', got 'data'"),
+    ("pipe=2", "mesh must look like 'data=D,model=M', got 'pipe=2'"),
+    ("data=2;model=2", "needs a positive int"),
+])
+def test_an_invalid_mesh_is_a_one_line_usage_error_before_anything_starts(mesh, fragment, monkeypatch, capsys):
+    # Issue 25 item 7: --mesh data=3 / model=3 printed a traceback and exited 1.
+    monkeypatch.setattr(cli, "serve", _refuse_to_serve)
+    monkeypatch.setattr(cli.demo_cli, "start_devices", _refuse_to_serve)  # nor the devices
+    monkeypatch.setattr(cli, "make_mesh", _refuse_to_serve)
+    code, err = _exit_code(["demo", "--mesh", mesh], capsys)
+    assert code == 2, err
+    assert fragment in err and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("python -m kvjax")][0]  # argparse usage
+    assert len([line for line in err.splitlines() if "error" in line]) == 1, err
+
+
+def test_quiet_prints_nothing_but_the_summary(monkeypatch, capsys):
+    # Issue 25 item 7: --quiet still printed the memory line.
+    seen = {}
+
+    def fake_serve(config, requests, *, mesh, strict, progress_stream, compile_workers, overlap):
+        seen["progress_stream"] = progress_stream
+        raise SystemExit(0)  # stop before the summary: only what came before is checked
+
+    monkeypatch.setattr(cli, "serve", fake_serve)
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--quiet", "--requests", "2"])
+    assert seen["progress_stream"] is None
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--requests", "2"])
+    assert "estimated memory" in capsys.readouterr().err  # and without --quiet it is there
