@@ -183,9 +183,12 @@ class AttnSpec:
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """``x @ w (+ b)`` with float32 accumulation: ``x`` is cast to ``w``'s dtype (bf16 weights run
-    a bf16 matmul into float32); float32 weights are a plain ``x @ w``."""
+    a bf16 matmul into float32; on the CPU, whose XLA lacks that dot, the bf16 operands are
+    widened first: the same products); float32 weights are a plain ``x @ w``."""
     if w.dtype == jnp.float32:
         y = x @ w
+    elif jax.default_backend() == "cpu":  # XLA:CPU has no bf16 x bf16 -> f32 dot
+        y = x.astype(w.dtype).astype(jnp.float32) @ w.astype(jnp.float32)
     else:
         y = jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     return y if b is None else y + b.astype(jnp.float32)

@@ -135,6 +135,8 @@ def experts_ffn(h: jax.Array, gates: jax.Array, w: dict, spec: MoESpec) -> jax.A
         return _experts(h, gates, w["w_gate"], w["w_up"], w["w_down"])
 
     def mm(eq, a, b):
+        if jax.default_backend() == "cpu":  # XLA:CPU has no bf16 x bf16 -> f32 dot
+            return jnp.einsum(eq, a.astype(b.dtype).astype(jnp.float32), b.astype(jnp.float32))
         return jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=jnp.float32)
 
     up = mm("td,edf->tef", h, w["w_up"])
@@ -146,10 +148,13 @@ def experts_ffn(h: jax.Array, gates: jax.Array, w: dict, spec: MoESpec) -> jax.A
     return jnp.einsum("te,ted->td", gates, o)
 
 
-def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None) -> jax.Array:
+def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None,
+            route_input: jax.Array | None = None) -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``; see the module docstring for
-    ``expert_axis``). ``w``: ``router [d, E]``, optional ``e_bias [E]`` (sigmoid routing), the
-    expert stacks of :func:`experts_ffn` (``E / axis size`` of them under ``expert_axis``)."""
+    ``expert_axis``). ``w``: ``router [d_r, E]``, optional ``e_bias [E]`` (sigmoid routing), the
+    expert stacks of :func:`experts_ffn` (``E / axis size`` of them under ``expert_axis``).
+    ``route_input [T, d_r]``: what the router reads when it is not ``h`` (Nemotron-H's latent
+    experts are routed on the hidden state before the latent projection)."""
 
     def gates_of(hh):
         router = w["router"]
@@ -158,11 +163,13 @@ def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None
             return route_from_logits(logits, spec.top_k)
         return route_sigmoid_grouped(logits, w.get("e_bias"), spec)
 
+    r = h if route_input is None else route_input
     if expert_axis is None:
-        return experts_ffn(h, gates_of(h), w, spec)
+        return experts_ffn(h, gates_of(r), w, spec)
     El = w["w_up"].shape[0]
     h_all = jax.lax.all_gather(h, expert_axis, tiled=True)  # [S * T, d]: every member's tokens
-    gates = gates_of(h_all)
+    r_all = h_all if route_input is None else jax.lax.all_gather(r, expert_axis, tiled=True)
+    gates = gates_of(r_all)
     first = jax.lax.axis_index(expert_axis) * El
     local = jax.lax.dynamic_slice_in_dim(gates, first, El, axis=1)
     part = experts_ffn(h_all, local, w, spec)

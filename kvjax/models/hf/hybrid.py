@@ -453,7 +453,7 @@ class HybridModel:
         if b.kind == "mlp":
             return mlp(h, p, c.mlp)
         hl = linear(h, p["fc1"], p.get("fc1_b")) if c.moe_latent is not None else h
-        out = moe_ffn(hl, p, c.moe, expert_axis)
+        out = moe_ffn(hl, p, c.moe, expert_axis, route_input=None if c.moe_latent is None else h)
         if c.moe_latent is not None:
             out = linear(out, p["fc2"], p.get("fc2_b"))
         if c.moe_shared is not None:
