@@ -151,11 +151,12 @@ def _index_checkpoint(path: str) -> dict[str, _TensorInfo]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"model.safetensors.index.json: no valid 'weight_map' ({e!r})") from None
         files = sorted(set(weight_map.values()))
+        for fn in files:
+            if not os.path.exists(os.path.join(path, fn)):
+                raise ValueError(f"model.safetensors.index.json names {fn!r}, which is not in {path}")
         tensors: dict[str, _TensorInfo] = {}
         for fn in files:
             full = os.path.join(path, fn)
-            if not os.path.exists(full):
-                raise ValueError(f"model.safetensors.index.json names {fn!r}, which is not in {path}")
             for tname, info in _read_header(full).items():
                 if weight_map.get(tname) != fn:
                     raise ValueError(f"{fn}: tensor {tname!r} is not listed for this file in "
