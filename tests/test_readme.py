@@ -60,10 +60,40 @@ def test_every_readme_python_snippet_runs_as_written():
             raise AssertionError(f"README python snippet {i} fails:\n{code}") from e
 
 
-def test_readme_json_snippets_parse():
-    for lang, body in _fenced_blocks((ROOT / "README.md").read_text()):
-        if lang == "json":
-            json.loads(body)
+def test_readme_json_snippets_parse_and_its_workload_is_accepted_by_the_demo(tmp_path, monkeypatch):
+    """The README has JSON snippets; each parses, and each workload among them (an object
+    with "requests") is one ``python -m kvjax demo --workload`` accepts with its defaults:
+    validation passes and serving starts with those requests."""
+    import kvjax.cli.main as cli
+
+    snippets = [body for lang, body in _fenced_blocks((ROOT / "README.md").read_text()) if lang == "json"]
+    assert snippets, "the README has no ```json snippet"
+    workloads = []
+    for i, body in enumerate(snippets):
+        try:
+            data = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise AssertionError(f"README json snippet {i} does not parse: {e}\n{body}") from None
+        if isinstance(data, dict) and "requests" in data:
+            workloads.append(data)
+    assert workloads, "no README json snippet is a workload file"
+
+    class Served(Exception):
+        pass
+
+    def fake_serve(config, requests, **kwargs):
+        raise Served([r.req_id for r in requests])
+
+    monkeypatch.setattr(cli, "serve", fake_serve)
+    for i, data in enumerate(workloads):
+        path = tmp_path / f"workload_{i}.json"
+        path.write_text(json.dumps(data))
+        try:
+            code = cli.main(["demo", "--workload", str(path), "--quiet"])
+        except Served as e:
+            assert e.args[0] == [r["id"] for r in data["requests"]]
+        else:
+            raise AssertionError(f"the demo refused README workload {i} (exit {code}): {data}")
 
 
 def _table_shape(text):

@@ -43,7 +43,12 @@ def test_progress_on_a_terminal_redraws_one_line():
     assert "[###############...............] 1/2 scenarios" in text
 
 
-def test_progress_none_writes_nothing():
-    bar = Progress(3, None)
-    bar.update(1)
+def test_progress_none_writes_nothing(capsys):
+    """``stream=None`` (``--quiet``) is off: nothing reaches stdout or stderr, the first and
+    last updates and ``close`` included (not a default stream in disguise)."""
+    bar = Progress(3, None, interval=0.0)
+    for done in range(4):
+        bar.update(done, f"step {done}")
     bar.close()
+    assert not bar.enabled and not bar.terminal
+    assert capsys.readouterr() == ("", "")
