@@ -2,9 +2,12 @@
 
 ``jax.export.export(jax.jit(f), platforms=("tpu",))`` runs Mosaic's Python lowering
 without a TPU: block shapes and tiling rules, supported ops and dtypes, scalar
-prefetch. The exported module must hold a Mosaic custom call (``tpu_custom_call``):
-a kernel that silently fell back to XLA would not. What only a chip checks (Mosaic's
-compiler passes, VMEM limits, numerics, speed) is ``benchmarks/tpu_check.py``'s job.
+prefetch. The exported module must hold exactly the op's own Mosaic kernel: one
+``tpu_custom_call`` whose ``kernel_name`` is the op's (:data:`KERNELS`), carrying a
+serialized Mosaic body, with the cache aliased to the output where the op writes in
+place. An op that fell back to its XLA reference (no call), or ran another op's kernel,
+or two, fails. What only a chip checks (Mosaic's compiler passes, VMEM limits,
+numerics, speed) is ``benchmarks/tpu_check.py``'s job.
 
 ``selective_scan_varlen`` and ``causal_conv1d_varlen`` have no TPU kernel (they are
 jnp only, whatever the backend), so there is nothing Mosaic-specific to lower.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import sys
 
 import jax
@@ -27,6 +31,40 @@ SD = jax.ShapeDtypeStruct
 BF16, F32, FP8, I32 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int32
 TPU = dict(backend="pallas_tpu", interpret=False)
 MOSAIC = "tpu_custom_call"
+# Case-name prefix -> the kernel_name of its op's Mosaic kernel. The Mamba updates'
+# kernels are unnamed (Pallas calls them "kernel").
+KERNELS = {"flash": "kv_write_tpu", "mla": "kv_write_tpu", "pages": "kv_pages_tpu",
+           "zero": "zero_blocks_tpu", "rpa": "ragged_paged_attention_kernel", "ssu": "kernel",
+           "conv": "kernel", "combine": "combine_sampled_and_draft_tokens_tpu"}
+# Ops whose output is a new array (no cache updated in place).
+NOT_IN_PLACE = {"rpa"}
+# A serialized Mosaic module in the call's backend config (JSON, quotes escaped as \22).
+BODY = re.compile(r'custom_call_config\\22: \{\\22body\\22: \\22[A-Za-z0-9+/=]{16,}')
+
+
+def mosaic_calls(text: str) -> list[dict]:
+    """The Mosaic custom calls of an exported module's text, one dict each: ``kernel_name``,
+    ``has_body`` (a serialized Mosaic module in its backend config), ``aliased`` (an
+    output aliases an operand)."""
+    calls = []
+    for line in text.splitlines():
+        if f"stablehlo.custom_call @{MOSAIC}(" not in line:
+            continue
+        name = re.search(r'kernel_name = "([^"]*)"', line)
+        calls.append(dict(
+            kernel_name=name.group(1) if name else None,
+            has_body=bool(BODY.search(line)),
+            aliased="output_operand_aliases" in line,
+        ))
+    return calls
+
+
+def assert_own_kernel(name: str, text: str) -> None:
+    """``text`` lowers case ``name``'s op to exactly its own Mosaic kernel (see the docstring)."""
+    prefix = name.split("-")[0]
+    calls = mosaic_calls(text)
+    want = dict(kernel_name=KERNELS[prefix], has_body=True, aliased=prefix not in NOT_IN_PLACE)
+    assert calls == [want], f"{name}: Mosaic calls {calls}, want [{want}]"
 
 
 def _flash(T, H, D, bs, dtype, fp8=False, num_blocks=40):
@@ -211,8 +249,16 @@ def _export(f, args, target=None):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_lowers_for_tpu(name):
     f, args = CASES[name]
-    text = _export(f, args).mlir_module()
-    assert MOSAIC in text, f"{name}: no Mosaic kernel in the TPU module"
+    assert_own_kernel(name, _export(f, args).mlir_module())
+
+
+def test_a_fallback_to_the_reference_is_caught():
+    # The same op with backend="reference": plain XLA, no Mosaic call; the check says so.
+    args = (SD((40, 16, 8, 128), BF16), SD((3,), I32))
+    text = _export(lambda c, i: pk.zero_blocks([c], i, backend="reference"), args).mlir_module()
+    assert mosaic_calls(text) == []
+    with pytest.raises(AssertionError, match="zero-kv-bs16: Mosaic calls \\[\\]"):
+        assert_own_kernel("zero-kv-bs16", text)
 
 
 @pytest.mark.parametrize("target", sorted(tpu_target.TARGETS))
@@ -220,9 +266,9 @@ def test_kernels_lower_for_each_target(target):
     # One representative per op for every generation: the target, not the local
     # device, answers Mosaic's chip questions.
     for name in ("flash-decode-fp8-bs16", "mla-decode-bf16-bs16", "pages-decode-bf16-bs16", "zero-kv-bs16",
-                 "ssu-spec-f32", "conv-spec-bf16", "combine-decode-drafts"):
+                 "ssu-spec-f32", "conv-spec-bf16", "combine-decode-drafts", "rpa-decode-bf16-ps16"):
         f, args = CASES[name]
-        assert MOSAIC in _export(f, args, target=target).mlir_module(), (name, target)
+        assert_own_kernel(name, _export(f, args, target=target).mlir_module())
 
 
 # --------------------------------------------------------------------------
@@ -271,7 +317,7 @@ def test_explicit_target_never_asks_the_local_device(monkeypatch):
     monkeypatch.setattr(tpu_target, "_registered_fallback", {})
     tpu_target._mosaic_tpu_info.get_tpu_info.cache_clear()
     f, args = CASES["combine-decode-drafts"]  # its lowering asks Mosaic for the chip
-    assert MOSAIC in _export(f, args, target="v5e").mlir_module()
+    assert_own_kernel("combine-decode-drafts", _export(f, args, target="v5e").mlir_module())
     assert registry == {}
     tpu_target._mosaic_tpu_info.get_tpu_info.cache_clear()
 
@@ -324,4 +370,4 @@ def test_shapes_beyond_the_targets_vmem_are_rejected_before_lowering(name, f_arg
     f, args = f_args
     with pytest.raises(ValueError, match=r"needs about .* MiB of VMEM .* v5e scoped VMEM limit"):
         _export(f, args, target="v5e")
-    assert MOSAIC in _export(f, args, target="v6e").mlir_module()  # 32 MiB: fits
+    assert_own_kernel(name, _export(f, args, target="v6e").mlir_module())  # 32 MiB: fits
