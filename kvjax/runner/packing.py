@@ -6,9 +6,6 @@ structure, shapes and dtypes (hashable: a static argument), and
 :func:`unpack` rebuilds the pytree (inside ``jit`` with static slices, or on the
 host from a numpy buffer). :func:`pack_device` is :func:`pack` inside ``jit``.
 
-:func:`flatten_by_dtype` / :func:`unflatten_by_dtype` hold a pytree of arrays of any
-dtypes as one 1-D array per dtype (a step's parameters as a few arguments, not one
-per leaf).
 """
 
 from __future__ import annotations
@@ -91,51 +88,3 @@ def pack_device(tree) -> jax.Array:
             leaf = jax.lax.bitcast_convert_type(leaf, jnp.int32)
         parts.append(leaf.reshape(-1).astype(jnp.int32))
     return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class DtypeLayout:
-    """Where :func:`flatten_by_dtype` put each leaf: ``(group, offset, shape)`` in leaf order;
-    ``dtypes`` names each group's dtype, ``sizes`` its length. Hashable (a static argument)."""
-
-    treedef: jax.tree_util.PyTreeDef
-    places: tuple[tuple[int, int, tuple[int, ...]], ...]
-    dtypes: tuple[str, ...]
-    sizes: tuple[int, ...]
-
-
-_ALIGN = 64  # elements: every leaf starts on a 256-byte boundary of its group for 4-byte dtypes
-
-
-def flatten_by_dtype(tree) -> tuple[tuple[jax.Array, ...], DtypeLayout]:
-    """``tree`` (arrays) -> (one 1-D array per dtype, in order of first appearance; layout)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    dtypes, sizes, places = [], [], []
-    for leaf in leaves:
-        name = np.dtype(leaf.dtype).name
-        if name not in dtypes:
-            dtypes.append(name)
-            sizes.append(0)
-        g = dtypes.index(name)
-        places.append((g, sizes[g], tuple(leaf.shape)))
-        sizes[g] += -(-int(np.prod(leaf.shape)) // _ALIGN) * _ALIGN
-    groups = []
-    for g, name in enumerate(dtypes):
-        parts = []
-        for leaf, (lg, off, shape) in zip(leaves, places):
-            if lg == g:
-                n = int(np.prod(shape))
-                pad = -(-n // _ALIGN) * _ALIGN - n
-                parts += [jnp.ravel(leaf), jnp.zeros((pad,), leaf.dtype)]
-        groups.append(jnp.concatenate(parts))
-    return tuple(groups), DtypeLayout(treedef, tuple(places), tuple(dtypes), tuple(sizes))
-
-
-def unflatten_by_dtype(groups, layout: DtypeLayout):
-    """Inverse of :func:`flatten_by_dtype` (static slices; usable under ``jit``)."""
-    if len(groups) != len(layout.dtypes) or any(
-            g.shape != (n,) or np.dtype(g.dtype).name != d for g, n, d in zip(groups, layout.sizes, layout.dtypes)):
-        raise ValueError(f"groups must be 1-D arrays of sizes {layout.sizes} and dtypes {layout.dtypes}, got "
-                         f"{[(tuple(g.shape), np.dtype(g.dtype).name) for g in groups]}")
-    leaves = [groups[g][off: off + int(np.prod(shape))].reshape(shape) for g, off, shape in layout.places]
-    return jax.tree.unflatten(layout.treedef, leaves)

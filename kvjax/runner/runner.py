@@ -63,7 +63,7 @@ from kvjax.state import (
     BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch, gather_index,
 )
 from kvjax.state.padding import is_real_row
-from pallas_kernels import zero_blocks
+from pallas_kernels import tpu_target, zero_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +220,7 @@ class StepOutput:
     sampled: np.ndarray  # int32 [R, 1 + k]
     num_sampled: np.ndarray  # int32 [R]
     logits: np.ndarray  # float32 [L, vocab]
+    dummy: bool = False  # the device found the step's inputs all padding (StepInputs.is_dummy)
 
 
 @dataclasses.dataclass
@@ -264,8 +265,8 @@ class PendingStep:
         rows = _local_rows(self.packed)
         outputs = {}
         for d in self.local_ranks:
-            sampled, num_sampled, logits, checks = unpack(rows[d], self.spec)
-            outputs[d] = StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits))
+            sampled, num_sampled, logits, dummy, checks = unpack(rows[d], self.spec)
+            outputs[d] = StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits), bool(dummy))
             if self.verdicts is not None:
                 self.verdicts[d](checks)
         return StepResult(self.bucket, outputs)
@@ -318,7 +319,8 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
     :mod:`kvjax.runner.sanitizer`, returned as the last output (``int32 [0, 1]`` when off);
     the inputs must then carry the host's expectations.
 
-    Returns ``(new DeviceState, (sampled, num_sampled, logits, checks))``.
+    Returns ``(new DeviceState, (sampled, num_sampled, logits, dummy, checks))``; ``dummy``: the
+    inputs were all padding (:meth:`StepInputs.is_dummy`).
     """
     sanitize = config.poison if sanitize is None else sanitize
     req, tables, pools = dstate.requests, dstate.tables, dict(dstate.pools)
@@ -391,9 +393,23 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
             expect_tables=inp.expect_tables, expect_num_blocks=inp.expect_num_blocks,
             live_rows=inp.live_rows, live_slots=inp.live_slots, r=r, kv_group=0,
         )
-        idle = sanitizer.idle_rank_checks(inp.is_dummy(req.max_num_reqs), before, dict(_state_arrays(new)))
+    dummy = inp.is_dummy(req.max_num_reqs)
+    if sanitize:
+        idle = sanitizer.idle_rank_checks(dummy, before, dict(_state_arrays(new)))
         checks = sanitizer.encode({**pre_checks, **post, **idle})
-    return new, (sampled, num_sampled, logits.astype(jnp.float32), checks)
+    return new, (sampled, num_sampled, logits.astype(jnp.float32), dummy, checks)
+
+
+def _trace_mesh(mesh: Mesh):
+    """The mesh a ``shard_map`` traced now takes: inside :func:`pallas_kernels.tpu_target.lowering`
+    or under an abstract mesh naming another device (lowering for a GPU from this host), the
+    abstract mesh with that device, so the kernels inside pick their compiled flavour; else
+    ``mesh``. Call it while tracing."""
+    target = tpu_target.shard_map_mesh(mesh)
+    if target is not mesh:
+        return target
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return mesh if device is None else mesh.abstract_mesh.update(abstract_device=device)
 
 
 def _state_arrays(state: DeviceState):
@@ -690,13 +706,11 @@ class Runner:
             rows = jax.lax.dynamic_update_slice(rows, pack_device((new.requests, new.tables)), (0,))
             return rows[None], {k: v[None] for k, v in new.pools.items()}, pack_device(out)[None]
 
-        from pallas_kernels import tpu_target  # noqa: PLC0415  (see tpu_target.shard_map_mesh)
-
         def sm(params, rows, pools, buf):
             # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
             # replication of outputs over "model" is proved by the parity tests instead. The mesh
             # is picked at trace time: inside tpu_target.lowering, one whose device is the target.
-            return jax.shard_map(per_rank, mesh=tpu_target.shard_map_mesh(self.mesh),
+            return jax.shard_map(per_rank, mesh=_trace_mesh(self.mesh),
                                  in_specs=(self.param_specs, P(DATA), self._pool_pspecs, P(DATA)),
                                  out_specs=(P(DATA), self._pool_pspecs, P(DATA)),
                                  check_vma=False)(params, rows, pools, buf)

@@ -28,7 +28,8 @@ import numpy as np
 
 from kvjax.host.placement import least_loaded
 from kvjax.host.scheduler import Request, Scheduler, StepPlan
-from kvjax.runner.runner import PendingStep, Runner
+from kvjax.runner.runner import PendingStep, Runner, StepResult
+from kvjax.runner.sanitizer import SanitizerError
 
 #: Placeholder for a sampled token whose value is still on the device (never a token id).
 PENDING_TOKEN = -1
@@ -48,6 +49,7 @@ class ServeStats:
 
 @dataclasses.dataclass
 class _InFlight:
+    step: int
     plans: dict[int, StepPlan | None]
     output: PendingStep
     # per rank: (request, first output index, batch row) for every row that sampled a token
@@ -77,15 +79,29 @@ def _resolve(step: _InFlight) -> None:
     Each placeholder names the batch row it came from; the value written is that row's,
     whatever order the rows were scheduled in."""
     result = step.output.fetch()
-    for d, placeholders in step.placeholders.items():
+    check_idle_ranks(result, step.plans, step.step)
+    for d, placeholders in step.placeholders.items():  # every row checked before any is written
         out = result.outputs[d]
-        for req, i, b in placeholders:
+        for _, _, b in placeholders:
             if out.num_sampled[b] != 1:
                 raise RuntimeError(
                     f"overlapped step {step.plans[d].step} (rank {d}): batch row {b} sampled "
                     f"{int(out.num_sampled[b])} tokens, the host assumed 1")
+    for d, placeholders in step.placeholders.items():
+        out = result.outputs[d]
+        for req, i, b in placeholders:
             req.output[i] = int(out.sampled[b, 0])
             req.logits.append(out.logits[b])  # one logits row per batch row (no drafts)
+
+
+def check_idle_ranks(result: StepResult, plans: Mapping[int, StepPlan | None], step) -> None:
+    """A rank the loop left idle (no plan) must have run the dummy step: the device found its
+    inputs all padding. Otherwise :class:`~kvjax.runner.sanitizer.SanitizerError`
+    (``idle_rank_not_dummy``), whatever the checked mode: the device ran a step the host never
+    scheduled."""
+    for d, plan in plans.items():
+        if plan is None and d in result.outputs and not result.outputs[d].dummy:
+            raise SanitizerError(step, "idle_rank_not_dummy", "inputs", (), d)
 
 
 def _needs_values(plans: Mapping[int, StepPlan | None]) -> bool:
@@ -159,6 +175,7 @@ def run_to_completion(scheds: Scheduler | Mapping[int, Scheduler], runner: Runne
         prepared = runner.prepare(plans, buckets[b])  # overlapped: packed while the step in flight runs
         if not overlap:
             result = runner.launch(prepared).fetch()
+            check_idle_ranks(result, plans, step - 1)
             for d, plan in plans.items():
                 if plan is not None:
                     out = result.outputs[d]
@@ -169,7 +186,7 @@ def run_to_completion(scheds: Scheduler | Mapping[int, Scheduler], runner: Runne
             output = runner.launch(prepared)
             if in_flight is not None:  # its outputs are read while the new step runs
                 _resolve(in_flight)
-            in_flight = _InFlight(plans, output, {d: _apply_counts(scheds[d], p)
+            in_flight = _InFlight(step - 1, plans, output, {d: _apply_counts(scheds[d], p)
                                                   for d, p in plans.items() if p is not None})
         stats.steps += 1
         for d, plan in plans.items():

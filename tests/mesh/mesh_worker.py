@@ -1,12 +1,13 @@
 """Mesh cases run in a fresh process (XLA_FLAGS must be set before JAX starts).
 
 Usage: ``python tests/mesh/mesh_worker.py CASE [CASE ...]``, a case being
-``DxM`` (serve the workload over that mesh), ``single`` (the plain single-device
-runner) or ``planted`` (a 2x1 run whose dummy steps get an all-zero slot
-mapping, as in vLLM PR 39444), ``planted_stale`` (a 2x1 run whose dummy steps
-re-send the rank's previous inputs) or ``tpu_DxM`` (export every bucket's sharded
-step for TPU over that mesh, Mosaic kernels inside; nothing runs). Prints one JSON
-line per case.
+``DxM`` (serve the workload over that mesh; suffixes ``_overlap``, ``_fp8``,
+``_spec``, ``_rpa`` switch those features on), ``single`` (one device) or a
+planted bug on a 2x1 mesh: ``planted`` (dummy steps get an all-zero slot mapping,
+as in vLLM PR 39444), ``planted_stale`` (dummy steps re-send the rank's previous
+inputs), ``planted_nozero`` (every rank's fresh blocks and slots are passed to
+``zero_blocks`` as -1), or ``tpu_DxM`` (export every bucket's sharded step for TPU
+over that mesh, Mosaic kernels inside; nothing runs). Prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kvjax.cli.demo import serve  # noqa: E402
-from kvjax.cli.mesh_demo import MESH_MODEL, serve_mesh  # noqa: E402
+import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from kvjax.cli.demo import MESH_MODEL, serve  # noqa: E402
 from kvjax.cli.workload import validate_workload  # noqa: E402
 from kvjax.runner import Runner, RunnerConfig  # noqa: E402
-from kvjax.runner.mesh import MeshRunner, make_mesh  # noqa: E402
+from kvjax.runner.mesh import make_mesh  # noqa: E402
+from kvjax.runner.sanitizer import SanitizerError  # noqa: E402
 from kvjax.state.block_tables import BlockTables  # noqa: E402
 from pallas_kernels import tpu_target  # noqa: E402
 
@@ -76,22 +81,40 @@ def plant_stale_dummy_inputs():
     last = {}
 
     def make(original):
-        def planted(self, plans, bucket):
+        def planted(self, plans, bucket=None):
+            if not isinstance(plans, dict):  # warm-up and release steps
+                return original(self, plans, bucket)
             stale = {d: p if p is not None else last.get(d) for d, p in plans.items()}
             last.update({d: p for d, p in plans.items() if p is not None})
             return original(self, stale, bucket)
         return planted
 
-    return patched(MeshRunner, "execute_ranks", make)
+    return patched(Runner, "prepare", make)
+
+
+def plant_no_zeroing():
+    """The mesh hands ``zero_blocks`` all -1 ids: fresh blocks and slots keep what they held."""
+
+    def make(original):
+        def planted(self, plan, bucket=None, rank=None):
+            inp = original(self, plan, bucket, rank)
+            return inp.replace(zero_blocks=np.full_like(inp.zero_blocks, -1),
+                               zero_slots=np.full_like(inp.zero_slots, -1))
+        return planted
+
+    return patched(Runner, "pack", make)
+
+
+PLANTS = {"planted": plant_zero_dummy_slot_mapping, "planted_stale": plant_stale_dummy_inputs,
+          "planted_nozero": plant_no_zeroing}
 
 
 def lower_for_tpu(D: int, M: int) -> list[dict]:
     """Export every bucket's sharded step (TPU kernels, ``backend="pallas_tpu"``) for TPU over a
     ``D x M`` mesh of host devices; per bucket, what the exported module holds."""
     cfg = config((8, 16), backend="pallas_tpu")
-    runner = MeshRunner(cfg, make_mesh(D, M))
-    # zero-size leaves (no drafts) are built inside the program, not passed (MeshRunner)
-    num_state_leaves = sum(a.size > 0 for a in jax.tree.leaves(runner.state))
+    runner = Runner(cfg, mesh=make_mesh(D, M))
+    num_state_leaves = 1 + len(runner.pool_specs)  # the rows buffer and every pool
     found = []
     for bucket in runner.buckets.buckets:
         fn, args, _ = runner.jitted_step(bucket)
@@ -116,24 +139,26 @@ def run(case: str) -> dict:
     if case.startswith("tpu_"):
         D, M = (int(x) for x in case[4:].split("x"))
         return {"case": case, "buckets": lower_for_tpu(D, M)}
-    if case == "single":
-        cfg = config()
-        report, _ = serve(cfg, requests(), progress_stream=None,
-                          runner=Runner(cfg, compiler_options=FAST_COMPILE))
-        return {"case": case, "outputs": {k: v["output"] for k, v in report.requests.items()},
-                "all_match": report.all_match, "nan_count": report.nan_count,
-                "serving_compiles": report.serving_compiles}
-    plant = {"planted": plant_zero_dummy_slot_mapping, "planted_stale": plant_stale_dummy_inputs}.get(case)
-    D, M = (2, 1) if plant else (int(x) for x in case.split("x"))
+    name, *features = case.split("_")
+    plant = PLANTS.get(case)
+    D, M = (2, 1) if plant else (1, 1) if name == "single" else (int(x) for x in name.split("x"))
     cfg = config((8, 16) if D == 4 else (16,))
+    cfg = dataclasses.replace(cfg, kv_cache_dtype="fp8" if "fp8" in features else "auto",
+                              num_speculative_tokens=2 if "spec" in features else 0,
+                              kv_layout="rpa" if "rpa" in features else "flash")
     mesh = make_mesh(D, M)
+    out = {"case": case}
     with plant() if plant else contextlib.nullcontext():
-        report, _ = serve_mesh(cfg, mesh, requests(), progress_stream=None,
-                               runner=MeshRunner(cfg, mesh, compiler_options=FAST_COMPILE))
-    return {"case": case, "outputs": {k: v["output"] for k, v in report.requests.items()},
+        try:
+            report, _ = serve(cfg, requests(), mesh=mesh, progress_stream=None, overlap="overlap" in features,
+                              runner=Runner(cfg, mesh=mesh, compiler_options=FAST_COMPILE))
+        except SanitizerError as e:
+            return {**out, "ok": False, "error": {"step": e.step, "invariant": e.invariant, "array": e.array,
+                                                  "rank": e.rank}}
+    return {**out, "outputs": {k: v["output"] for k, v in report.requests.items()},
             "all_match": report.all_match, "nan_count": report.nan_count,
             "serving_compiles": report.serving_compiles, "ranks": report.ranks,
-            "checked": report.checked, "check_failures": report.check_failures, "ok": report.ok}
+            "checked": report.checked, "ok": report.ok}
 
 
 if __name__ == "__main__":

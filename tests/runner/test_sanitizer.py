@@ -13,7 +13,6 @@ from kvjax.host.scheduler import Request
 from kvjax.models import TinyHybridConfig
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner import sanitizer
-from kvjax.runner.packing import pack
 from kvjax.runner.sanitizer import SanitizerError
 from kvjax.testing.asserts import assert_bitwise, bits
 
@@ -43,9 +42,10 @@ def runner():
 @pytest.fixture
 def restore(runner):
     """Give the test a runner whose device state and host mirror are put back afterwards."""
-    saved, mirror = jax.device_get(runner.state), runner.sanitizer.mirror
+    saved, mirror = runner.read_state(), runner.sanitizer.mirror
     yield runner
-    runner.state, runner.sanitizer.mirror = jax.device_put(saved), mirror
+    runner.write_state(saved)
+    runner.sanitizer.mirror = mirror
 
 
 def test_clean_workload_passes_every_check_with_no_serving_compile(runner):
@@ -55,23 +55,31 @@ def test_clean_workload_passes_every_check_with_no_serving_compile(runner):
 
 
 def test_poison_is_a_payload_nan_and_fills_the_null_block(runner):
-    key0 = np.asarray(runner.state.caches.key[0])
+    key0 = runner.read_state().pools["key[0]"]
     assert (bits(key0[NULL_BLOCK_ID]) == 0x7FE5A5A5).all()
-    ssm = np.asarray(runner.state.caches.ssm_state[0])
+    ssm = runner.read_state().pools["ssm_state[0]"]
     assert (bits(ssm[NULL_BLOCK_ID]) == 0x7FE5A5A5).all()
     # A computed NaN differs from the poison bitwise.
     assert bits(np.asarray(jnp.float32(0) / jnp.float32(0))) != 0x7FE5A5A5
 
 
-def _set(state, where, index, value):
-    """``state`` with one element of one device array set (``where``: caches key/value/ssm_state
+def _set(runner, where, index, value):
+    """Set one element of one array of the runner's state (``where``: pool key/value/ssm_state
     of layer 0, or a request field, or table 0)."""
+    state = runner.read_state()
     if where in ("key", "value", "ssm_state"):
-        a = getattr(state.caches, where)[0]
-        return state.replace(caches=state.caches.replace(**{where: (a.at[index].set(value),)}))
-    if where == "table":
-        return state.replace(tables=state.tables.replace(tables=(state.tables.tables[0].at[index].set(value),)))
-    return state.replace(requests=state.requests.replace(**{where: getattr(state.requests, where).at[index].set(value)}))
+        a = np.array(state.pools[f"{where}[0]"])
+        a[index] = value
+        state = state.replace(pools={**state.pools, f"{where}[0]": a})
+    elif where == "table":
+        t = np.array(state.tables.tables[0])
+        t[index] = value
+        state = state.replace(tables=state.tables.replace(tables=(t,)))
+    else:
+        f = np.array(getattr(state.requests, where))
+        f[index] = value
+        state = state.replace(requests=state.requests.replace(**{where: f}))
+    runner.write_state(state)
 
 
 @pytest.mark.parametrize(
@@ -87,7 +95,7 @@ def test_each_corruption_is_reported_with_array_and_index(restore, where, index,
     runner = restore
     runner.reset()  # every row free on both sides
     runner.dummy_step()  # consistent: passes
-    runner.state = _set(runner.state, where, index, value)
+    _set(runner, where, index, value)
     with pytest.raises(SanitizerError) as e:
         runner.dummy_step()
     err = e.value
@@ -105,7 +113,7 @@ def test_nan_in_a_live_block_is_reported_mid_run(restore):
     sched.update(plan, out.sampled, out.num_sampled, out.logits)
     (req,) = sched.running
     block = req.blocks[0][-1]
-    runner.state = _set(runner.state, "value", (block, 3, 1, 2), jnp.nan)
+    _set(runner, "value", (block, 3, 1, 2), np.nan)
     plan = sched.schedule()
     with pytest.raises(SanitizerError) as e:
         runner.execute(plan)
@@ -118,17 +126,17 @@ def check_fresh_blocks_are_zero_past_the_written_tokens(runner):
     executable directly (no sanitizer): the request's second block holds the written
     token in slot 0 and bitwise zeros after it; every block it does not own keeps the
     poison. Guards the zeroing of fresh KV blocks (PR 43990) without the sanitizer."""
-    runner.state = runner.state.replace(caches=jax.tree.map(sanitizer.poison_like, runner.state.caches))
+    state = runner.read_state()
+    runner.write_state(state.replace(pools=jax.tree.map(lambda a: np.asarray(sanitizer.poison_like(a)), state.pools)))
     sched = SMALL.make_scheduler()
     sched.add_request(Request("z", [1, 2, 3, 4, 5], 1, 0))
     plan = sched.schedule()
     (s,) = plan.scheduled
     owned = s.req.blocks[0]
     assert len(owned) == 2
-    exe, _ = runner.executables[plan.bucket]
-    buf, _ = pack(runner.pack(plan))
-    runner.state, _ = exe(runner.params, runner.state, buf)
-    for name, cache in (("key[0]", runner.state.caches.key[0]), ("value[0]", runner.state.caches.value[0])):
+    runner.launch(runner.prepare(plan)).wait()  # no fetch: no verdict
+    pools = runner.read_state().pools
+    for name, cache in (("key[0]", pools["key[0]"]), ("value[0]", pools["value[0]"])):
         got = np.asarray(cache)
         expected = np.asarray(sanitizer.poison_like(cache)).copy()
         expected[owned[0]] = got[owned[0]]

@@ -27,7 +27,7 @@ CONFIGS = {
 
 def _lower_for_cuda(fn, args, config) -> str:
     """StableHLO text of ``fn(*args)`` lowered for CUDA under an abstract CUDA device."""
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
     mesh = jax.sharding.get_abstract_mesh()
     with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=CUDA)), \
             jax.default_matmul_precision(config.matmul_precision):
@@ -50,14 +50,14 @@ def test_every_bucket_lowers_for_cuda_with_verified_triton_kernels(name, verifie
         assert len(verified_triton_modules) > before, bucket
 
 
-def test_packed_layout_lowers_for_cuda_with_its_state_donated(verified_triton_modules):
-    """The GPU default argument layout (``layout="packed"``, stable input) lowers too: the rows
-    buffer and every cache are donated (aliased to outputs), the input is read through one barrier."""
+def test_step_lowers_for_cuda_with_its_state_donated(verified_triton_modules):
+    """The rows buffer and every pool are donated (aliased to outputs), the input is read through
+    one barrier."""
     config = CONFIGS["plain"]
-    runner = Runner(config, layout="packed")
+    runner = Runner(config)
     bucket = runner.buckets.buckets[-1]
     fn, args, _ = runner.jitted_step(bucket)
     text = _lower_for_cuda(fn, args, config)
     assert _triton_calls(text) >= 5
-    assert text.count("tf.aliasing_output") == 1 + len(jax.tree.leaves(runner._pstate.caches))
+    assert text.count("tf.aliasing_output") == 1 + len(runner.pool_specs)
     assert text.count("optimization_barrier") == 1
