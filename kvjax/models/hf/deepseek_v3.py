@@ -405,9 +405,28 @@ def _np_dtype(dtype) -> np.dtype:
     return np.dtype(jnp.dtype(dtype))
 
 
-def params_from_tensors(config: DeepseekV3Config, get: Callable[[str], np.ndarray], dtype) -> dict:
-    """Host (numpy) params in ``dtype`` from ``get(hf_name) -> array`` (names of
-    :func:`expected_tensors`). ``e_score_correction_bias`` stays float32 (as in transformers).
+def ignored_tensor(config: DeepseekV3Config, name: str) -> bool:
+    """Checkpoint tensors transformers does not load either: the multi-token-prediction layers
+    (``model.layers.{i}`` for ``i >= num_hidden_layers``), a tied checkpoint's ``lm_head.weight``
+    and stored RoPE tables (``rotary_emb.inv_freq``)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return True
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2]) >= config.num_hidden_layers
+    return False
+
+
+def params_from_tensors(config: DeepseekV3Config, get: Callable[[str], np.ndarray], dtype,
+                        put: Callable[[tuple, np.ndarray], Any] | None = None) -> dict:
+    """Params in ``dtype`` from ``get(hf_name) -> array`` (names of :func:`expected_tensors`).
+
+    Matrices are in ``dtype``; vectors (norm weights, biases, ``e_score_correction_bias``)
+    stay float32. ``put(path, host_array) -> leaf`` (default: keep the numpy array) is called
+    once per leaf as soon as it is built, ``path`` its tuple of dict keys / list indices, so
+    a loader can place each tensor on its devices before the next is read.
 
     Layout (``d`` hidden, ``H`` heads, ``r`` kv_lora_rank):
     ``embed [V, d]``, ``final_norm [d]``, ``lm_head [d, V]``, ``layers`` a list of dicts:
@@ -426,15 +445,21 @@ def params_from_tensors(config: DeepseekV3Config, get: Callable[[str], np.ndarra
         a = np.asarray(get(name))
         if transpose:
             a = a.T
-        return np.ascontiguousarray(a.astype(np.float32).astype(dt) if a.dtype != dt else a)
+        want = dt if a.ndim > 1 else np.dtype(np.float32)
+        return np.ascontiguousarray(a.astype(np.float32).astype(want) if a.dtype != want else a)
+
+    def place(path, a):
+        return a if put is None else put(path, a)
 
     embed = t("model.embed_tokens.weight")
+    lm_head = np.ascontiguousarray(embed.T) if c.tie_word_embeddings else t("lm_head.weight", True)
     params: dict[str, Any] = {
-        "embed": embed,
-        "final_norm": t("model.norm.weight"),
-        "lm_head": np.ascontiguousarray(embed.T) if c.tie_word_embeddings else t("lm_head.weight", True),
+        "embed": place(("embed",), embed),
+        "final_norm": place(("final_norm",), t("model.norm.weight")),
+        "lm_head": place(("lm_head",), lm_head),
         "layers": [],
     }
+    del embed, lm_head
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
@@ -465,7 +490,7 @@ def params_from_tensors(config: DeepseekV3Config, get: Callable[[str], np.ndarra
             E = range(c.n_routed_experts)
             mlp = {
                 "router": t(m + "gate.weight", True),
-                "bias": np.asarray(get(m + "gate.e_score_correction_bias")).astype(np.float32),
+                "bias": t(m + "gate.e_score_correction_bias"),
                 "w_gate": np.stack([t(m + f"experts.{e}.gate_proj.weight", True) for e in E]),
                 "w_up": np.stack([t(m + f"experts.{e}.up_proj.weight", True) for e in E]),
                 "w_down": np.stack([t(m + f"experts.{e}.down_proj.weight", True) for e in E]),
@@ -473,12 +498,14 @@ def params_from_tensors(config: DeepseekV3Config, get: Callable[[str], np.ndarra
                 "shared_up": t(m + "shared_experts.up_proj.weight", True),
                 "shared_down": t(m + "shared_experts.down_proj.weight", True),
             }
-        params["layers"].append({
+        layer = {
             "input_norm": t(p + "input_layernorm.weight"),
             "post_norm": t(p + "post_attention_layernorm.weight"),
             "attn": attn,
             "mlp": mlp,
-        })
+        }
+        params["layers"].append(jax.tree_util.tree_map_with_path(
+            lambda path, a, i=i: place(("layers", i) + _path_tuple(path), a), layer))
     return params
 
 
@@ -500,12 +527,23 @@ def random_tensors(config: DeepseekV3Config, seed: int) -> dict[str, np.ndarray]
     return out
 
 
+def _path_tuple(path) -> tuple:
+    return tuple(k.key if hasattr(k, "key") else k.idx if hasattr(k, "idx") else str(k) for k in path)
+
+
 # ----------------------------------------------------------------------------- math
 
 
 def _mm(x, w, spec: str | None = None):
-    """``x @ w`` (or an einsum) with ``x`` cast to ``w``'s dtype, float32 accumulation."""
-    x = x.astype(w.dtype)
+    """``x @ w`` (or the einsum ``spec``) with float32 accumulation: ``x`` is cast to ``w``'s dtype
+    (bf16 weights: a bf16 product into float32; XLA:CPU lacks that dot, so there both operands
+    are widened first, the same products), as ``kvjax.models.attention.linear`` does."""
+    if w.dtype != jnp.float32:
+        x = x.astype(w.dtype)
+        if jax.default_backend() == "cpu":
+            x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    else:
+        x = x.astype(jnp.float32)
     if spec is None:
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
@@ -612,6 +650,16 @@ def _fp8_round_trip(x, scale):
 
 # ----------------------------------------------------------------------------- the model
 
+_COL3 = P(None, _MODEL, None)  # [in, H, out]: heads split
+_PARAM_SPECS = {
+    ("attn", "q"): _COL3, ("attn", "q_b"): _COL3, ("attn", "w_uk"): _COL3, ("attn", "w_uv"): _COL3,
+    ("attn", "o"): P(_MODEL, None, None),
+    ("mlp", "gate"): P(None, _MODEL), ("mlp", "up"): P(None, _MODEL), ("mlp", "down"): P(_MODEL, None),
+    ("mlp", "shared_gate"): P(None, _MODEL), ("mlp", "shared_up"): P(None, _MODEL),
+    ("mlp", "shared_down"): P(_MODEL, None),
+    ("mlp", "w_gate"): P(_DATA), ("mlp", "w_up"): P(_DATA), ("mlp", "w_down"): P(_DATA),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3:
@@ -676,23 +724,31 @@ class DeepseekV3:
         tensors = random_tensors(self.config, seed)
         return params_from_tensors(self.config, tensors.__getitem__, self.dtype)
 
+    def param_spec(self, path: tuple) -> P:
+        """The PartitionSpec of the param at ``path`` (dict keys / list indices): query heads,
+        ``w_uk``, ``w_uv`` and ``o`` split over "model" on their heads axis, dense and shared
+        MLP widths over "model", routed experts over "data"; the rest replicated."""
+        if path[0] != "layers" or len(path) < 4:
+            return P()
+        return _PARAM_SPECS.get((path[2], path[3]), P())
+
     def param_partitioning(self, params) -> Any:
-        col3 = P(None, _MODEL, None)  # [in, H, out]
-        specs = {"embed": P(), "final_norm": P(), "lm_head": P(), "layers": []}
-        for i, lp in enumerate(params["layers"]):
-            attn = {k: P() for k in lp["attn"]}
-            for k in ("q", "q_b", "w_uk", "w_uv"):
-                if k in attn:
-                    attn[k] = col3
-            attn["o"] = P(_MODEL, None, None)
-            if self.config.is_moe_layer(i):
-                mlp = {"router": P(), "bias": P(), "w_gate": P(_DATA), "w_up": P(_DATA),
-                       "w_down": P(_DATA), "shared_gate": P(None, _MODEL),
-                       "shared_up": P(None, _MODEL), "shared_down": P(_MODEL, None)}
-            else:
-                mlp = {"gate": P(None, _MODEL), "up": P(None, _MODEL), "down": P(_MODEL, None)}
-            specs["layers"].append({"input_norm": P(), "post_norm": P(), "attn": attn, "mlp": mlp})
-        return specs
+        return jax.tree_util.tree_map_with_path(lambda p, _: self.param_spec(_path_tuple(p)), params)
+
+    def check_mesh(self, data: int, model: int) -> None:
+        """ValueError unless the routed experts split ``data`` ways and the heads ``model`` ways."""
+        c = self.config
+        if c.num_hidden_layers > c.first_k_dense_replace and c.n_routed_experts % data:
+            raise ValueError(f"DeepSeek-V3: n_routed_experts={c.n_routed_experts} must be a multiple of "
+                             f"the data axis size {data} (experts are sharded over 'data')")
+        self.shard(model)
+
+    @property
+    def description(self) -> str:
+        c = self.config
+        moe = c.num_hidden_layers - min(c.first_k_dense_replace, c.num_hidden_layers)
+        return (f"DeepseekV3ForCausalLM ({c.num_hidden_layers} layers: {c.num_hidden_layers - moe} dense, "
+                f"{moe} MoE of {c.n_routed_experts} experts; MLA kv_lora_rank {c.kv_lora_rank}; {self.dtype})")
 
     def shard(self, model_size: int) -> "DeepseekV3":
         if not isinstance(model_size, int) or model_size < 1:
@@ -707,9 +763,13 @@ class DeepseekV3:
                 raise ValueError(f"model={model_size} must divide {name}={n} (split over 'model')")
         return dataclasses.replace(self, model_shards=model_size)
 
+    def layout_leaf(self, path: tuple, array: np.ndarray, model_size: int) -> np.ndarray:
+        """Identity: along every "model" axis (heads, MLP widths) a contiguous slice is one shard's."""
+        return array
+
     def layout_for_shards(self, params, model_size: int):
         self.shard(model_size)  # the divisibility checks
-        return params  # every "model" axis is already contiguous per shard (heads / widths)
+        return params
 
     # --- the step
     def apply(self, params, ctx: StepContext, pools: dict[str, jax.Array], *, backend: str,
@@ -755,17 +815,18 @@ class DeepseekV3:
             raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
         if self.model_shards != 1:
             raise ValueError("dense_logits runs the whole (unsharded) model")
-        return _dense_fn(self, kv_cache_dtype != "auto")(params, jnp.asarray(tokens, jnp.int32))
+        fp8_scale = self.fp8_scale if kv_cache_dtype != "auto" else None
+        return _dense_fn(self.config, self.dtype, fp8_scale)(params, jnp.asarray(tokens, jnp.int32))
 
 
 @functools.cache
-def _dense_fn(model: DeepseekV3, fp8: bool):
-    return jax.jit(functools.partial(_dense_forward, model, fp8))
+def _dense_fn(config: DeepseekV3Config, dtype: str, fp8_scale: float | None):
+    return jax.jit(functools.partial(_dense_forward, config, dtype, fp8_scale))
 
 
-def _dense_forward(model: DeepseekV3, fp8: bool, params, tokens):
-    """One sequence, no cache, no padding: causal softmax over up-projected keys and values."""
-    c = model.config
+def _dense_forward(c: DeepseekV3Config, dtype: str, fp8_scale: float | None, params, tokens):
+    """One sequence, no cache, no padding: causal softmax over up-projected keys and values
+    (the cache's rounding applied to the latent: fp8 with ``fp8_scale``, else ``dtype``)."""
     n = tokens.shape[0]
     pos = jnp.arange(n, dtype=jnp.int32)
     causal = jnp.tril(jnp.ones((n, n), bool))
@@ -774,10 +835,10 @@ def _dense_forward(model: DeepseekV3, fp8: bool, params, tokens):
         ap = lp["attn"]
         h = _rms(x, lp["input_norm"], c.rms_norm_eps)
         q_nope, q_pe, lat_c, k_pe = _project(ap, c, h, pos)
-        if fp8:
-            lat_c, k_pe = _fp8_round_trip(lat_c, model.fp8_scale), _fp8_round_trip(k_pe, model.fp8_scale)
+        if fp8_scale is not None:
+            lat_c, k_pe = _fp8_round_trip(lat_c, fp8_scale), _fp8_round_trip(k_pe, fp8_scale)
         else:  # the cache holds the model dtype
-            dt = jnp.dtype(model.dtype)
+            dt = jnp.dtype(dtype)
             lat_c, k_pe = lat_c.astype(dt).astype(jnp.float32), k_pe.astype(dt).astype(jnp.float32)
         k_nope = _mm(lat_c, ap["w_uk"], "sr,rhn->shn")
         v = _mm(lat_c, ap["w_uv"], "sr,rhv->shv")
@@ -790,4 +851,4 @@ def _dense_forward(model: DeepseekV3, fp8: bool, params, tokens):
 
 
 __all__ = ["ARCHITECTURE", "DeepseekV3", "DeepseekV3Config", "config_from_hf", "expected_tensors",
-           "params_from_tensors", "random_tensors", "route"]
+           "ignored_tensor", "params_from_tensors", "random_tensors", "route"]
