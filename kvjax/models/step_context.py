@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import contract as validation
-from kvjax.constants import NULL_BLOCK_ID
-from kvjax.state.padding import gather_index
+from kvjax.state.padding import pad_accepted_counts, pad_state_indices
 from kvjax.state.step_batch import StepBatch
 
 
@@ -68,14 +67,15 @@ class StepContext(NamedTuple):
 
 def make_step_context(
     batch: StepBatch,
-    state_indices: jax.Array,
-    num_accepted_tokens: jax.Array | None,
-    kv_group: int,
+    state_indices: jax.Array | None = None,
+    num_accepted_tokens: jax.Array | None = None,
+    kv_group: int = 0,
 ) -> StepContext:
-    """Validate the per-row state arguments against ``batch`` and build the context.
+    """The layers' view of ``batch`` (every mask and index comes from :func:`build_step_batch`).
 
-    Padded rows (``batch.row_valid`` false) get ``NULL_BLOCK_ID`` state indices here
-    whatever the caller passed, so they can never read or write a state slot.
+    ``state_indices`` / ``num_accepted_tokens``: override the batch's (callers that build the
+    batch without them); padding rows get ``NULL_BLOCK_ID`` / 1 through the same padding rules
+    (:mod:`kvjax.state.padding`). One state-index column means no speculation.
     """
     R = batch.num_reqs_padded
     if not 0 <= kv_group < len(batch.block_tables):
@@ -83,53 +83,44 @@ def make_step_context(
             f"kv_group={kv_group} is not a KV-cache group of the batch "
             f"({len(batch.block_tables)} groups)"
         )
-    si = jnp.asarray(state_indices)
-    validation.check_rank("state_indices", si, (1, 2))
-    validation.check_dtype("state_indices", si, "integer")
-    validation.check_shape("state_indices", si, (R,) if si.ndim == 1 else (R, None))
-    si = si.astype(jnp.int32)
-    if si.ndim == 2 and si.shape[1] == 1:
-        si = si[:, 0]
     row_valid = batch.row_valid
-    if si.ndim == 2:
-        if num_accepted_tokens is None:
-            raise ValueError(
-                "state_indices [R, 1 + num_spec] (speculative decoding) requires "
-                "num_accepted_tokens [R]"
-            )
-        na = jnp.asarray(num_accepted_tokens)
-        validation.check_shape("num_accepted_tokens", na, (R,))
-        validation.check_dtype("num_accepted_tokens", na, "integer")
-        na = jnp.where(row_valid, na.astype(jnp.int32), 1)  # padded rows: 1, as vLLM pads
+    si = batch.state_indices
+    if state_indices is not None:
+        si = jnp.asarray(state_indices)
+        validation.check_rank("state_indices", si, (1, 2))
+        validation.check_dtype("state_indices", si, "integer")
+        validation.check_shape("state_indices", si, (R,) if si.ndim == 1 else (R, None))
+        si = pad_state_indices(si if si.ndim == 2 else si[:, None], row_valid)
+    na = batch.num_accepted_tokens
+    if si.shape[1] > 1:
+        if state_indices is not None:
+            if num_accepted_tokens is None:
+                raise ValueError(
+                    "state_indices [R, 1 + num_spec] (speculative decoding) requires "
+                    "num_accepted_tokens [R]"
+                )
+            na = jnp.asarray(num_accepted_tokens)
+            validation.check_shape("num_accepted_tokens", na, (R,))
+            validation.check_dtype("num_accepted_tokens", na, "integer")
+            na = pad_accepted_counts(na, row_valid)
         validation.check_values_in_range("num_accepted_tokens", na, 1, si.shape[1] + 1)
-        si = jnp.where(row_valid[:, None], si, NULL_BLOCK_ID)
-        slot = si[:, 0]
     else:
-        na = None
-        si = jnp.where(row_valid, si, NULL_BLOCK_ID)
-        slot = si
-
-    qsl = batch.query_start_loc
-    qlen = qsl[1:] - qsl[:-1]
-    live = row_valid & (qlen > 0)
-    token_row = batch.request_of_token
-    real = batch.token_valid & (token_row < R)
-    real = real & row_valid[gather_index(token_row, R)]
+        si, na = si[:, 0], None
     return StepContext(
         input_ids=batch.input_ids,
         logits_indices=batch.logits_indices,
         positions=batch.positions,
-        token_row=token_row,
-        token_real=real,
-        query_start_loc=qsl,
-        query_len=qlen,
+        token_row=batch.request_of_token,
+        token_real=batch.token_real,
+        query_start_loc=batch.query_start_loc,
+        query_len=batch.query_len,
         seq_lens=batch.seq_lens,
         has_initial_state=batch.num_computed_tokens > 0,
-        prefill_row=live & batch.is_prefilling,
-        decode_row=live & ~batch.is_prefilling,
+        prefill_row=batch.prefill_row,
+        decode_row=batch.decode_row,
         block_table=batch.block_tables[kv_group],
         slot_mapping=batch.slot_mappings[kv_group],
-        state_slot=slot,
+        state_slot=si if si.ndim == 1 else si[:, 0],
         state_indices=si,
         num_accepted_tokens=na,
     )

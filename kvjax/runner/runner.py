@@ -59,10 +59,8 @@ from kvjax.runner.compile_guard import ServingGuard
 from kvjax.runner.mesh import check_mesh, global_array, make_mesh
 from kvjax.runner.packing import PackSpec, pack, pack_device, spec_of, unpack
 from kvjax.spec import KVGroupSpec, cdiv
-from kvjax.state import (
-    BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch, gather_index,
-)
-from kvjax.state.padding import is_real_row
+from kvjax.state import BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch
+from kvjax.state.padding import names_nothing
 from pallas_kernels import tpu_target, zero_blocks
 
 
@@ -205,11 +203,9 @@ class StepInputs:
 
     def is_dummy(self, num_rows: int) -> jax.Array:
         """True iff these inputs name no row, block, slot or request (a dummy step)."""
-        ids = (self.cleared_rows, self.new.rows, self.write_rows, self.sched.idx_mapping)
-        named = [jnp.any(is_real_row(a, num_rows)) for a in ids]
-        named += [jnp.any(a >= 0) for a in (self.zero_blocks, self.zero_slots, self.poison_blocks,
-                                             self.poison_slots)]
-        return ~jnp.any(jnp.stack(named))
+        return names_nothing(
+            rows=(self.cleared_rows, self.new.rows, self.write_rows, self.sched.idx_mapping),
+            ids=(self.zero_blocks, self.zero_slots, self.poison_blocks, self.poison_slots), num_rows=num_rows)
 
 
 @dataclasses.dataclass
@@ -369,15 +365,10 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
     batch = build_step_batch(
         req, tables, sched,
         num_tokens_padded=bucket.num_tokens, num_logits_padded=bucket.num_logits,
-        backend=config.backend,
+        backend=config.backend, state_indices=inp.state_indices,
     )
     valid = batch.row_valid
-    if k:
-        safe = gather_index(batch.idx_mapping, req.max_num_reqs)
-        state_indices, num_accepted = inp.state_indices, req.num_accepted_tokens[safe]
-    else:
-        state_indices, num_accepted = inp.state_indices[:, 0], None
-    ctx = make_step_context(batch, state_indices, num_accepted, 0)
+    ctx = make_step_context(batch)
     with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
         logits, pools = model.apply(params, ctx, pools, backend=config.backend, sizes=config.cache_sizes,
                                     expert_axis=expert_axis, model_axis=model_axis)

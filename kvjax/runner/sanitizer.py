@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.constants import NULL_BLOCK_ID
-from kvjax.state import RequestState, expand_to_kernel_blocks, is_real_row, scatter_index
+from kvjax.state import RequestState, expand_to_kernel_blocks, is_real_row, is_real_slot, scatter_index
 
 # Bit patterns of the poison, per dtype (quiet NaNs with a payload where the format has one).
 POISON_BITS = {
@@ -127,7 +127,7 @@ def poison_ids(arrays, ids: jax.Array, r: int = 1) -> list[jax.Array]:
     """
     ids = ids.astype(jnp.int32)
     rows = expand_to_kernel_blocks(ids, r)
-    ok = jnp.repeat(ids >= 0, r)
+    ok = jnp.repeat(is_real_slot(ids), r)
     out = []
     for a in arrays:
         dest = jnp.where(ok, rows, a.shape[0])
@@ -140,7 +140,7 @@ def _id_mask(n: int, ids: jax.Array, r: int = 1) -> jax.Array:
     """bool ``[n]``: kernel blocks ``b*r .. b*r+r-1`` of the ids ``b >= 0``."""
     ids = ids.reshape(-1).astype(jnp.int32)
     rows = expand_to_kernel_blocks(ids, r)
-    dest = jnp.where(jnp.repeat(ids >= 0, r), rows, n)
+    dest = jnp.where(jnp.repeat(is_real_slot(ids), r), rows, n)
     return jnp.zeros((n,), jnp.bool_).at[dest].set(True, mode="drop")
 
 

@@ -11,6 +11,10 @@
   ``query_start_loc[R]`` on belong to no row (:func:`token_rows` gives ``R``).
 * Slots: a slot is a write only when it is ``>= 0`` (:func:`is_real_slot`);
   ``PAD_SLOT_ID`` and every other negative value write nothing.
+* Recurrent state: a padding row's state indices are ``NULL_BLOCK_ID``
+  (:func:`pad_state_indices`) and its accepted-token count is 1, as vLLM pads
+  (:func:`pad_accepted_counts`).
+* Dummy steps: inputs naming no row, block, slot or request (:func:`names_nothing`).
 
 Every function works on numpy arrays and on JAX arrays or tracers alike.
 """
@@ -22,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import contract as validation
-from kvjax.constants import PAD_ROW_ID as PAD_ROW_ID
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID as PAD_ROW_ID
 
-INT32_RANGE = (-(2**31), 2**31)
+INT32_RANGE = (validation.INT32_MIN, validation.INT32_MAX + 1)
 
 
 def is_real_row(idx, num_rows: int):
@@ -97,3 +101,24 @@ def token_rows(query_start_loc, num_tokens_padded: int):
 def is_real_slot(slots):
     """bool, same shape as ``slots``: the slot is a write (``>= 0``; ``PAD_SLOT_ID`` is not)."""
     return slots >= 0
+
+
+def pad_state_indices(state_indices, row_valid):
+    """int32 state indices (``[R]`` or ``[R, 1 + k]``) with ``NULL_BLOCK_ID`` on padding rows, so a
+    padding row can never read or write a state slot."""
+    si = jnp.asarray(state_indices).astype(jnp.int32)
+    valid = row_valid.reshape(row_valid.shape + (1,) * (si.ndim - 1))
+    return jnp.where(valid, si, NULL_BLOCK_ID)
+
+
+def pad_accepted_counts(num_accepted, row_valid):
+    """int32 ``[R]`` accepted-token counts with 1 on padding rows (vLLM's padding value)."""
+    return jnp.where(row_valid, jnp.asarray(num_accepted).astype(jnp.int32), 1)
+
+
+def names_nothing(rows=(), ids=(), num_rows: int = 0):
+    """bool scalar: none of ``rows`` (request-row arrays) names a row in ``[0, num_rows)`` and none
+    of ``ids`` (block / slot id arrays) holds an id ``>= 0`` — a step that touches nothing."""
+    named = [jnp.any(is_real_row(jnp.asarray(a), num_rows)) for a in rows]
+    named += [jnp.any(jnp.asarray(a) >= 0) for a in ids]
+    return ~jnp.any(jnp.stack(named)) if named else jnp.bool_(True)

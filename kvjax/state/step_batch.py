@@ -26,7 +26,9 @@ from pallas_kernels import combine_sampled_and_draft_tokens
 from pallas_kernels import contract as validation
 from kvjax.constants import PAD_ROW_ID
 from kvjax.state.block_tables import BlockTables
-from kvjax.state.padding import gather_index, is_real_row, narrow_rows, token_rows
+from kvjax.state.padding import (
+    gather_index, is_real_row, narrow_rows, pad_accepted_counts, pad_state_indices, token_rows,
+)
 from kvjax.state.request_state import RequestState
 
 
@@ -89,6 +91,12 @@ class StepBatch:
       logits_valid: bool ``[L]``.
       cu_num_logits: int32 ``[R + 1]``.
       num_tokens, num_reqs, num_logits: int32 scalars, the real counts.
+      token_real: bool ``[T]`` the token belongs to a real row.
+      state_indices: int32 ``[R, 1 + k]`` each row's recurrent-state slots (column 0 the one a
+        prefill chunk reads and writes; speculative decode rows one per token),
+        ``NULL_BLOCK_ID`` on padding rows.
+      num_accepted_tokens: int32 ``[R]`` tokens accepted in the row's previous step, 1 on
+        padding rows.
       num_tokens_padded, num_reqs_padded, num_logits_padded: the bucket (meta).
       max_num_reqs: request rows of the state the batch was built from (meta).
     """
@@ -108,6 +116,9 @@ class StepBatch:
     num_tokens: jax.Array
     num_reqs: jax.Array
     num_logits: jax.Array
+    token_real: jax.Array
+    state_indices: jax.Array
+    num_accepted_tokens: jax.Array
     num_tokens_padded: int = struct.field(pytree_node=False)
     num_reqs_padded: int = struct.field(pytree_node=False)
     num_logits_padded: int = struct.field(pytree_node=False)
@@ -128,6 +139,21 @@ class StepBatch:
         """int32 ``[T]`` batch row of each token (``R`` for pad tokens)."""
         return token_rows(self.query_start_loc, self.num_tokens_padded)
 
+    @property
+    def query_len(self) -> jax.Array:
+        """int32 ``[R]`` tokens of each row this step (0 for padding)."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def prefill_row(self) -> jax.Array:
+        """bool ``[R]`` real rows with tokens that still feed the prompt."""
+        return self.row_valid & (self.query_len > 0) & self.is_prefilling
+
+    @property
+    def decode_row(self) -> jax.Array:
+        """bool ``[R]`` real rows with tokens past the prompt."""
+        return self.row_valid & (self.query_len > 0) & ~self.is_prefilling
+
 
 def build_step_batch(
     requests: RequestState,
@@ -137,6 +163,7 @@ def build_step_batch(
     num_tokens_padded: int,
     num_logits_padded: int | None = None,
     backend: str = "reference",
+    state_indices=None,
 ) -> StepBatch:
     """Build a step's padded batch from the state and the schedule. Jit-able.
 
@@ -151,6 +178,9 @@ def build_step_batch(
       num_logits_padded: ``L`` (static); defaults to ``R * (1 + num_speculative_tokens)``
         capped at ``T``.
       backend: kernel backend for the token combine (see ``pallas_kernels``).
+      state_indices: int32 ``[R]`` or ``[R, 1 + k]`` each row's recurrent-state slots (None:
+        every row ``NULL_BLOCK_ID``, a model without recurrent state); padding rows get
+        ``NULL_BLOCK_ID`` whatever is passed.
 
     Raises:
       ValueError: shape errors; with concrete values, a schedule that does not
@@ -202,6 +232,15 @@ def build_step_batch(
     num_logits = cu_num_logits[R]
     logits_valid = jnp.arange(L) < num_logits
     logits_indices = jnp.where(logits_valid, logits_indices, 0).astype(jnp.int32)
+    k = requests.num_speculative_tokens
+    if state_indices is None:
+        state_indices = jnp.zeros((R, 1 + k), jnp.int32)
+    si = jnp.asarray(state_indices)
+    validation.check_rank("state_indices", si, (1, 2))
+    validation.check_dtype("state_indices", si, "integer")
+    validation.check_shape("state_indices", si, (R,) if si.ndim == 1 else (R, None))
+    if si.ndim == 1:
+        si = si[:, None]
 
     return StepBatch(
         input_ids=input_ids.astype(jnp.int32),
@@ -219,6 +258,9 @@ def build_step_batch(
         num_tokens=num_tokens,
         num_reqs=jnp.sum(valid).astype(jnp.int32),
         num_logits=num_logits,
+        token_real=real & valid[b],
+        state_indices=pad_state_indices(si, valid),
+        num_accepted_tokens=pad_accepted_counts(requests.num_accepted_tokens[s], valid),
         num_tokens_padded=T,
         num_reqs_padded=R,
         num_logits_padded=L,
