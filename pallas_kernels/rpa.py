@@ -45,9 +45,9 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
 from pallas_kernels import tpu_target
+from pallas_kernels.attention_math import masked_attention
 
 __all__ = [
-    "MASK_VALUE",
     "OP_RPA",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
@@ -55,9 +55,6 @@ __all__ = [
 ]
 
 OP_RPA = "ragged_paged_attention"
-# Score of a masked key in the reference: finite, so max() and exp() stay NaN-free even
-# for a query that sees nothing; exp(MASK_VALUE - max) underflows to 0.
-MASK_VALUE = -1e30
 
 
 # --------------------------------------------------------------------------
@@ -207,9 +204,10 @@ def _static_scale(name: str, scale) -> float | None:
 @_backend.register(OP_RPA, "reference")
 def _reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, k_scale,
                v_scale, num_kv_pages_per_block, num_queries_per_block, interpret):
-    """Each token gathers its row's pages and attends over them, masked on values."""
+    """Each token gathers its row's pages and attends over them, masked on values
+    (:func:`pallas_kernels.attention_math.masked_attention`)."""
     del num_kv_pages_per_block, num_queries_per_block, interpret
-    T, Hq, D = q.shape
+    T, _, D = q.shape
     num_pages, page_size = kv_pages.shape[:2]
     kv_pages = kv_pages.reshape(num_pages, page_size, -1, D)
     combined = kv_pages.shape[2]
@@ -231,20 +229,7 @@ def _reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sc
         return x.astype(jnp.float32)
 
     k, v = split(kv[:, :, 0::2], k_scale), split(kv[:, :, 1::2], v_scale)
-    # Softmax over each token's own keys; invisible keys and values are 0 before any
-    # product and their scores MASK_VALUE, so NaN there never reaches the output.
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    k = jnp.where(visible[:, :, None, None], k, 0.0)
-    v = jnp.where(visible[:, :, None, None], v, 0.0)
-    qg = q.astype(jnp.float32).reshape(T, Hkv, G, D)
-    scores = jnp.einsum("thgd,tshd->thgs", qg, k) * jnp.float32(sm_scale)
-    vis = visible[:, None, None, :]
-    scores = jnp.where(vis, scores, MASK_VALUE)
-    p = jnp.where(vis, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("thgs,tshd->thgd", p, v) / jnp.where(denom > 0, denom, 1.0)
-    return o.reshape(T, Hq, D).astype(q.dtype)
+    return masked_attention(q, k, v, visible, sm_scale=sm_scale).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------
