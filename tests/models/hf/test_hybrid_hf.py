@@ -61,8 +61,8 @@ PROMPTS = [
 ]
 # name -> Runner settings; one bucket of 8 tokens, so prompts are prefilled in chunks
 SERVED = {
-    "granite_rope_moe": dict(),
-    "bamba": dict(kv_layout="rpa"),
+    "granite_rope_moe": dict(kv_layout="rpa"),  # the RPA kernel scales by 1/sqrt(D): attention_multiplier folded into q
+    "bamba": dict(),
     "nemotron_h": dict(num_speculative_tokens=2),
 }
 
@@ -142,3 +142,24 @@ def test_mesh_placement_and_interface(hf_checkpoint):
     assert half.config.mamba.n_groups == 1 and not half.config.mamba.norm_spans_shards
     with pytest.raises(ValueError, match="num_key_value_heads"):
         model.shard(4)
+
+
+def test_served_over_a_mesh(hf_checkpoint):
+    """Nemotron-H over data=2 x model=2 (experts over "data", 2 Mamba groups split over "model")
+    with an fp8 KV cache; Granite NoPE over model=2 (one Mamba group: the gated norm's mean square
+    summed over the axis, B and C in both shards). Fresh process: 4 fake CPU devices."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "hf_mesh_worker.py")
+    args = [hf_checkpoint("nemotron_h"), "2", "2", "fp8", hf_checkpoint("granite_nope_dense"), "1", "2", "auto"]
+    out = subprocess.run([sys.executable, worker, *args], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2
+    for r in results:
+        assert r["same_placement"], r["case"]
+        assert r["ok"], (r["case"], r["requests"])
