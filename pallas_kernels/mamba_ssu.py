@@ -827,6 +827,18 @@ def selective_state_update(
       no state at all; its output rows are still computed from the zero state (finite).
     * each token: ``dt' = softplus?(dt + dt_bias)``, ``h = h*exp(A*dt') + (B*dt')*x``,
       ``y = sum(h*C, -1) + x*D``, ``y *= z*sigmoid(z)``; ``out`` has ``x``'s dtype.
+    * precision (kvjax's own convention): ``h`` stays float32 from the read to the
+      output, and is rounded to ``state.dtype`` only when stored. vLLM's reference
+      (``selective_state_update_ref``) rounds the new state to the state dtype
+      *before* computing ``y``; with a bf16 state the two outputs differ by up to that
+      rounding (up to ``2**-8 |h|`` per state element). kvjax's ``out`` is the closer
+      one to a float64 evaluation of the same inputs: in vLLM's largest bf16 case
+      (dim 4096, ngroups 4, dstate 64, heads, batch indices, z) every element is
+      within bf16 rounding (``2**-8`` relative, ``1e-3`` absolute) of float64, where
+      the bf16-rounded state misses that bound on about 1 element in 6 (and in one
+      reported run 1 element of 12,288 missed vLLM's own tolerance against vLLM's
+      reference); ``tests/peers/test_vllm_mamba_ssm.py``. There is no switch to
+      vLLM's rounding.
     * speculative path: token ``i`` of sequence ``b`` stores ``h`` to
       ``dst_state_batch_indices[b, i]``, skipped iff that entry is null (or the src is
       null, as in vLLM's kernel, whose store mask includes the src check).
