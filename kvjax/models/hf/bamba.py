@@ -23,12 +23,12 @@ Model = HybridModel
 
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
-    V, d, L, eps, Hq, Hkv, D = _common(arch, cfg)
+    V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-5, kv_heads_default=8)
     idx = hy.field(cfg, "attn_layer_indices") or []
     if not isinstance(idx, list) or any(not isinstance(i, int) or not 0 <= i < L for i in idx):
         raise ValueError(f"{arch}: config.json attn_layer_indices must list layer indices in [0, {L}), got {idx!r}")
     kinds = ["attn" if i in idx else "mamba" for i in range(L)]
-    theta, partial = hy.check_rope(arch, cfg)
+    theta, partial = hy.check_rope(arch, cfg, default_partial=0.5)  # transformers pins Bamba's 0.5
     rotary = int(D * partial)
     if rotary % 2 or not 0 < rotary <= D:
         hy.refuse(arch, "partial_rotary_factor", partial, f"it must rotate an even number of the {D} features")
@@ -40,7 +40,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         attn=AttnSpec(Hq, Hkv, D, rope_theta=theta, rotary_dim=None if rotary == D else rotary)
         if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
-        mlp=MLPSpec(hy.check_int(arch, cfg, "intermediate_size"), True, "silu"),
+        mlp=MLPSpec(hy.check_int(arch, cfg, "intermediate_size", 14336), True, "silu"),
         attn_bias=bool(hy.field(cfg, "attention_bias", False)),
         mlp_bias=bool(hy.field(cfg, "mlp_bias", False)),
         mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),

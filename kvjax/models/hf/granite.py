@@ -42,33 +42,36 @@ def _mamba_spec(arch: str, cfg: dict, d: int, eps: float) -> MambaSpec:
                          f"mamba_expand * hidden_size = {inner}")
     if H % G:
         raise ValueError(f"{arch}: mamba_n_heads={H} must be a multiple of mamba_n_groups={G}")
-    act = hy.field(cfg, "hidden_act", "silu")
-    if act != "silu":
-        hy.refuse(arch, "hidden_act", act, "the Mamba conv, the MLPs and the experts use SiLU only")
     return MambaSpec(num_heads=H, head_dim=P, d_state=N, n_groups=G, conv_width=W, rms_eps=eps,
                      norm_groups=G, norm_spans_shards=G == 1, dt_limit=hy.check_dt_limit(arch, cfg))
 
 
-def _common(arch: str, cfg: dict):
-    """vocab, hidden, eps, layer count, attention heads / head_dim (fields both archs read)."""
+def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int | None):
+    """vocab, hidden, eps, layer count, attention heads / head_dim (fields both archs read);
+    absent fields take transformers' defaults of the architecture."""
     V = hy.check_int(arch, cfg, "vocab_size")
     d = hy.check_int(arch, cfg, "hidden_size")
     L = hy.check_int(arch, cfg, "num_hidden_layers")
-    eps = hy.as_float(hy.field(cfg, "rms_norm_eps", 1e-6), "rms_norm_eps")
-    Hq = hy.check_int(arch, cfg, "num_attention_heads")
-    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", Hq)
+    eps = hy.as_float(hy.field(cfg, "rms_norm_eps", eps_default), "rms_norm_eps")
+    if not eps > 0:
+        raise ValueError(f"{arch}: config.json rms_norm_eps must be > 0, got {eps}")
+    Hq = hy.check_int(arch, cfg, "num_attention_heads", 32)
+    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq)
     D = hy.check_int(arch, cfg, "head_dim", d // Hq)
     if Hq % Hkv:
         raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
     sw = hy.field(cfg, "sliding_window")
     if sw is not None:
         hy.refuse(arch, "sliding_window", sw, "sliding-window attention is not implemented")
+    act = hy.field(cfg, "hidden_act", "silu")
+    if act != "silu":
+        hy.refuse(arch, "hidden_act", act, "the Mamba conv, the MLPs and the experts use SiLU only")
     return V, d, L, eps, Hq, Hkv, D
 
 
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
-    V, d, L, eps, Hq, Hkv, D = _common(arch, cfg)
+    V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-6, kv_heads_default=None)
     types = hy.field(cfg, "layer_types") or hy.field(cfg, "layers_block_type")
     if types is None:
         types = ["linear_attention"] * L
@@ -110,7 +113,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),
         mamba_conv_bias=bool(hy.field(cfg, "mamba_conv_bias", True)),
         embedding_multiplier=hy.as_float(hy.field(cfg, "embedding_multiplier", 1.0), "embedding_multiplier"),
-        logits_scaling=hy.as_float(hy.field(cfg, "logits_scaling", 1.0), "logits_scaling"),
+        logits_scaling=hy.positive(arch, "logits_scaling", hy.field(cfg, "logits_scaling", 1.0)),
         tie_embeddings=bool(hy.field(cfg, "tie_word_embeddings", False)),
     )
 

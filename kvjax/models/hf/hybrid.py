@@ -669,7 +669,15 @@ def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1) -> int
     return v
 
 
-def check_rope(arch: str, cfg: dict, *, default_theta: float = 10000.0) -> tuple[float, float]:
+def positive(arch: str, name: str, v) -> float:
+    f = as_float(v, name)
+    if not f > 0:
+        raise ValueError(f"{arch}: config.json field {name} must be > 0, got {v!r}")
+    return f
+
+
+def check_rope(arch: str, cfg: dict, *, default_theta: float = 10000.0,
+               default_partial: float = 1.0) -> tuple[float, float]:
     """``(rope_theta, partial_rotary_factor)`` of plain RoPE; other ``rope_type`` s refused."""
     rp = field(cfg, "rope_parameters") or field(cfg, "rope_scaling") or {}
     if not isinstance(rp, dict):
@@ -678,7 +686,7 @@ def check_rope(arch: str, cfg: dict, *, default_theta: float = 10000.0) -> tuple
     if rtype not in ("default", None):
         refuse(arch, "rope_parameters.rope_type", rtype, "only plain RoPE ('default') is implemented")
     theta = as_float(rp.get("rope_theta", cfg.get("rope_theta", default_theta)), "rope_theta")
-    partial = as_float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
+    partial = as_float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial)),
                        "partial_rotary_factor")
     return theta, partial
 

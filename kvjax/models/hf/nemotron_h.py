@@ -52,8 +52,19 @@ def _layer_types(arch: str, cfg: dict) -> list[str]:
     return out
 
 
+# legacy config.json names transformers' NemotronHConfig still reads -> the current ones
+_LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+           "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+           "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+           "mamba_chunk_size": "chunk_size"}
+
+
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
+    cfg = dict(cfg)
+    for old, new in _LEGACY.items():
+        if cfg.get(old) is not None:
+            cfg[new] = cfg.pop(old)
     kinds = _layer_types(arch, cfg)
     V = hy.check_int(arch, cfg, "vocab_size")
     d = hy.check_int(arch, cfg, "hidden_size")
@@ -67,11 +78,11 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     attn = mamba = mlp = moe = shared = None
     latent = None
     if "attn" in kinds:
-        Hq = hy.check_int(arch, cfg, "num_attention_heads")
-        Hkv = hy.check_int(arch, cfg, "num_key_value_heads", Hq)
+        Hq = hy.check_int(arch, cfg, "num_attention_heads", 32)
+        Hkv = hy.check_int(arch, cfg, "num_key_value_heads", 8)
         if Hq % Hkv:
             raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
-        attn = AttnSpec(Hq, Hkv, hy.check_int(arch, cfg, "head_dim", d // Hq), rope_theta=None)
+        attn = AttnSpec(Hq, Hkv, hy.check_int(arch, cfg, "head_dim", 128), rope_theta=None)
     if "mamba" in kinds:
         mact = hy.field(cfg, "mamba_hidden_act", "silu")
         if mact != "silu":
@@ -89,7 +100,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
                           conv_width=hy.check_int(arch, cfg, "conv_kernel", 4, lo=2), rms_eps=eps,
                           norm_groups=G, norm_spans_shards=G == 1, dt_limit=(lo, math.inf))
     if "mlp" in kinds:
-        mlp = MLPSpec(hy.check_int(arch, cfg, "intermediate_size"), False, act)
+        mlp = MLPSpec(hy.check_int(arch, cfg, "intermediate_size", 21504), False, act)
     if "moe" in kinds:
         E = hy.check_int(arch, cfg, "n_routed_experts", 8)
         ng = hy.check_int(arch, cfg, "n_group", 1)
@@ -97,14 +108,14 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if E % ng or tg > ng:
             raise ValueError(f"{arch}: n_routed_experts={E} must be a multiple of n_group={ng} >= topk_group={tg}")
         moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
-                      hy.check_int(arch, cfg, "moe_intermediate_size"), routing="sigmoid_grouped",
+                      hy.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
                       n_group=ng, topk_group=tg, norm_topk_prob=bool(hy.field(cfg, "norm_topk_prob", True)),
                       routed_scaling_factor=hy.as_float(hy.field(cfg, "routed_scaling_factor", 1.0),
                                                         "routed_scaling_factor"),
                       gated=False, activation=act)
         if moe.top_k > E:
             raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > n_routed_experts={E}")
-        shared = MLPSpec(hy.check_int(arch, cfg, "moe_shared_expert_intermediate_size"), False, act)
+        shared = MLPSpec(hy.check_int(arch, cfg, "moe_shared_expert_intermediate_size", 7688), False, act)
         latent = hy.field(cfg, "moe_latent_size")
         if latent is not None:
             latent = hy.check_int(arch, cfg, "moe_latent_size")

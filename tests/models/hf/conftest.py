@@ -28,14 +28,16 @@ CHECKPOINTS = {
         num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0, residual_multiplier=0.5,
         attention_multiplier=0.1, logits_scaling=3.0, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
-    # NoPE, no routed experts (shared MLP only), tied embeddings, one Mamba group, attention first
+    # NoPE, no routed experts (shared MLP only), tied embeddings, one Mamba group, attention first,
+    # attention and Mamba projection biases, no conv bias
     "granite_nope_dense": ("GraniteMoeHybridConfig", dict(
         COMMON, **dict(MAMBA, mamba_n_groups=1), num_hidden_layers=3,
         layer_types=["attention", "mamba", "mamba"], position_embedding_type=None,
         shared_intermediate_size=48, num_local_experts=0, embedding_multiplier=1.5,
-        residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.0, tie_word_embeddings=True)),
+        residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.0, tie_word_embeddings=True,
+        attention_bias=True, mamba_proj_bias=True, mamba_conv_bias=False)),
     "bamba": ("BambaConfig", dict(
-        COMMON, **MAMBA, num_hidden_layers=3, attn_layer_indices=[1], intermediate_size=96)),
+        COMMON, **MAMBA, num_hidden_layers=3, attn_layer_indices=[1], intermediate_size=96, mlp_bias=True)),
     "nemotron_h": ("NemotronHConfig", dict(
         vocab_size=128, hidden_size=64, layers_block_type=["mamba", "moe", "attention", "mlp"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
