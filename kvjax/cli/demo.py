@@ -27,6 +27,7 @@ from kvjax.testing.progress import Progress
 from kvjax.models import TinyHybridConfig
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner.mesh import DATA, MODEL, force_host_device_count
+from kvjax.runner.sampling import sample_rows
 from kvjax.runner.serving import run_to_completion
 from kvjax.runner.memory import dense_reference_length
 from kvjax.host.scheduler import Request
@@ -170,6 +171,20 @@ def serve_report_fields(runner: Runner, config: RunnerConfig, schedulers, *, ste
     )
 
 
+def reference_tokens(req: Request, ref_logits: np.ndarray) -> np.ndarray:
+    """The tokens ``req``'s sampler draws from the reference's logits rows (one per output): the
+    device's own sampler (:func:`kvjax.runner.sampling.sample_rows`) with the request's parameters,
+    seed and positions, so a sampled request is checked token for token like a greedy one."""
+    n = ref_logits.shape[0]
+    if req.temperature == 0:
+        return ref_logits.argmax(-1)
+    full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
+    positions = jnp.arange(len(req.prompt), len(req.prompt) + n, dtype=jnp.int32)
+    return np.asarray(sample_rows(jnp.asarray(ref_logits), full(req.temperature, jnp.float32),
+                                  full(req.top_k, jnp.int32), full(req.top_p, jnp.float32),
+                                  full(req.seed, jnp.int32), positions))
+
+
 def check_against_reference(runner: Runner, config: RunnerConfig, finished: list[Request]):
     """Per request: output tokens and logits vs the dense forward of prompt + output."""
     dense = runner.dense_reference
@@ -184,7 +199,7 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
         ref = np.asarray(dense(jnp.asarray(toks)))[len(r.prompt) - 1: len(seq) - 1]
         got = np.stack(r.logits) if r.logits else np.zeros((0, ref.shape[1]), np.float32)
         nan_count += int(np.isnan(got).sum())
-        same_tokens = got.shape == ref.shape and bool((ref.argmax(-1) == np.array(r.output)).all())
+        same_tokens = got.shape == ref.shape and bool((reference_tokens(r, ref) == np.array(r.output)).all())
         err = float(np.abs(ref - got).max()) if got.shape == ref.shape and got.size else float("inf")
         results[r.req_id] = {
             "output": r.output,

@@ -20,8 +20,15 @@ class WorkloadError(ValueError):
     """A workload file or entry is malformed."""
 
 
+#: Optional per-request fields of a workload (see :class:`~kvjax.host.scheduler.Request`).
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
+
+
 def validate_workload(data, *, vocab_size: int, max_model_len: int, check_fits=None) -> list[Request]:
     """Requests from a parsed workload, or :class:`WorkloadError` naming the problem.
+
+    Each request: ``id``, ``prompt`` (token ids), ``max_tokens``, optional ``arrival_step`` and
+    the optional :data:`SAMPLING_FIELDS` (greedy, no stop tokens by default).
 
     ``check_fits``: optional ``Request -> None`` raising ``ValueError`` for a request the
     cache can never hold (the scheduler's capacity rule, ``Scheduler.check_fits``).
@@ -61,10 +68,21 @@ def validate_workload(data, *, vocab_size: int, max_model_len: int, check_fits=N
         arrival = r.get("arrival_step", 0)
         if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
             raise WorkloadError(f"{where}: arrival_step must be a non-negative int, got {arrival!r}")
-        unknown = set(r) - {"id", "prompt", "max_tokens", "arrival_step"}
+        unknown = set(r) - {"id", "prompt", "max_tokens", "arrival_step", *SAMPLING_FIELDS}
         if unknown:
             raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
-        req = Request(rid, list(prompt), mt, arrival)
+        stops = r.get("stop_token_ids", [])
+        if not isinstance(stops, list) or any(
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in stops):
+            raise WorkloadError(f"{where}: stop_token_ids must be a list of token ids in [0, {vocab_size}), "
+                                f"got {stops!r}")
+        sampling = {k: r[k] for k in SAMPLING_FIELDS if k in r and k != "stop_token_ids"}
+        if "ignore_eos" in sampling and not isinstance(sampling["ignore_eos"], bool):
+            raise WorkloadError(f"{where}: ignore_eos must be true or false, got {sampling['ignore_eos']!r}")
+        try:
+            req = Request(rid, list(prompt), mt, arrival, stop_token_ids=tuple(stops), **sampling)
+        except ValueError as e:  # the sampling parameters' own checks
+            raise WorkloadError(str(e)) from None
         if check_fits is not None:
             try:
                 check_fits(req)

@@ -30,12 +30,23 @@ class Request:
     ``tokens`` is prompt + output; ``prefill_len`` is how many of them were
     given at the latest (re)admission; ``num_computed`` mirrors the device's
     ``num_computed_tokens``.
+
+    Sampling (on the device, :mod:`kvjax.runner.sampling`): ``temperature`` 0 is greedy;
+    ``top_k`` 0 and ``top_p`` 1 are off; ``seed`` keys the noise with the token's position.
+    Stopping: the request finishes after ``max_tokens`` outputs, or after the first output in
+    ``stop_token_ids`` (kept as its last output) unless ``ignore_eos``.
     """
 
     req_id: str
     prompt: list[int]
     max_tokens: int
     arrival_step: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     output: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None
     num_computed: int = 0
@@ -46,6 +57,17 @@ class Request:
     num_preemptions: int = 0
     finished: bool = False
 
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"request {self.req_id!r}: temperature must be a number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"request {self.req_id!r}: top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"request {self.req_id!r}: top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**31):
+            raise ValueError(f"request {self.req_id!r}: seed must be an int in [0, 2**31), got {self.seed!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
@@ -53,6 +75,16 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         return self.num_computed >= self.prefill_len
+
+
+def first_stop(req: Request, tokens) -> int | None:
+    """Index of the first of ``tokens`` in ``req.stop_token_ids`` (None: none, or ``ignore_eos``)."""
+    if req.ignore_eos or not req.stop_token_ids:
+        return None
+    for i, t in enumerate(tokens):
+        if t in req.stop_token_ids:
+            return i
+    return None
 
 
 class RequestTooLargeError(ValueError):
@@ -380,6 +412,9 @@ class Scheduler:
             req = s.req
             nl = 1 + len(s.drafts)
             n = kept[b]
+            if req.finished:  # stopped after this step was planned (Scheduler.stop): nothing more
+                cu += nl
+                continue
             if req.is_decoding:
                 self.num_drafts_proposed += len(s.drafts)
                 self.num_drafts_accepted += n - 1
@@ -389,15 +424,33 @@ class Scheduler:
                 continue
             room = req.max_tokens - len(req.output)
             toks = rows[b][:min(n, room)]
+            stop = first_stop(req, toks)
+            if stop is not None:
+                toks = toks[: stop + 1]
             req.output.extend(toks)
             if logits is not None:
                 req.logits.extend(logits[cu:cu + len(toks)])
             cu += nl
-            if len(req.output) >= req.max_tokens or len(req.prompt) + len(req.output) >= self.max_model_len:
-                req.finished = True
-                self.running.remove(req)
-                self._release(req)
-                self.finished.append(req)
+            if (stop is not None or len(req.output) >= req.max_tokens
+                    or len(req.prompt) + len(req.output) >= self.max_model_len):
+                self._finish(req)
                 done.append(req)
         self.step_count += 1
         return done
+
+    def _finish(self, req: Request) -> None:
+        req.finished = True
+        self.running.remove(req)
+        self._release(req)
+        self.finished.append(req)
+
+    def stop(self, req: Request, num_outputs: int) -> None:
+        """Finish a running request at ``num_outputs`` outputs (a stop token found after the
+        fact, by a loop that applied the step with placeholder tokens): later outputs and their
+        logits are dropped, its row, blocks and slots freed for the next plan."""
+        if not 0 < num_outputs <= len(req.output):
+            raise ValueError(f"num_outputs must be in [1, {len(req.output)}], got {num_outputs}")
+        del req.output[num_outputs:]
+        del req.logits[num_outputs:]
+        if not req.finished:
+            self._finish(req)

@@ -4,8 +4,8 @@ One executable per bucket (:mod:`kvjax.host.buckets`) runs a whole step on the
 device: apply the step's staged writes (cleared rows, new requests, block-table
 appends), zero the fresh KV blocks and recurrent slots (one ``zero_blocks``
 launch per pool kind), build the padded :class:`~kvjax.state.StepBatch`, run the
-model (any :class:`~kvjax.models.interface.Model`), sample greedily, verify
-drafts, and apply ``post_update``. Runner state and pools are donated, so they
+model (any :class:`~kvjax.models.interface.Model`), sample on the device
+(:mod:`kvjax.runner.sampling`), verify drafts, and apply ``post_update``. Runner state and pools are donated, so they
 are updated in place.
 
 The mesh is a dimension of the runner: a ``("data", "model")`` mesh, 1x1 on one
@@ -60,7 +60,8 @@ from kvjax.runner.mesh import check_mesh, global_array, make_mesh
 from kvjax.runner.packing import PackSpec, pack, pack_device, spec_of, unpack
 from kvjax.spec import KVGroupSpec, cdiv
 from kvjax.state import BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch
-from kvjax.state.padding import names_nothing
+from kvjax.runner.sampling import sample_and_verify
+from kvjax.state.padding import gather_index, is_real_row, names_nothing, token_rows
 from pallas_kernels import tpu_target, zero_blocks
 
 
@@ -280,29 +281,16 @@ def _local_rows(arr: jax.Array) -> dict[int, np.ndarray]:
     return out
 
 
-def _greedy_verify(logits, cu_num_logits, drafts, num_draft, k):
-    """Greedy sampling with draft verification.
-
-    Row ``b``'s logits are rows ``cu[b] .. cu[b] + nd_b``; draft ``i`` is accepted
-    while every earlier draft was and ``argmax(logits[cu[b] + i]) == drafts[b, i]``.
-    Returns ``sampled [R, 1 + k]`` (the targets) and ``num_sampled [R]`` =
-    accepted + 1 for rows with logits, 0 for padded rows.
-    """
-    L = logits.shape[0]
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [L]
-    R = num_draft.shape[0]
-    j = jnp.arange(1 + k, dtype=jnp.int32)[None, :]
-    rows = cu_num_logits[:-1, None] + j
-    sampled = target[jnp.clip(rows, 0, L - 1)]
-    has_logits = (cu_num_logits[1:] - cu_num_logits[:-1]) > 0
-    if k:
-        match = (j[:, :k] < num_draft[:, None]) & (sampled[:, :k] == drafts[:, :k])
-        accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-    else:
-        accepted = jnp.zeros((R,), jnp.int32)
-    num_sampled = jnp.where(has_logits, accepted + 1, 0).astype(jnp.int32)
-    sampled = jnp.where(j < num_sampled[:, None], sampled, 0)
-    return sampled, num_sampled
+def _sampling_params(req: RequestState, batch) -> tuple[jax.Array, ...]:
+    """Per logits row: its request's ``(temperature, top_k, top_p, seed)`` and the position of the
+    token it predicts (padding rows: temperature 0)."""
+    L = batch.num_logits_padded
+    row = token_rows(batch.cu_num_logits, L)  # batch row of each logits row, R past the real ones
+    valid = batch.logits_valid & is_real_row(row, batch.num_reqs_padded)
+    b = gather_index(row, batch.num_reqs_padded)
+    s = gather_index(batch.idx_mapping[b], req.max_num_reqs)
+    position = batch.positions[batch.logits_indices] + 1
+    return (jnp.where(valid, req.temperature[s], 0.0), req.top_k[s], req.top_p[s], req.seed[s], position)
 
 
 def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, config: RunnerConfig,
@@ -373,7 +361,8 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
         logits, pools = model.apply(params, ctx, pools, backend=config.backend, sizes=config.cache_sizes,
                                     expert_axis=expert_axis, model_axis=model_axis)
     ndraft = jnp.where(valid, sched.num_draft_tokens, 0)
-    sampled, num_sampled = _greedy_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k)
+    sampled, num_sampled = sample_and_verify(logits, batch.cu_num_logits, inp.drafts, ndraft, k,
+                                             _sampling_params(req, batch))
     # The batch's rows: a row the bucket could not hold is padding there, and here.
     req = req.post_update(batch.idx_mapping, jnp.diff(batch.query_start_loc), sampled, num_sampled)
     new = DeviceState(requests=req, tables=tables, pools=pools)
@@ -606,9 +595,13 @@ class Runner:
                 pb[: len(plan.freed_blocks)] = plan.freed_blocks
                 ps[: len(plan.freed_slots)] = plan.freed_slots
             if plan.added:
+                by_row = {s.req.row: s.req for s in sc}
+                reqs = [by_row[a[0]] for a in plan.added]
                 new = NewRequests.from_lists(
                     [a[0] for a in plan.added], [a[1] for a in plan.added],
                     prompt_lens=[a[2] for a in plan.added], max_model_len=c.max_model_len, pad_to=U,
+                    temperature=[r.temperature for r in reqs], top_k=[r.top_k for r in reqs],
+                    top_p=[r.top_p for r in reqs], seed=[r.seed for r in reqs],
                 )
             n = len(sc)
             idx = np.full((R,), PAD_ROW_ID, np.int32)

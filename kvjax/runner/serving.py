@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from kvjax.host.placement import least_loaded
-from kvjax.host.scheduler import Request, Scheduler, StepPlan
+from kvjax.host.scheduler import Request, Scheduler, StepPlan, first_stop
 from kvjax.runner.runner import PendingStep, Runner, StepResult
 from kvjax.runner.sanitizer import SanitizerError
 
@@ -54,6 +54,7 @@ class _InFlight:
     output: PendingStep
     # per rank: (request, first output index, batch row) for every row that sampled a token
     placeholders: dict[int, list[tuple[Request, int, int]]]
+    scheds: Mapping[int, Scheduler] | None = None
 
 
 def check_overlap_supported(num_speculative_tokens: int) -> None:
@@ -90,8 +91,14 @@ def _resolve(step: _InFlight) -> None:
     for d, placeholders in step.placeholders.items():
         out = result.outputs[d]
         for req, i, b in placeholders:
+            if i >= len(req.output):  # stopped at an earlier token (stop_token_ids)
+                continue
             req.output[i] = int(out.sampled[b, 0])
             req.logits.append(out.logits[b])  # one logits row per batch row (no drafts)
+            if first_stop(req, req.output[i:i + 1]) is not None:
+                # A stop token seen one step late: the request ends here; the step in flight
+                # computed one more token for it, which is dropped when it resolves.
+                step.scheds[d].stop(req, i + 1)
 
 
 def check_idle_ranks(result: StepResult, plans: Mapping[int, StepPlan | None], step) -> None:
@@ -187,7 +194,8 @@ def run_to_completion(scheds: Scheduler | Mapping[int, Scheduler], runner: Runne
             if in_flight is not None:  # its outputs are read while the new step runs
                 _resolve(in_flight)
             in_flight = _InFlight(step - 1, plans, output, {d: _apply_counts(scheds[d], p)
-                                                  for d, p in plans.items() if p is not None})
+                                                            for d, p in plans.items() if p is not None},
+                                  scheds)
         stats.steps += 1
         for d, plan in plans.items():
             if plan is None:

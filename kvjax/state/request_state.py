@@ -42,7 +42,9 @@ class RequestState:
       draft_tokens: int32 ``[R, num_speculative_tokens]``.
       num_accepted_tokens: int32 ``[R]`` tokens accepted in the last step (>= 1),
         used by recurrent layers to pick the initial state column.
-      temperature, top_p: float32 ``[R]``; top_k: int32 ``[R]`` (0 = off).
+      temperature, top_p: float32 ``[R]``; top_k: int32 ``[R]`` (0 = off); seed: int32 ``[R]``
+        (the sampler's key of the token at position ``p`` is ``fold_in(key(seed), p)``;
+        temperature 0 is greedy). Read by :mod:`kvjax.runner.sampling`.
     """
 
     prompt_len: jax.Array
@@ -56,6 +58,7 @@ class RequestState:
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
+    seed: jax.Array
 
     @classmethod
     def create(cls, max_num_reqs: int, max_model_len: int, num_speculative_tokens: int = 0):
@@ -80,6 +83,7 @@ class RequestState:
             temperature=jnp.zeros((max_num_reqs,), jnp.float32),
             top_p=jnp.ones((max_num_reqs,), jnp.float32),
             top_k=z(),
+            seed=z(),
         )
 
     @property
@@ -127,6 +131,7 @@ class RequestState:
             "temperature": (self.temperature, new.temperature),
             "top_p": (self.top_p, new.top_p),
             "top_k": (self.top_k, new.top_k),
+            "seed": (self.seed, new.seed),
         }))
 
     def add_request(
@@ -139,6 +144,7 @@ class RequestState:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        seed: int = 0,
     ) -> "RequestState":
         """Install one request into ``row`` (host convenience over :meth:`add_requests`)."""
         single_row("row", row, self.max_num_reqs)
@@ -151,6 +157,7 @@ class RequestState:
             temperature=[temperature],
             top_p=[top_p],
             top_k=[top_k],
+            seed=[seed],
         )
         return self.add_requests(new)
 
@@ -280,7 +287,7 @@ class NewRequests:
       token_ids: int32 ``[U, max_model_len]``, the first ``num_tokens`` used.
       num_tokens: int32 ``[U]`` (becomes ``prefill_len`` and ``total_len``).
       prompt_len, num_computed_tokens, top_k: int32 ``[U]``.
-      temperature, top_p: float32 ``[U]``.
+      temperature, top_p: float32 ``[U]``; seed: int32 ``[U]``.
     """
 
     rows: jax.Array
@@ -291,6 +298,7 @@ class NewRequests:
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
+    seed: jax.Array
 
     @classmethod
     def from_lists(
@@ -304,6 +312,7 @@ class NewRequests:
         temperature: Sequence[float] | None = None,
         top_p: Sequence[float] | None = None,
         top_k: Sequence[int] | None = None,
+        seed: Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> "NewRequests":
         """Build from Python lists on the host (numpy), padded to ``pad_to`` entries."""
@@ -345,6 +354,7 @@ class NewRequests:
             temperature=col(temperature, 0.0, np.float32),
             top_p=col(top_p, 1.0, np.float32),
             top_k=col(top_k, 0, np.int32),
+            seed=col(seed, 0, np.int32),
         )
 
     def validate(self, state: RequestState) -> None:
@@ -352,7 +362,7 @@ class NewRequests:
         validation.check_rank("rows", self.rows, 1)
         U = self.rows.shape[0]
         validation.check_shape("token_ids", self.token_ids, (U, state.max_model_len))
-        for name in ("num_tokens", "prompt_len", "num_computed_tokens", "temperature", "top_p", "top_k"):
+        for name in ("num_tokens", "prompt_len", "num_computed_tokens", "temperature", "top_p", "top_k", "seed"):
             validation.check_shape(name, getattr(self, name), (U,))
         validation.check_values_in_range("rows", self.rows, 0, state.max_num_reqs, allow=(-1,))
         r = validation.concrete_values(self.rows)

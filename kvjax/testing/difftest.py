@@ -448,7 +448,7 @@ def _torch(op: str, a: dict) -> dict[str, np.ndarray]:
                 n = int(new["num_tokens"][u])
                 s.add_request(row, new["token_ids"][u, :n].tolist(), int(new["prompt_len"][u]),
                               int(new["num_computed_tokens"][u]), float(new["temperature"][u]),
-                              float(new["top_p"][u]), int(new["top_k"][u]))
+                              float(new["top_p"][u]), int(new["top_k"][u]), int(new["seed"][u]))
         added = _reqstate_outputs("added", s, to_numpy)  # before post_update changes s in place
         s.post_update(**{k: to_torch(v) for k, v in a["post"].items()})
         return {**added, **_reqstate_outputs("updated", s, to_numpy)}

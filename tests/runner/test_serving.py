@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 
+from kvjax.cli.demo import serve
 from kvjax.host.scheduler import Request
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner import serving
@@ -25,10 +26,10 @@ def _workload(seed=3):
                     max_tokens=10, arrival_step=rng.randint(0, 3)) for i in range(5)]
 
 
-def _serve(runner, overlap):
+def _serve(runner, overlap, workload=None):
     runner.reset()
     sched = CONFIG.make_scheduler()
-    for r in _workload():
+    for r in workload or _workload():
         sched.add_request(r)
     stats = run_to_completion(sched, runner, overlap=overlap)
     done = {r.req_id: r for r in sched.finished}
@@ -116,3 +117,40 @@ def test_resolve_refuses_a_row_that_sampled_other_than_one_token():
     out.num_sampled[1] = 1
     serving._resolve(step)
     assert [r.output for r in reqs] == [[7], [8], [9]] and all(len(r.logits) == 1 for r in reqs)
+
+
+def _sampled_workload(stop=None):
+    """The workload with every other request sampled (temperature, top-k / top-p, its own seed);
+    ``stop``: request id -> stop token ids."""
+    reqs = _workload()
+    for i, r in enumerate(reqs):
+        if i % 2:
+            r.temperature, r.top_k, r.top_p, r.seed = 0.9, (0, 20)[i % 4 == 1], 0.95, 100 + i
+        r.stop_token_ids = tuple((stop or {}).get(r.req_id, ()))
+    return reqs
+
+
+def test_sampled_requests_and_stop_tokens_are_the_same_in_both_loops(runner):
+    """Sampling keyed by (seed, position) gives the same tokens lockstep and overlapped; a stop
+    token ends a request at its first occurrence in both loops (overlapped: seen one step late,
+    the extra token dropped); sampled tokens differ from greedy ones."""
+    _, _, greedy = _serve(runner, overlap=False)
+    _, _, a = _serve(runner, overlap=False, workload=_sampled_workload())
+    assert any(a[r].output != greedy[r].output for r in ("r1", "r3"))
+    assert all(a[r].output == greedy[r].output for r in ("r0", "r2", "r4"))
+    stops = {"r0": [greedy["r0"].output[3]], "r1": [a["r1"].output[2]]}
+    for overlap in (False, True):
+        _, _, b = _serve(runner, overlap=overlap, workload=_sampled_workload(stops))
+        for rid, req in a.items():
+            want = req.output
+            if rid in stops:
+                want = want[: want.index(stops[rid][0]) + 1]
+            assert b[rid].output == want, (overlap, rid)
+            assert len(b[rid].logits) == len(want)
+
+
+def test_sampled_requests_match_the_reference_sampler(runner):
+    """serve() checks a sampled request by drawing from the dense reference's logits with the same
+    seed and positions: identical tokens."""
+    report, _ = serve(CONFIG, _sampled_workload(), runner=runner, progress_stream=None)
+    assert report.all_match, {k: v for k, v in report.requests.items() if not v["matches_reference"]}

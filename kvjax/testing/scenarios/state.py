@@ -161,7 +161,7 @@ def gather_scenarios(cases):
 REQSTATE = dict(MR=5, LEN=16, S=3, U=3, R=4)
 REQSTATE_FIELDS = ("prompt_len", "prefill_len", "total_len", "num_computed_tokens",
                    "all_token_ids", "last_sampled_tokens", "draft_tokens", "num_accepted_tokens",
-                   "temperature", "top_p", "top_k")
+                   "temperature", "top_p", "top_k", "seed")
 
 
 def _stale_state(rng):
@@ -178,7 +178,7 @@ def _stale_state(rng):
         draft_tokens=rng.integers(1, 500, size=(MR, S)).astype(np.int32),
         num_accepted_tokens=rng.integers(1, S + 2, size=MR).astype(np.int32),
         temperature=rng.random(MR).astype(np.float32), top_p=rng.random(MR).astype(np.float32),
-        top_k=rng.integers(0, 50, size=MR).astype(np.int32))
+        top_k=rng.integers(0, 50, size=MR).astype(np.int32), seed=rng.integers(0, 2**31, size=MR).astype(np.int32))
 
 
 def _reqstate_case(adds=None, steps=None):
@@ -199,13 +199,14 @@ def _reqstate_case(adds=None, steps=None):
                    num_tokens=np.zeros((U,), np.int32), prompt_len=np.zeros((U,), np.int32),
                    num_computed_tokens=np.zeros((U,), np.int32),
                    temperature=np.zeros((U,), np.float32), top_p=np.ones((U,), np.float32),
-                   top_k=np.zeros((U,), np.int32))
+                   top_k=np.zeros((U,), np.int32), seed=np.zeros((U,), np.int32))
         for u, (row, n, p, nc) in enumerate(a):
             new["rows"][u], new["num_tokens"][u], new["prompt_len"][u] = row, n, p
             new["num_computed_tokens"][u] = nc
             new["token_ids"][u, :n] = rng.integers(1, 500, size=n)
             new["temperature"][u], new["top_p"][u] = rng.random(), rng.random()
             new["top_k"][u] = rng.integers(0, 50)
+            new["seed"][u] = rng.integers(0, 2**31)
         # The state after the adds, to make the step consistent with it.
         after = {k: v.copy() for k, v in state.items()}
         for row, n, p, nc in a:

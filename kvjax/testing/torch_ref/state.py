@@ -135,16 +135,17 @@ class TorchRequestState:
     temperature: torch.Tensor  # float32 [R]
     top_p: torch.Tensor
     top_k: torch.Tensor
+    seed: torch.Tensor  # int32 [R]
 
     FIELDS = (
         "prompt_len", "prefill_len", "total_len", "num_computed_tokens", "all_token_ids",
         "last_sampled_tokens", "draft_tokens", "num_accepted_tokens", "temperature", "top_p",
-        "top_k",
+        "top_k", "seed",
     )
 
     def add_request(self, row: int, token_ids: list[int], prompt_len: int,
                     num_computed_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                    top_k: int = 0) -> None:
+                    top_k: int = 0, seed: int = 0) -> None:
         """Install a request into ``row`` (in place), rewriting everything read before its first write."""
         n = len(token_ids)
         self.prompt_len[row] = prompt_len
@@ -162,6 +163,7 @@ class TorchRequestState:
         self.temperature[row] = temperature
         self.top_p[row] = top_p
         self.top_k[row] = top_k
+        self.seed[row] = seed
 
     def post_update(self, idx_mapping: torch.Tensor, query_lens: torch.Tensor,
                     sampled: torch.Tensor, num_sampled: torch.Tensor) -> None:
