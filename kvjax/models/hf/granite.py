@@ -13,6 +13,8 @@ The Mamba gated norm normalises each of ``mamba_n_groups`` groups on its own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from kvjax.models.attention import AttnSpec
@@ -208,8 +210,6 @@ def ignored_tensor(config: HybridConfig, name: str) -> bool:
 
 
 def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
-    import dataclasses  # noqa: PLC0415
-
     if config.dtype != dtype:
         config = dataclasses.replace(config, dtype=dtype)
     return hy.params_from_plan(config, _plan(config), get, put)

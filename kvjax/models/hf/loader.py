@@ -54,8 +54,12 @@ import os
 import struct
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding
+
+from kvjax.models.hf.hybrid import path_tuple
 
 # architectures[0] -> the module implementing it (imported when first used).
 ARCHITECTURES: dict[str, str] = {
@@ -249,11 +253,6 @@ def load_pretrained(path, dtype: str = "float32", mesh=None):
     docstring). ``dtype``: ``"float32"`` (parity on a CPU) or ``"bfloat16"``; ``mesh``: a
     ``jax.sharding.Mesh`` with axes ``("data", "model")`` to place the params on, or None
     (the default device)."""
-    import jax  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
-
-    from kvjax.models.hf.hybrid import path_tuple  # noqa: PLC0415
-
     path = os.fspath(path) if isinstance(path, os.PathLike) else path
     module, config = config_from_dir(path, dtype)
     model = _make_model(module, config, dtype)
