@@ -231,6 +231,8 @@ def attention_mixer(
         None if k_scale is None else jnp.float32(k_scale),
         None if v_scale is None else jnp.float32(v_scale),
     )
+    if not fp8:  # "auto": the cache stores K/V in its own dtype (bf16 for a bf16 model)
+        k, v = k.astype(key_cache.dtype), v.astype(key_cache.dtype)
     if kv_layout == "rpa":
         key_cache = write_kv_pages(
             k, v, key_cache, ctx.slot_mapping, kv_cache_dtype, *scales, backend=backend

@@ -499,6 +499,8 @@ def _dense_attn(p, a: AttnSpec, h, fp8: bool):
         q, k = apply_rope(q, pos, a.rope_theta, a.rotary_dim), apply_rope(k, pos, a.rope_theta, a.rotary_dim)
     if fp8:
         k, v = _fp8_round_trip(k, a.k_scale), _fp8_round_trip(v, a.v_scale)
+    elif p["wq"].dtype != jnp.float32:  # an "auto" cache of a bf16 model stores K/V in bf16
+        k, v = k.astype(p["wq"].dtype).astype(jnp.float32), v.astype(p["wq"].dtype).astype(jnp.float32)
     rep = a.num_heads // a.num_kv_heads
     k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
     scale = a.sm_scale if a.sm_scale is not None else 1.0 / math.sqrt(a.head_dim)
