@@ -5,6 +5,11 @@ A layer is two blocks of :mod:`kvjax.models.hf.hybrid`: ``input_layernorm`` + mi
 ``pre_ff_layernorm`` + ``feed_forward``. Attention scores are scaled by ``1/sqrt(head_dim)``;
 RoPE rotates the first ``partial_rotary_factor * head_dim`` features (transformers pins the
 factor to 0.5 for Bamba). The Mamba2 mixer is Granite-4.0-H's (:mod:`kvjax.models.hf.granite`).
+
+config.json fields: as Granite-4.0-H's for the shared ones (without the multipliers, experts and
+``position_embedding_type``), plus ``attn_layer_indices``, ``intermediate_size``, ``mlp_bias`` and
+``rope_parameters.partial_rotary_factor`` (an odd rotary width is refused);
+``z_loss_coefficient`` and ``num_logits_to_keep`` do not change the math.
 """
 
 from __future__ import annotations

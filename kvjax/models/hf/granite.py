@@ -9,6 +9,24 @@ softmax-top-k routed experts when ``num_local_experts > 0``); both residuals are
 ``attention_multiplier`` (instead of ``1/sqrt(head_dim)``), logits divided by ``logits_scaling``.
 RoPE when ``position_embedding_type == "rope"``, none (NoPE) when it is null / ``"nope"``.
 The Mamba gated norm normalises each of ``mamba_n_groups`` groups on its own.
+
+config.json fields (absent ones take transformers' defaults):
+
+* honoured: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``layer_types`` /
+  ``layers_block_type``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+  ``rms_norm_eps``, ``position_embedding_type``, ``rope_parameters.rope_theta``,
+  ``attention_bias``, ``attention_multiplier``, ``embedding_multiplier``,
+  ``residual_multiplier``, ``logits_scaling``, ``tie_word_embeddings``, ``num_local_experts``,
+  ``num_experts_per_tok``, ``intermediate_size``, ``shared_intermediate_size``, ``mamba_n_heads``,
+  ``mamba_n_groups``, ``mamba_d_state``, ``mamba_d_head``, ``mamba_d_conv``, ``mamba_expand``,
+  ``mamba_conv_bias``, ``mamba_proj_bias``, ``time_step_limit`` (``dt`` clipped on every path;
+  transformers clips in its chunked prefill scan only);
+* refused (``ValueError``): ``hidden_act`` other than ``silu``, a ``rope_type`` other than
+  ``default``, ``sliding_window``, ``position_embedding_type`` other than ``rope`` / null,
+  layer types other than Mamba / attention;
+* no effect on the math: ``mamba_chunk_size``, ``max_position_embeddings``, dropouts,
+  initialisation and router-loss fields, token ids; ``partial_rotary_factor`` (transformers'
+  Granite rotates the whole head whatever it says).
 """
 
 from __future__ import annotations

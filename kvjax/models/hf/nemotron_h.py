@@ -10,6 +10,25 @@ route with sigmoid scores plus ``e_score_correction_bias``, limited to the ``top
 ``moe_latent_size``) plus one shared MLP. The Mamba2 gated norm is grouped (``n_groups``); as in
 transformers' chunked scan, ``dt`` is clipped below at ``time_step_min`` (kvjax clips on every
 path, prefill and decode alike).
+
+config.json fields (absent ones take transformers' defaults; the legacy ``mamba_*`` names too):
+
+* honoured: ``vocab_size``, ``hidden_size``, ``layers_block_type`` / ``hybrid_override_pattern``,
+  ``layer_norm_epsilon``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+  ``intermediate_size``, ``mlp_hidden_act`` (``relu2`` or ``silu``), ``mlp_bias``,
+  ``mamba_num_heads``, ``mamba_head_dim``, ``ssm_state_size``, ``n_groups``, ``conv_kernel``,
+  ``time_step_min``, ``use_conv_bias``, ``use_bias``, ``mamba_ssm_cache_dtype`` (the SSM pools'
+  dtype), ``n_routed_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+  ``moe_shared_expert_intermediate_size``, ``moe_latent_size``, ``n_group``, ``topk_group``,
+  ``norm_topk_prob``, ``routed_scaling_factor``;
+* refused: ``sliding_window`` (transformers ignores it; kvjax does not guess), other
+  activations, unknown block types, an SSM cache dtype other than float32 / bfloat16 / float16;
+* ignored because transformers' Nemotron-H ignores them: ``time_step_limit`` (it clips at
+  ``(time_step_min, inf)``), ``expand``, ``attention_bias``, ``mamba_proj_bias``,
+  ``n_shared_experts`` (one shared MLP), ``moe_shared_expert_overlap``, ``residual_in_fp32``
+  (kvjax's residual stream is float32 anyway), ``tie_word_embeddings`` (never tied),
+  ``num_nextn_predict_layers`` / ``mtp_*`` (MTP weights are not loaded), ``use_mamba_kernels``,
+  ``chunk_size``, initialisation and dropout fields.
 """
 
 from __future__ import annotations
