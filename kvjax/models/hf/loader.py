@@ -238,6 +238,26 @@ def config_from_dir(path: str, dtype: str = "float32"):
     return module, config
 
 
+def eos_token_ids(path) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence ids: ``generation_config.json``'s ``eos_token_id`` if the
+    directory has one, else ``config.json``'s (an int, a list or null -> a tuple)."""
+    gen = os.path.join(os.fspath(path), "generation_config.json")
+    src = None
+    if os.path.exists(gen):
+        try:
+            with open(gen) as f:
+                src = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{gen}: not valid JSON ({e})") from None
+    if not isinstance(src, dict) or src.get("eos_token_id") is None:
+        src = read_config(os.fspath(path))
+    eos = src.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise ValueError(f"eos_token_id must be a non-negative int or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
 def _make_model(module, config, dtype: str):
     arch = getattr(module, "ARCH", None) or getattr(module, "ARCHITECTURE", "")
     cls = getattr(module, "Model", None) or getattr(module, arch.removesuffix("ForCausalLM"), None)
@@ -246,6 +266,12 @@ def _make_model(module, config, dtype: str):
     if "dtype" in inspect.signature(cls).parameters:
         return cls(config, dtype=dtype)
     return cls(config)
+
+
+def model_from_dir(path, dtype: str = "float32"):
+    """The model (no params) of a checkpoint directory: config.json only, no weight read."""
+    module, config = config_from_dir(os.fspath(path), dtype)
+    return _make_model(module, config, dtype)
 
 
 def load_pretrained(path, dtype: str = "float32", mesh=None):

@@ -164,3 +164,21 @@ def test_index_naming_a_missing_file(hf_checkpoint, tmp_path):
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     raises_clear("names 'part-2.safetensors', which is not in", load_pretrained, path)
+
+
+def test_architecture_module_not_written_yet(monkeypatch, hf_checkpoint, tmp_path):
+    monkeypatch.setitem(loader.ARCHITECTURES, "FutureForCausalLM", "kvjax.models.hf.not_written")
+    path = copy_checkpoint(hf_checkpoint("bamba"), tmp_path / "c", weights=False)
+    edit_config(path, architectures=["FutureForCausalLM"])
+    raises_clear("'FutureForCausalLM' is not yet supported", load_pretrained, path)
+
+
+def test_eos_token_ids(hf_checkpoint, tmp_path):
+    path = copy_checkpoint(hf_checkpoint("bamba"), tmp_path / "c", weights=False)
+    assert loader.eos_token_ids(path) == (2,)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [5, 7]}, f)
+    assert loader.eos_token_ids(path) == (5, 7)
+    os.remove(os.path.join(path, "generation_config.json"))
+    edit_config(path, eos_token_id=None)
+    assert loader.eos_token_ids(path) == ()
