@@ -28,6 +28,7 @@ Model = HybridModel
 
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
+    hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-5, kv_heads_default=8)
     idx = hy.field(cfg, "attn_layer_indices") or []
     if not isinstance(idx, list) or any(not isinstance(i, int) or not 0 <= i < L for i in idx):

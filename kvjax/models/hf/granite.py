@@ -91,6 +91,7 @@ def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int |
 
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
+    hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-6, kv_heads_default=None)
     types = hy.field(cfg, "layer_types") or hy.field(cfg, "layers_block_type")
     if types is None:

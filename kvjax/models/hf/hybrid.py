@@ -703,6 +703,15 @@ def check_dt_limit(arch: str, cfg: dict, name: str = "time_step_limit") -> tuple
     return lo, hi
 
 
+def check_common(arch: str, cfg: dict) -> None:
+    """Fields every hybrid architecture refuses: quantised weights."""
+    q = field(cfg, "quantization_config")
+    if q is not None:
+        method = q.get("quant_method", q) if isinstance(q, dict) else q
+        refuse(arch, "quantization_config", method, "quantised checkpoints are not supported; "
+               "kvjax loads float32 / bfloat16 / float16 weights")
+
+
 def remap_layer_type(t: str) -> str:
     """transformers' legacy layer-type names -> the current ones."""
     return {"mamba": "linear_attention", "attention": "full_attention"}.get(t, t)

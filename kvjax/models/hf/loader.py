@@ -274,11 +274,17 @@ def model_from_dir(path, dtype: str = "float32"):
     return _make_model(module, config, dtype)
 
 
-def load_pretrained(path, dtype: str = "float32", mesh=None):
+def default_dtype() -> str:
+    """``"float32"`` on a CPU (parity with transformers), ``"bfloat16"`` on an accelerator."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_pretrained(path, dtype: str | None = None, mesh=None):
     """``(model, params)`` of the Hugging Face checkpoint directory ``path`` (see the module
-    docstring). ``dtype``: ``"float32"`` (parity on a CPU) or ``"bfloat16"``; ``mesh``: a
-    ``jax.sharding.Mesh`` with axes ``("data", "model")`` to place the params on, or None
-    (the default device)."""
+    docstring). ``dtype``: ``"float32"`` or ``"bfloat16"``; None: :func:`default_dtype`.
+    ``mesh``: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` to place the params on,
+    or None (the default device)."""
+    dtype = default_dtype() if dtype is None else dtype
     path = os.fspath(path) if isinstance(path, os.PathLike) else path
     module, config = config_from_dir(path, dtype)
     model = _make_model(module, config, dtype)

@@ -80,6 +80,7 @@ _LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_e
 
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
+    hy.check_common(arch, cfg)
     cfg = dict(cfg)
     for old, new in _LEGACY.items():
         if cfg.get(old) is not None:
