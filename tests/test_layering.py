@@ -49,7 +49,7 @@ def test_testing_imports_nothing_from_cli():
 
 #: Modules that need an optional dependency at import time (torch); importing them lazily keeps
 #: kvjax usable without it. Anything else imported inside a function would be hiding a cycle.
-OPTIONAL = {"kvjax.testing.torch_ref"}
+OPTIONAL = {"kvjax.testing.torch_ref", "kvjax.testing.transformers_check"}
 
 
 def test_no_function_level_imports_of_project_modules():

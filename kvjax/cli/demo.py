@@ -104,20 +104,23 @@ class ServeReport:
         return dataclasses.asdict(self)
 
 
-def serve(config: RunnerConfig, requests: list[Request], *, mesh=None, strict: bool = True,
+def serve(config: RunnerConfig, requests: list[Request], *, mesh=None, params=None, strict: bool = True,
           progress_stream=sys.stderr, runner: Runner | None = None, compile_workers: int = 2, drafter=None,
-          overlap: bool = False) -> tuple[ServeReport, Runner]:
+          overlap: bool = False, extra_check=None) -> tuple[ServeReport, Runner]:
     """Run ``requests`` to completion (every process passes the same list); returns this
     process's report and the runner (for inspection).
 
-    ``mesh``: a ``("data", "model")`` mesh (None: one device).
+    ``mesh``: a ``("data", "model")`` mesh (None: one device); ``params``: the model's (None:
+    its random init of ``config.seed``).
+    ``extra_check``: ``(name, check)``: ``check(finished requests) -> {id: {..., "matches_" + name:
+    bool}}``, merged into each request's result (e.g. transformers as a second oracle).
     ``drafter``: ``(tokens, k) -> drafts`` for speculative decoding (default: n-gram lookup).
     ``overlap``: plan and pack each step while the previous one runs
     (:mod:`kvjax.runner.serving`; needs ``num_speculative_tokens == 0``).
     Checked mode (``config.poison``): a memory violation on any rank raises
     :class:`~kvjax.runner.sanitizer.SanitizerError`.
     """
-    runner = runner or Runner(config, mesh=mesh, strict=strict)
+    runner = runner or Runner(config, mesh=mesh, params=params, strict=strict)
     runner.precompile(workers=compile_workers)
     runner.warm_up()
     scheds = {d: config.make_scheduler(drafter) for d in runner.local_ranks}
@@ -131,9 +134,16 @@ def serve(config: RunnerConfig, requests: list[Request], *, mesh=None, strict: b
     serving = time.perf_counter() - t0
     bar.close()
     D, M = runner.num_ranks, runner.model_size
+    fields = serve_report_fields(runner, config, list(scheds.values()), steps=stats.steps, serving=serving,
+                                 buckets=config.bucket_spec.buckets)
+    if extra_check is not None:
+        name, check = extra_check
+        extra = check([r for s in scheds.values() for r in s.finished])
+        for rid, res in fields["requests"].items():
+            res[name] = extra[rid]
+        fields["all_match"] = fields["all_match"] and all(v[f"matches_{name}"] for v in extra.values())
     report = ServeReport(
-        **serve_report_fields(runner, config, list(scheds.values()), steps=stats.steps, serving=serving,
-                              buckets=config.bucket_spec.buckets),
+        **fields,
         settings=run_settings(config, strict=strict, compile_workers=compile_workers, overlap=overlap,
                               mesh=f"data={D},model={M}", processes=jax.process_count()),
         mesh={DATA: D, MODEL: M},
@@ -224,6 +234,13 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> 
         f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within {logits_tolerance(config.kv_cache_dtype):g})",
         f"NaN count               {report.nan_count}",
     ]
+    checked = [r["transformers"] for r in report.requests.values() if "transformers" in r]
+    if checked:
+        ok = sum(c["matches_transformers"] for c in checked)
+        ties = sum(c["near_ties"] for c in checked)
+        err = max(c["max_logit_error"] for c in checked)
+        lines.insert(-1, f"parity with transformers {ok}/{len(checked)} requests (teacher-forced; "
+                         f"{ties} near ties; max logit error {err:.2g})")
     if config.kv_layout != "flash":
         lines.insert(1, f"KV layout               {config.kv_layout}")
     if config.num_speculative_tokens:

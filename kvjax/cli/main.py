@@ -15,6 +15,7 @@ from kvjax.cli.demo import print_summary, serve
 from kvjax.cli.trace import run_trace
 from kvjax.cli.workload import generate_workload, load_workload, validate_workload
 from kvjax.models import TinyHybridConfig, TinyHybridModel
+from kvjax.models.hf import loader as hf_loader
 from kvjax.models.caches import KV_LAYOUTS
 from kvjax.runner import RunnerConfig
 from kvjax.runner.compile_guard import check_compiles_ahead
@@ -57,21 +58,32 @@ def runner_config(args, model: TinyHybridConfig) -> RunnerConfig:
 
 def _demo(args, parser) -> int:
 
-    model = TinyHybridConfig()
     mesh_shape, forced_devices = (1, 1), False
     if args.mesh is not None:
         try:
             mesh_shape = parse_mesh_shape(args.mesh)
-        except ValueError as e:
-            parser.error(f"--mesh: {e}")
-        model = demo_cli.MESH_MODEL
-        try:  # before anything starts JAX's backends
-            TinyHybridModel(model).check_mesh(*mesh_shape)
-            forced_devices = demo_cli.start_devices(args, mesh_shape)
+            if args.model is None:
+                TinyHybridModel(demo_cli.MESH_MODEL).check_mesh(*mesh_shape)
+            forced_devices = demo_cli.start_devices(args, mesh_shape)  # before JAX starts its backends
         except ValueError as e:
             parser.error(f"--mesh: {e}")
     elif args.coordinator or args.num_processes != 1:
         parser.error("--coordinator / --num-processes need --mesh")
+    model, params, eos = demo_cli.MESH_MODEL if args.mesh else TinyHybridConfig(), None, ()
+    if args.model is not None:
+        try:  # config.json only: refused by name before any weight is read
+            model = hf_loader.model_from_dir(args.model, _dtype(args))
+            eos = _eos_ids(hf_loader.read_config(args.model))
+        except ValueError as e:
+            print(f"error: --model: {e}", file=sys.stderr)
+            return 2
+        try:
+            getattr(model, "check_mesh", lambda d, m: model.shard(m))(*mesh_shape)
+        except ValueError as e:
+            parser.error(f"--mesh: {e}")
+    elif args.dtype is not None or args.check != "reference":
+        parser.error("--dtype / --check transformers need --model")
+    stops = () if args.ignore_eos else eos
     try:
         config = runner_config(args, model)
         config.bucket_spec  # validates token sizes
@@ -82,18 +94,25 @@ def _demo(args, parser) -> int:
         available = available_memory()
         check_fits(estimate_memory(config, longest_request=0), *available)  # before any host structure
         fits = config.make_scheduler().check_fits
+        vocab = config.model.vocab_size
         if args.workload:
-            requests = load_workload(args.workload, vocab_size=model.vocab_size, max_model_len=config.max_model_len,
+            requests = load_workload(args.workload, vocab_size=vocab, max_model_len=config.max_model_len,
                                      check_fits=fits)
         else:
             data = generate_workload(args.requests, args.seed, max_model_len=config.max_model_len,
-                                     vocab_size=model.vocab_size)
-            requests = validate_workload(data, vocab_size=model.vocab_size, max_model_len=config.max_model_len,
+                                     vocab_size=vocab)
+            requests = validate_workload(data, vocab_size=vocab, max_model_len=config.max_model_len,
                                          check_fits=fits)
+        for r in requests:
+            if not r.stop_token_ids:
+                r.stop_token_ids = stops
+            r.ignore_eos = r.ignore_eos or args.ignore_eos
         longest = min(config.max_model_len, max(len(r.prompt) + r.max_tokens for r in requests))
         memory = estimate_memory(config, longest_request=longest)
         check_fits(memory, *available)
-    except ValueError as e:  # WorkloadError, config errors, too little memory: before any compile
+        if args.model is not None:
+            _, params = hf_loader.load_pretrained(args.model, _dtype(args))
+    except ValueError as e:  # WorkloadError, config or checkpoint errors, too little memory: before any compile
         print(f"error: {e}", file=sys.stderr)
         return 2
     D, M = mesh_shape
@@ -114,9 +133,10 @@ def _demo(args, parser) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     try:
-        report, _ = serve(config, requests, mesh=mesh, strict=not args.no_strict,
+        report, _ = serve(config, requests, mesh=mesh, params=params, strict=not args.no_strict,
                           progress_stream=None if args.quiet else sys.stderr,
-                          compile_workers=args.compile_workers, overlap=args.overlap)
+                          compile_workers=args.compile_workers, overlap=args.overlap,
+                          extra_check=_transformers_check(args))
     except SanitizerError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
@@ -127,6 +147,31 @@ def _demo(args, parser) -> int:
         with open(path, "w") as f:
             json.dump(report.to_json(), f, indent=1)
     return 0 if report.ok else 1
+
+
+def _dtype(args) -> str:
+    """``--dtype``, default float32 on a CPU (parity) and bfloat16 on an accelerator."""
+    return args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+
+
+def _eos_ids(cfg: dict) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence token ids (config.json ``eos_token_id``: int, list or absent)."""
+    eos = cfg.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"config.json: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
+def _transformers_check(args):
+    """``--check transformers``: the extra oracle of :func:`kvjax.cli.demo.serve`, or None."""
+    if args.check != "transformers":
+        return None
+    import kvjax.testing.transformers_check as transformers_check  # torch, transformers: test deps
+
+    dtype = _dtype(args)
+    return "transformers", lambda finished: transformers_check.check_requests(
+        args.model, finished, dtype=dtype, sampler=demo_cli.reference_tokens)
 
 
 def _ops_list(text: str) -> list[str]:
@@ -198,6 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve a seeded workload on the tiny hybrid model and check parity",
                           formatter_class=fmt)
+    demo.add_argument("--model", metavar="DIR",
+                      help="serve a Hugging Face checkpoint from this local directory (config.json + "
+                           "safetensors; kvjax never downloads one): Granite-4.0-H, Bamba, Nemotron-H, "
+                           "DeepSeek-V3 (default: the tiny random hybrid model)")
+    demo.add_argument("--dtype", choices=("float32", "bfloat16"),
+                      help="with --model: weights and activations (default: float32 on a CPU, "
+                           "bfloat16 on an accelerator)")
+    demo.add_argument("--check", choices=("reference", "transformers"), default="reference",
+                      help="oracle besides the model's dense reference: transformers runs the "
+                           "checkpoint teacher-forced on each request (needs --model, torch and "
+                           "transformers)")
+    demo.add_argument("--ignore-eos", action="store_true",
+                      help="generate max_tokens even past the model's end-of-sequence token")
     demo.add_argument("--workload", metavar="FILE.json", help="workload file (default: a seeded random one)")
     demo.add_argument("--requests", type=_positive, metavar="N", default=8, help="requests in the generated workload")
     demo.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the workload and the weights")

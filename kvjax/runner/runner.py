@@ -380,6 +380,13 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
     return new, (sampled, num_sampled, logits.astype(jnp.float32), dummy, checks)
 
 
+def _placed_on(params, mesh: Mesh) -> bool:
+    """Every leaf of ``params`` is a ``jax.Array`` with a ``NamedSharding`` over ``mesh``."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and all(isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding)
+                                and a.sharding.mesh == mesh for a in leaves)
+
+
 def _trace_mesh(mesh: Mesh):
     """The mesh a ``shard_map`` traced now takes: inside :func:`pallas_kernels.tpu_target.lowering`
     or under an abstract mesh naming another device (lowering for a GPU from this host), the
@@ -423,8 +430,11 @@ class Runner:
       mesh: a ``("data", "model")`` mesh (:func:`kvjax.runner.mesh.make_mesh`); None: 1x1 on
         the first device. This process drives the data ranks whose devices it can address
         (:attr:`local_ranks`: all of them in a single process).
-      params: the model's params, unsharded (host or device arrays); None: the model's
-        :meth:`~kvjax.models.interface.Model.init_params` of ``config.seed``.
+      params: the model's params: unsharded in the model's own layout (host or device arrays;
+        the runner lays them out for the "model" shards and places them), or already placed on
+        ``mesh`` (every leaf a ``jax.Array`` with a ``NamedSharding`` over it, e.g.
+        :func:`kvjax.models.load_pretrained` with ``mesh=``; then there is no dense reference).
+        None: the model's :meth:`~kvjax.models.interface.Model.init_params` of ``config.seed``.
       strict: a trace or compile at serving time raises (else a counted warning).
       compiler_options: XLA options of the step executables (None: :func:`default_compiler_options`).
     """
@@ -457,10 +467,16 @@ class Runner:
         self.pool_specs = self.shard_model.pool_specs(config.cache_sizes)
         self._pool_pspecs = {s.name: P(DATA, *s.axes) for s in self.pool_specs}
 
-        self.dense_params = model.init_params(config.seed) if params is None else params
-        host = model.layout_for_shards(self.dense_params, M) if M > 1 else self.dense_params
-        self.param_specs = model.param_partitioning(host)
-        self.params = jax.tree.map(lambda a, s: self._place(a, s), host, self.param_specs)
+        params = model.init_params(config.seed) if params is None else params
+        if _placed_on(params, mesh):  # e.g. load_pretrained(mesh=...): laid out and sharded already
+            self.dense_params = None
+            self.params = params
+            self.param_specs = jax.tree.map(lambda a: a.sharding.spec, params)
+        else:
+            self.dense_params = params
+            host = model.layout_for_shards(params, M) if M > 1 else params
+            self.param_specs = model.param_partitioning(host)
+            self.params = jax.tree.map(lambda a, s: self._place(a, s), host, self.param_specs)
 
         self.sanitizers = None
         if config.poison:
@@ -825,6 +841,9 @@ class Runner:
         :func:`kvjax.runner.memory.dense_reference_length`."""
         c = self.config
         params = self.dense_params
+        if params is None:
+            raise ValueError("the dense reference needs unsharded params: this runner was given params "
+                             "already placed on its mesh (load them with mesh=None to check parity)")
         fn = jax.jit(lambda toks: self.model.dense_logits(params, toks, kv_cache_dtype=c.kv_cache_dtype))
 
         def reference(tokens):

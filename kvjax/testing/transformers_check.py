@@ -1,0 +1,74 @@
+"""transformers (torch) as the oracle of a served Hugging Face checkpoint.
+
+Each finished request's prompt + output is run through transformers' own model
+(``AutoModelForCausalLM.from_pretrained`` of the same directory, float32 on the
+CPU), teacher-forced: the logits row before each output token is compared with
+the row kvjax computed for it.
+
+* Tokens: a greedy output token must be transformers' argmax, or within a near
+  tie of it (``transformers_logit(argmax) - transformers_logit(token) <=
+  tie_tolerance``); a sampled one must be what kvjax's sampler draws from
+  transformers' row with the request's seed and position
+  (:func:`kvjax.cli.demo.reference_tokens`).
+* Logits: the largest absolute difference must be within ``logits_tolerance``.
+
+Nothing is downloaded: the directory must hold ``config.json`` and the weights.
+torch and transformers are test dependencies, imported when this module is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+#: float32 logits: different op order and reductions than transformers, ~1e-5 typical.
+LOGITS_ATOL = {"float32": 1e-3, "bfloat16": 0.25}
+#: a greedy token may differ from transformers' argmax only where the two logits are this close.
+TIE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def load_transformers(model_dir: str):
+    """transformers' model of ``model_dir`` in float32, for inference on the CPU (local files only)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              local_files_only=True)
+    return model.eval()
+
+
+def teacher_forced_logits(model, tokens: list[int]) -> np.ndarray:
+    """float32 ``[len(tokens), vocab]``: transformers' logits after each prefix of ``tokens``."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens], dtype=torch.long))
+    return out.logits[0].float().numpy()
+
+
+def check_requests(model_dir: str, finished, *, dtype: str = "float32", sampler=None) -> dict:
+    """Per request id: ``{"tokens_match", "near_ties", "max_logit_error", "matches_transformers"}``.
+
+    ``finished``: :class:`~kvjax.host.scheduler.Request` objects with their kvjax logits rows
+    (``req.logits``); ``sampler(req, logits_rows) -> tokens`` replays sampled requests (default:
+    argmax for every request).
+    """
+    if dtype not in LOGITS_ATOL:
+        raise ValueError(f"dtype must be one of {sorted(LOGITS_ATOL)}, got {dtype!r}")
+    model = load_transformers(model_dir)
+    atol, tie = LOGITS_ATOL[dtype], TIE_TOLERANCE[dtype]
+    results = {}
+    for req in sorted(finished, key=lambda r: r.req_id):
+        seq = req.prompt + req.output
+        ref = teacher_forced_logits(model, seq)[len(req.prompt) - 1: len(seq) - 1]
+        out = np.asarray(req.output)
+        if req.temperature and sampler is not None:
+            want = np.asarray(sampler(req, ref))
+            ok = want == out
+            ties = 0
+        else:
+            top = ref.argmax(-1)
+            gap = ref[np.arange(len(out)), top] - ref[np.arange(len(out)), out]
+            ok = (top == out) | (gap <= tie)
+            ties = int(((top != out) & (gap <= tie)).sum())
+        got = np.stack(req.logits) if req.logits else np.zeros_like(ref)
+        err = float(np.abs(got - ref).max()) if got.shape == ref.shape and got.size else float("inf")
+        results[req.req_id] = {"tokens_match": bool(ok.all()), "near_ties": ties, "max_logit_error": err,
+                               "matches_transformers": bool(ok.all() and err <= atol)}
+    return results
