@@ -79,7 +79,7 @@ def run_cli_2x1(tmp_path):
             "checked": rep["checked"], "serving_compiles": rep["serving_compiles"], "ranks": rep["ranks"]}
 
 
-MESHES = ("2x1", "4x1", "1x2", "2x2")
+MESHES = ("2x1", "1x2", "2x2")
 # Features on a mesh: tokens must match the dense reference (fp8 and drafts change them vs "single").
 FEATURES = ("2x2_overlap", "2x1_fp8_spec", "2x1_rpa_overlap")
 
@@ -88,16 +88,25 @@ FEATURES = ("2x2_overlap", "2x1_fp8_spec", "2x1_rpa_overlap")
 def worker_results(tmp_path_factory):
     """Every mesh case once, in one process with 8 host devices: one device, meshes (2,1) .. (2,2),
     the features on meshes, the planted regressions; and (2,1) through the CLI."""
-    res = run_worker("single", *[m for m in MESHES if m != "2x1"], *FEATURES, "planted", "planted_stale",
-                     "planted_nozero")
-    res["2x1"] = run_cli_2x1(tmp_path_factory.mktemp("cli"))
+    res = run_worker("single", *[m for m in MESHES if m != "2x1"], *FEATURES, "planted", "2x1",
+                     "planted_stale", "planted_nozero")
+    res["2x1_cli"] = run_cli_2x1(tmp_path_factory.mktemp("cli"))
     return res
+
+
+def test_the_cli_serves_the_same_tokens_over_a_mesh(worker_results):
+    """``demo --mesh data=2`` gives the worker's 2x1 tokens and placement (the CLI sets the host
+    device count itself)."""
+    cli, ref = worker_results["2x1_cli"], worker_results["2x1"]
+    assert cli["ok"] and cli["checked"] and cli["serving_compiles"] == 0
+    assert cli["outputs"] == ref["outputs"]
+    assert cli["ranks"]["0"]["requests"] == ref["ranks"]["0"]["requests"]
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_mesh_tokens_match_single_device_and_dense_reference_with_poison(worker_results, mesh):
     """Tokens identical to the single-device runner and the dense reference (logits within the
-    demo tolerance) with poison on; no serving-time compile; the sanitizer passes on every rank
+    demo tolerance; two requests sampled with their own seeds) with poison on; no serving-time compile; the sanitizer passes on every rank
     at every step (null block / slot, fresh memory, idle ranks bitwise unchanged)."""
     single = worker_results["single"]
     assert single["all_match"] and single["nan_count"] == 0 and single["serving_compiles"] == 0
