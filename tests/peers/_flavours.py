@@ -17,9 +17,9 @@ SLOW = os.environ.get("KVJAX_PEER_SLOW") == "1"
 SLOW_REASON = "slow peer variant: set KVJAX_PEER_SLOW=1 (tests/peers/README.md)"
 
 
-def slow(*values):
+def slow(*values, id=None):
     """``pytest.param(*values)`` that runs only with ``KVJAX_PEER_SLOW=1``."""
-    return pytest.param(*values, marks=pytest.mark.skipif(not SLOW, reason=SLOW_REASON))
+    return pytest.param(*values, id=id, marks=pytest.mark.skipif(not SLOW, reason=SLOW_REASON))
 
 
 def flavours(*interpreted: str):

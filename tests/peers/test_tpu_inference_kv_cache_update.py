@@ -6,9 +6,9 @@ re-written here; no peer code is copied.
 
 Kept: the data (20 pages, 128 padded tokens, bf16 ``new_kv`` from ``jax.random.key(1234)``,
 seven slices of lengths 7, page, page, 1, 1, 1, 9 at the same cache offsets), the
-``test_basic`` product (page_size 32 / 33, combined heads 2 / 16, head_dim 128 / 256 --
-in CI the pairs (2, 128) and (16, 256), the other two behind the slow switch --
-with and without host validation: tpu-inference's ``dynamic_validate_inputs=True`` runs
+``test_basic`` product (page_size 32 / 33, combined heads 2 / 16, head_dim 128 / 256,
+with and without host validation -- 4 of its 16 cases in CI, covering each value, the
+rest behind the slow switch --: tpu-inference's ``dynamic_validate_inputs=True`` runs
 eagerly, ``False`` under ``jit``), the loop-over-slices reference and the tolerance
 (``atol = rtol = 1e-4``; kvjax's write is an exact copy, so the cache is also compared
 bitwise), and the nine malformed inputs of ``test_invalid_inputs``, each still a
@@ -23,12 +23,14 @@ kvjax's null page plays no part in this input form).
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _flavours import flavours, sized
+from _flavours import flavours, slow
 from kvjax.interop import kv_cache_update
 
 NUM_PAGES, NUM_TOKENS = 20, 128
@@ -45,6 +47,12 @@ def make_data(page_size, combined, head_dim):
     return new_kv, slices, kv_cache, np.array([lens.size], np.int32)
 
 
+def basic_cases():
+    ci = {(32, 2, 128, True), (33, 16, 256, False), (33, 2, 128, False), (32, 16, 256, True)}
+    for args in itertools.product([32, 33], [2, 16], [128, 256], [False, True]):
+        yield pytest.param(*args) if args in ci else slow(*args)
+
+
 def reference_update(new_kv, slices, kv_cache):
     cache = np.asarray(kv_cache).copy()
     src = np.asarray(new_kv)
@@ -54,9 +62,7 @@ def reference_update(new_kv, slices, kv_cache):
 
 
 @pytest.mark.parametrize("backend", flavours("pallas_tpu", "pallas_gpu"))
-@pytest.mark.parametrize("validate", [False, True])
-@pytest.mark.parametrize("combined, head_dim", sized([(2, 128), (16, 256)], [(2, 256), (16, 128)]))
-@pytest.mark.parametrize("page_size", [32, 33])
+@pytest.mark.parametrize("page_size, combined, head_dim, validate", basic_cases())
 def test_basic(page_size, combined, head_dim, validate, backend):
     new_kv, slices, kv_cache, num_slices = make_data(page_size, combined, head_dim)
     want = reference_update(new_kv, slices, kv_cache)
