@@ -3,10 +3,12 @@
 Source: vllm-project/vllm, ``tests/kernels/mamba/test_mamba_ssm.py`` at commit
 2e0831b0ab951c8896d4dd5d6cb9c3350a4574de (``test_selective_state_update``,
 ``test_selective_state_update_varlen``, ``test_selective_state_update_with_batch_indices``,
-``test_selective_state_update_with_heads_with_batch_indices``). The test logic and the
-torch reference are re-written here; no peer code is copied. (The selective-scan tests
-of that file test vLLM's CUDA prefill scan, whose layout kvjax's Mamba2 scan does not
-share; the speculative ``num_accepted_tokens`` test is not ported yet.)
+``test_selective_state_update_with_heads_with_batch_indices``,
+``test_selective_state_update_with_num_accepted_tokens``). The test logic and the torch
+reference are re-written here; no peer code is copied. (The selective-scan tests of that
+file test vLLM's CUDA prefill scan, whose layout kvjax's Mamba2 scan does not share;
+``test_selective_state_update_varlen_with_num_accepted`` repeats the speculative test
+without its output assertion.)
 
 Conventions: vLLM pads state indices with ``PAD_SLOT_ID = -1`` and uses row 0 like any
 other, so kvjax runs with ``null_block_id=PAD_SLOT_ID``. Precision differs on purpose
@@ -324,3 +326,70 @@ def test_largest_bf16_case_against_float64(tie_hdim, backend):
         f"{int((err > bound).sum())} of {err.numel()} elements beyond bf16 rounding of float64; "
         f"max error {err.max().item():.3g}"
     )
+
+
+def accepted_cases():
+    ci = {(2048, 16, True, torch.float32, 4), (2048, 64, False, torch.bfloat16, 2)}
+    for args in itertools.product([2048, 4096], [16, 64], [False, True], ITYPES, [2, 4]):
+        yield pytest.param(*args) if args in ci else slow(*args)
+
+
+@pytest.mark.parametrize("backend", flavours("pallas_tpu", "pallas_gpu"))
+@pytest.mark.parametrize("dim, dstate, has_z, itype, max_seq_len", accepted_cases())
+def test_selective_state_update_with_num_accepted_tokens(dim, dstate, has_z, itype, max_seq_len, backend):
+    """Speculative decode: each sequence starts from the state of its last accepted token
+    (column ``max(num_accepted - 1, 0)`` of ``state_batch_indices``) and stores the state
+    after every token to its own ``dst_state_batch_indices`` slot."""
+    rtol, atol = tol(itype, (5e-2, 1.5e-1))
+    torch.manual_seed(0)
+    batch = 4
+    tokens_per_seq = torch.randint(1, max_seq_len + 1, (batch,))
+    total = int(tokens_per_seq.sum())
+    num_accepted = torch.randint(0, max_seq_len, (batch,))
+    num_accepted[0], num_accepted[1] = 0, max_seq_len  # none accepted, all accepted
+    cu_seqlens = torch.tensor([0] + torch.cumsum(tokens_per_seq, 0).tolist(), dtype=torch.int32)
+    state = torch.randn(50, dim, dstate, dtype=itype)
+    src = torch.full((batch, max_seq_len), PAD_SLOT_ID, dtype=torch.int32)
+    initial_slots = torch.randint(0, 15, (batch,), dtype=torch.int32)
+    for b in range(batch):
+        src[b, max(int(num_accepted[b]) - 1, 0)] = initial_slots[b]
+    dst = torch.full((batch, max_seq_len), PAD_SLOT_ID, dtype=torch.int32)
+    dst_slot, next_slot = {}, 15
+    for b in range(batch):
+        for i in range(int(tokens_per_seq[b])):
+            dst[b, i] = dst_slot[(b, i)] = next_slot
+            next_slot += 1
+    x = torch.randn(total, dim, dtype=itype)
+    dt = torch.randn(total, dim, dtype=itype)
+    dt_bias = torch.rand(dim) - 4.0
+    A = -torch.rand(dim, dstate) - 1.0
+    B, C = torch.randn(total, dstate), torch.randn(total, dstate)
+    D = torch.randn(dim)
+    z = torch.randn_like(x) if has_z else None
+
+    states_ref, outs, oracle = {}, [], []
+    for b in range(batch):
+        slot = int(src[b, max(int(num_accepted[b]) - 1, 0)])
+        h, h64 = state[slot:slot + 1].clone(), state[slot:slot + 1].double()
+        for i, t in enumerate(range(int(cu_seqlens[b]), int(cu_seqlens[b + 1]))):
+            sl = slice(t, t + 1)
+            zt = z[sl] if has_z else None
+            outs.append(ssu_ref(h, x[sl], dt[sl], A, B[sl], C[sl], D=D, z=zt, dt_bias=dt_bias,
+                                dt_softplus=True))
+            oracle.append(ssu_ref(h64, *f64(x[sl], dt[sl], A, B[sl], C[sl], D, zt, dt_bias),
+                                  dt_softplus=True))
+            states_ref[(b, i)] = h.clone()
+    out_ref, oracle = torch.cat(outs), torch.cat(oracle)
+
+    out, new_state = selective_state_update(
+        to_jax(state), to_jax(x), to_jax(dt), to_jax(A), to_jax(B), to_jax(C), to_jax(D),
+        to_jax(dt_bias), to_jax(z), True, state_batch_indices=src.numpy(),
+        dst_state_batch_indices=dst.numpy(), null_block_id=PAD_SLOT_ID,
+        num_accepted_tokens=num_accepted.numpy().astype(np.int32), cu_seqlens=cu_seqlens.numpy(),
+        backend=backend,
+    )
+
+    assert_out_close(to_torch(out, itype), out_ref, rtol, atol, oracle if itype == torch.bfloat16 else None)
+    new_state = to_torch(new_state, itype)
+    for (b, i), slot in dst_slot.items():
+        assert torch.allclose(new_state[slot], states_ref[(b, i)][0], rtol=rtol, atol=atol)
