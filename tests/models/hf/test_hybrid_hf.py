@@ -26,6 +26,7 @@ from kvjax.models.interface import CacheSizes, Model  # noqa: E402
 from kvjax.runner.runner import Runner, RunnerConfig  # noqa: E402
 
 RTOL = 1e-4  # of the largest |logit|
+BF16_ATOL = 0.05  # paged vs dense logits of a bf16 model (Nemotron-H's logits here are ~4 at most)
 FAST = {"xla_backend_optimization_level": 0}
 
 
@@ -84,7 +85,10 @@ def test_runner_serves_token_for_token_with_transformers(case, hf_checkpoint, hf
     report, runner = serve(cfg, reqs, runner=runner, compile_workers=1, progress_stream=None)
     assert report.nan_count == 0 and report.serving_compiles == 0
     for rid, r in report.requests.items():  # every logits row vs dense_logits of what it saw
-        assert r["matches_reference"], (case, rid, r)
+        if dtype == "float32":
+            assert r["matches_reference"], (case, rid, r)
+        else:  # bf16 activations into each matmul: a rounding flip moves a logit by ~2^-8 of it
+            assert r["max_logit_error"] <= BF16_ATOL, (case, rid, r)
     if cfg.num_speculative_tokens:
         assert report.drafts_proposed > 0
     if dtype == "float32":
