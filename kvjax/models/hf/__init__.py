@@ -7,6 +7,11 @@ reads a local directory (kvjax never downloads one). Architectures: Granite-4.0-
 :mod:`~kvjax.models.hf.hybrid`.
 """
 
-from kvjax.models.hf.loader import ARCHITECTURES as ARCHITECTURES, load_pretrained as load_pretrained
+from kvjax.models.hf.hybrid import HybridConfig as HybridConfig, HybridModel as HybridModel
+from kvjax.models.hf.loader import (
+    ARCHITECTURES as ARCHITECTURES,
+    eos_token_ids as eos_token_ids,
+    load_pretrained as load_pretrained,
+)
 
-__all__ = ["ARCHITECTURES", "load_pretrained"]
+__all__ = ["ARCHITECTURES", "HybridConfig", "HybridModel", "eos_token_ids", "load_pretrained"]
