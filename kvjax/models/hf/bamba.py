@@ -14,8 +14,6 @@ config.json fields: as Granite-4.0-H's for the shared ones (without the multipli
 
 from __future__ import annotations
 
-import dataclasses
-
 from kvjax.models.attention import AttnSpec
 from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.granite import _common, _mamba_spec, attn_entries, mamba_entries
@@ -79,15 +77,5 @@ def _plan(c: HybridConfig) -> list[Entry]:
     return plan
 
 
-def expected_tensors(config: HybridConfig) -> dict[str, tuple[int, ...]]:
-    return hy.expected_from_plan(_plan(config))
-
-
-def ignored_tensor(config: HybridConfig, name: str) -> bool:
-    return config.tie_embeddings and name == "lm_head.weight"
-
-
-def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
-    if config.dtype != dtype:
-        config = dataclasses.replace(config, dtype=dtype)
-    return hy.params_from_plan(config, _plan(config), get, put)
+expected_tensors, params_from_tensors = hy.plan_protocol(_plan)
+ignored_tensor = hy.ignore_tied_head

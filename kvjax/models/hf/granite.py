@@ -31,8 +31,6 @@ config.json fields (absent ones take transformers' defaults):
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from kvjax.models.attention import AttnSpec
@@ -219,16 +217,5 @@ def _plan(c: HybridConfig) -> list[Entry]:
     return plan
 
 
-def expected_tensors(config: HybridConfig) -> dict[str, tuple[int, ...]]:
-    return hy.expected_from_plan(_plan(config))
-
-
-def ignored_tensor(config: HybridConfig, name: str) -> bool:
-    """Tensors transformers ignores too: a tied checkpoint's redundant ``lm_head.weight``."""
-    return config.tie_embeddings and name == "lm_head.weight"
-
-
-def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
-    if config.dtype != dtype:
-        config = dataclasses.replace(config, dtype=dtype)
-    return hy.params_from_plan(config, _plan(config), get, put)
+expected_tensors, params_from_tensors = hy.plan_protocol(_plan)
+ignored_tensor = hy.ignore_tied_head

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.models.attention import AttnSpec, apply_rope, attention_mixer, linear, rms_norm
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.mamba_layer import MambaSpec, gated_rms_norm, mamba_mixer
-from kvjax.models.moe import MLPSpec, MoESpec, activation, mlp, moe_ffn
+from kvjax.models.moe import MLPSpec, MoESpec, mlp, moe_ffn
 from kvjax.models.step_context import StepContext
 
 DATA, MODEL = "data", "model"
@@ -615,6 +615,26 @@ def params_from_plan(config: HybridConfig, plan: list[Entry], get, put=None) -> 
     if missing:
         raise AssertionError(f"tensor plan leaves params unset: {missing[:5]}")
     return _freeze(tree)
+
+
+def plan_protocol(plan: Callable[[HybridConfig], list[Entry]]):
+    """``(expected_tensors, params_from_tensors)`` of the loader protocol from an architecture's
+    tensor plan (:mod:`kvjax.models.hf.loader`)."""
+
+    def expected_tensors(config: HybridConfig) -> dict[str, tuple[int, ...]]:
+        return expected_from_plan(plan(config))
+
+    def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
+        if config.dtype != dtype:
+            config = dataclasses.replace(config, dtype=dtype)
+        return params_from_plan(config, plan(config), get, put)
+
+    return expected_tensors, params_from_tensors
+
+
+def ignore_tied_head(config: HybridConfig, name: str) -> bool:
+    """Tensors transformers ignores too: a tied checkpoint's redundant ``lm_head.weight``."""
+    return config.tie_embeddings and name == "lm_head.weight"
 
 
 def _thaw(t):

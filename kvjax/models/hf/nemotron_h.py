@@ -33,7 +33,6 @@ config.json fields (absent ones take transformers' defaults; the legacy ``mamba_
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -202,16 +201,9 @@ def _plan(c: HybridConfig) -> list[Entry]:
     return plan
 
 
-def expected_tensors(config: HybridConfig) -> dict[str, tuple[int, ...]]:
-    return hy.expected_from_plan(_plan(config))
+expected_tensors, params_from_tensors = hy.plan_protocol(_plan)
 
 
 def ignored_tensor(config: HybridConfig, name: str) -> bool:
     """Multi-token-prediction layers (``mtp.*``), which transformers does not load either."""
     return name.startswith("mtp.")
-
-
-def params_from_tensors(config: HybridConfig, get, dtype: str = "float32", put=None):
-    if config.dtype != dtype:
-        config = dataclasses.replace(config, dtype=dtype)
-    return hy.params_from_plan(config, _plan(config), get, put)
