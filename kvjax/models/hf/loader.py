@@ -279,6 +279,14 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def model_from_dir(path, dtype: str | None = None):
+    """The model of a checkpoint directory from its ``config.json`` alone (no weight is read):
+    unsupported architectures and fields are refused here. ``dtype`` as in :func:`load_pretrained`."""
+    dtype = default_dtype() if dtype is None else dtype
+    module, config = config_from_dir(os.fspath(path) if isinstance(path, os.PathLike) else path, dtype)
+    return _make_model(module, config, dtype)
+
+
 def load_pretrained(path, dtype: str | None = None, mesh=None):
     """``(model, params)`` of the Hugging Face checkpoint directory ``path`` (see the module
     docstring). ``dtype``: ``"float32"`` or ``"bfloat16"``; None: :func:`default_dtype`.

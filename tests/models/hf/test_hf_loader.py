@@ -175,6 +175,14 @@ def test_architecture_module_not_written_yet(monkeypatch, hf_checkpoint, tmp_pat
     raises_clear("'FutureForCausalLM' is not yet supported", load_pretrained, path)
 
 
+def test_model_from_dir_reads_no_weight(hf_checkpoint, tmp_path):
+    path = copy_checkpoint(hf_checkpoint("nemotron_h"), tmp_path / "c", weights=False)
+    model = loader.model_from_dir(path, "bfloat16")
+    assert model.config.dtype == "bfloat16" and model.config.architecture == "NemotronHForCausalLM"
+    edit_config(path, mlp_hidden_act="gelu")
+    raises_clear("mlp_hidden_act='gelu'", loader.model_from_dir, path)
+
+
 def test_eos_token_ids(hf_checkpoint, tmp_path):
     path = copy_checkpoint(hf_checkpoint("bamba"), tmp_path / "c", weights=False)
     assert loader.eos_token_ids(path) == (2,)
