@@ -171,7 +171,7 @@ def _transformers_check(args):
 
     dtype = _dtype(args)
     return "transformers", lambda finished: transformers_check.check_requests(
-        args.model, finished, dtype=dtype, sampler=demo_cli.reference_tokens)
+        args.model, finished, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, sampler=demo_cli.reference_tokens)
 
 
 def _ops_list(text: str) -> list[str]:
