@@ -41,6 +41,7 @@ from pallas_kernels.kv_write import (
 )
 from pallas_kernels.kv_pages import write_kv_pages as write_kv_pages
 from pallas_kernels.rpa import ragged_paged_attention as ragged_paged_attention
+from pallas_kernels.paged_attention import paged_attention as paged_attention
 from pallas_kernels import kv_mosaic_gpu as kv_mosaic_gpu  # registers the "mosaic_gpu" flavour
 from pallas_kernels.mamba import (
     ConvConfig as ConvConfig,

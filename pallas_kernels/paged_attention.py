@@ -1,0 +1,448 @@
+"""Causal attention over a paged KV cache, reading only each row's live blocks.
+
+``paged_attention(q, key_cache, value_cache, block_table, seq_lens, positions,
+token_row)``: token ``t`` of row ``b = token_row[t]`` attends to the key
+positions ``j`` of its row with ``j <= positions[t]`` and ``j < seq_lens[b]``
+(and ``j < W * block_size``, the table's width); key ``j`` lives at entry
+``j % block_size`` of block ``block_table[b, j // block_size]``. Query head ``h``
+reads kv head ``h // (Hq // Hkv)`` (GQA). One call holds any mix of decode rows
+(one token each) and chunked-prefill rows (many tokens each).
+
+Contract (every implementation):
+
+* Pad tokens (``token_row[t] == R``) and tokens that see no key (``seq_len`` 0,
+  ``positions[t] < 0``) get 0.
+* Masking is on values: a masked key's K/V never enters a product, so NaN in the
+  null block, in a free block or in the unwritten tail of a row's last block
+  (keys ``j >= seq_lens[b]``) cannot reach any output. Keys ``j < seq_lens[b]``
+  are live: the caller wrote them. (The GPU kernel multiplies a tile of one
+  row's query tokens with V in one product, so a NaN *live* value that a later
+  token of the tile sees also reaches the earlier tokens; the reference keeps
+  it per token.)
+* fp8 (``float8_e4m3fn``) caches are dequantised as ``stored * scale``
+  (``k_scale``/``v_scale``: a number, float32 ``[]``, ``[1]`` or per kv head
+  ``[Hkv]``); other caches ignore the scales.
+* Scores are ``q . k * sm_scale`` (default ``1 / sqrt(D)``), softmax and
+  accumulation in float32; the output has ``q``'s dtype.
+
+Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference, the
+TPU path being JAX's ragged paged attention, :mod:`pallas_kernels.rpa`):
+
+* reference (jnp): gathers every block of the table for every token,
+  ``[T, W * block_size]`` keys, then :func:`pallas_kernels.attention_math.masked_attention`
+  — the math of the model's first attention (``kvjax.models.attention.paged_attention``,
+  bitwise for float32). Its cost follows ``W`` (``max_model_len``), not the context.
+* GPU (Pallas Triton): grid ``(T, Hkv, splits)``. Program ``(i, h, s)`` owns the
+  query tile that starts at token ``i`` — a run of consecutive tokens of one row
+  inside one aligned window of ``block_q`` tokens, all ``G`` query heads of kv head
+  ``h`` — if token ``i`` starts one, and returns otherwise (a pad token's program
+  stores its zeros). The tile's keys are ``ceil(n / block_n)`` chunks, ``n`` the
+  largest ``min(seq_len, pos + 1)`` of its tokens: only live blocks its tokens see,
+  gathered through the block table, with an online softmax (float32 running max,
+  sum and accumulator; bf16 products where q and cache are bf16 or fp8, IEEE float32
+  products otherwise). Split ``s`` takes the ``s``-th share of the chunks; with
+  ``splits > 1`` (few tokens: decode at small batch) one XLA pass combines the
+  splits' maxima, sums and outputs, otherwise the call is one launch. Tiles of a
+  decode row hold one token; a prefill chunk of ``L`` tokens makes about
+  ``L / block_q`` tiles. Compiled: head size a power of two >= 16. The same body
+  runs in interpret mode on a CPU. Measured on an H100:
+  ``benchmarks/results/2026-11-24-h100-paged-attention.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as _backend
+from pallas_kernels import contract as validation
+from pallas_kernels import gpu_tiling
+from pallas_kernels.attention_math import MASK_VALUE, masked_attention
+from pallas_kernels.contract import FP8_DTYPE
+
+__all__ = ["PagedAttentionConfig", "paged_attention", "paged_attention_reference"]
+
+OP_ATTENTION = "paged_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tuning knobs of the GPU kernel (a static argument).
+
+    Attributes:
+      gpu_block_m: rows of a query tile, tokens x GQA group (padded to a power of
+        two): ``block_q = gpu_block_m // G`` tokens. None: 16 when the call has at
+        most one token per row (decode), else 64.
+      gpu_block_n: keys per loop step (a power of two, >= 16 compiled). None: 128 with
+        16-row tiles, else 64.
+      gpu_kv_splits: programs sharing one tile's keys (flash-decoding: each takes a
+        slice of the key chunks, an XLA pass combines them). None: the rule of
+        ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
+        at most ``gpu_max_kv_splits``, each with two chunks of the table's width.
+      gpu_max_kv_splits, gpu_min_programs: bounds of that rule.
+      gpu_num_warps, gpu_num_stages: Triton launch parameters (stages: software
+        pipelining of the key loop).
+    """
+
+    gpu_block_m: int | None = None
+    gpu_block_n: int | None = None
+    gpu_kv_splits: int | None = None
+    gpu_max_kv_splits: int = 16
+    gpu_min_programs: int = 256
+    gpu_num_warps: int = 4
+    gpu_num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("gpu_block_m", "gpu_block_n", "gpu_num_warps", "gpu_kv_splits",
+                     "gpu_max_kv_splits"):
+            v = getattr(self, name)
+            if v is None and name in ("gpu_block_m", "gpu_block_n", "gpu_kv_splits"):
+                continue
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v!r}")
+        if not isinstance(self.gpu_num_stages, int) or self.gpu_num_stages < 1:
+            raise ValueError(f"gpu_num_stages must be an int >= 1, got {self.gpu_num_stages!r}")
+
+
+# --------------------------------------------------------------------------
+# Reference (plain XLA): the whole table for every token
+# --------------------------------------------------------------------------
+
+
+@_backend.register(OP_ATTENTION, "reference")
+def _reference(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
+               k_scale, v_scale, *, sm_scale, config, interpret):
+    """The model's jnp paged attention (bitwise for float32 with ``sm_scale=None``)."""
+    del config, interpret
+    T, _, D = q.shape
+    R, W = block_table.shape
+    _, bs, Hkv, _ = key_cache.shape
+    S = W * bs
+    real = token_row < R
+    row = jnp.where(real, token_row, 0)  # gather index only, masked by `real`
+    blocks = block_table[row]  # [T, W]
+    j = jnp.arange(S, dtype=jnp.int32)
+    visible = (
+        real[:, None]
+        & (j[None, :] <= positions[:, None])
+        & (j[None, :] < seq_lens[row][:, None])
+    )  # [T, S]
+
+    def read(cache, scale):
+        kv = cache[blocks].reshape(T, S, Hkv, D).astype(jnp.float32)
+        if scale is not None:  # [1] or [Hkv]
+            kv = kv * scale[None, None, :, None]
+        return kv
+
+    o = masked_attention(q, read(key_cache, k_scale), read(value_cache, v_scale), visible,
+                         sm_scale=sm_scale)
+    return o.astype(q.dtype)
+
+
+# --------------------------------------------------------------------------
+# GPU: Pallas Triton, one program per (query tile, kv head), live blocks only
+# --------------------------------------------------------------------------
+
+
+def _tile_rows(T: int, R: int, group: int, cfg: PagedAttentionConfig) -> int:
+    """``block_m``: rows of a query tile (a power of two >= the padded group)."""
+    gp = pl.next_power_of_2(group)
+    want = cfg.gpu_block_m if cfg.gpu_block_m is not None else (16 if T <= R else 64)
+    return int(max(want, gp))
+
+
+def _kv_splits(T: int, Hkv: int, max_keys: int, block_n: int, cfg: PagedAttentionConfig) -> int:
+    """Programs that share one tile's keys: enough for ``cfg.gpu_min_programs`` programs
+    when the call has few tokens (decode at small batch), each with >= 2 key chunks."""
+    if cfg.gpu_kv_splits is not None:
+        return cfg.gpu_kv_splits
+    most = max(1, max_keys // (2 * block_n))
+    return int(min(cfg.gpu_max_kv_splits, most,
+                   gpu_tiling.pow2_floor(cfg.gpu_min_programs // (T * Hkv))))
+
+
+def _dot_dtype(q_dtype, cache_dtype):
+    """Operand dtype of the kernel's products: fp8 caches widen to ``q``'s dtype
+    (exactly: the scale is applied to the scores and the output instead)."""
+    if np.dtype(cache_dtype) == np.dtype(FP8_DTYPE):
+        cache_dtype = q_dtype
+    dt = jnp.promote_types(q_dtype, cache_dtype)
+    return dt if dt in (jnp.bfloat16, jnp.float16) else jnp.float32
+
+
+@_backend.register(OP_ATTENTION, "gpu")
+def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
+         k_scale, v_scale, *, sm_scale, config, interpret):
+    """The Pallas Triton kernel (module docstring), plus the split combine when splits > 1."""
+    T, Hq, D = q.shape
+    R, W = block_table.shape
+    N, bs, Hkv, _ = key_cache.shape
+    G = Hq // Hkv
+    Gp = pl.next_power_of_2(G)
+    BM = _tile_rows(T, R, G, config)
+    BQ = BM // Gp  # tokens per tile
+    BN = config.gpu_block_n or (128 if BM <= 16 else 64)
+    S = W * bs
+    splits = _kv_splits(T, Hkv, S, BN, config)
+    if not interpret:
+        if D & (D - 1) or D < 16 or BN < 16:
+            raise NotImplementedError(
+                f"the GPU kernel needs a power-of-two head size >= 16 and gpu_block_n >= 16 "
+                f"(Triton block shapes and products), got head size {D}, gpu_block_n {BN}")
+    for name, shape in (("key_cache", key_cache.shape), ("q", q.shape),
+                        ("the output", (splits, T, Hkv, Gp, D))):
+        gpu_tiling.check_int32_offsets(name, shape)  # the kernel's index arithmetic is int32
+    scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
+    fp8 = k_scale is not None
+    cdt = _dot_dtype(q.dtype, key_cache.dtype)
+    # float32 products in IEEE float32 (Triton's default would be tf32), as the reference.
+    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    # Flat views: every access is a gather of whole head rows, ``row * D + column``.
+    flat = [a.reshape(-1) for a in (q, key_cache, value_cache, block_table)]
+    # One scale per kv head: program h reads entry h.
+    scales = tuple(jnp.broadcast_to(x, (Hkv,)) for x in (k_scale, v_scale)) if fp8 else ()
+    load, store = _backend.triton.load, _backend.triton.store
+    lanes = T * Hkv * Gp  # output rows, the group padded to Gp heads
+
+    def read_kv(ref, mask):
+        """Masked K/V rows in the product dtype, 0 where masked (on values: fp8 loads take
+        no ``other``, so the select does it)."""
+        if fp8:
+            return jnp.where(mask, load(ref, mask=mask).astype(cdt), 0)
+        return load(ref, mask=mask, other=0).astype(cdt)
+
+    def kernel(row_ref, pos_ref, len_ref, table_ref, q_ref, k_ref, v_ref, *refs):
+        # Inputs:  row_ref i32[T] (token -> row, R = pad), pos_ref i32[T], len_ref i32[R],
+        #          table_ref i32[R * W], q_ref [T * Hq * D], k_ref / v_ref [N * bs * Hkv * D],
+        #          fp8 only: k_scale_ref / v_scale_ref f32[Hkv]
+        # Outputs: out_ref [splits * lanes * D]: q.dtype, or with splits > 1 float32 per
+        #          split, with its running max and sum m_ref / l_ref f32[splits * lanes].
+        #          Lane (t, h, g) of the group padded to Gp heads: every lane of a tile has
+        #          its own address (interpret mode writes masked lanes back).
+        out_ref, m_ref, l_ref = (refs[-3:] if splits > 1 else (refs[-1], None, None))
+        i, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        row_i = row_ref[i]
+        real_i = (row_i >= 0) & (row_i < R)
+        prev_row = row_ref[jnp.maximum(i - 1, 0)]
+        starts = real_i & ((jax.lax.rem(i, BQ) == 0) | (prev_row != row_i))
+        m = jnp.arange(BM, dtype=jnp.int32)
+        # Tile row m -> token i + k_of_m, query head h * G + g_of_m (lanes g >= G unused).
+        k_of_m, g_of_m = jax.lax.div(m, Gp), jax.lax.rem(m, Gp)
+        head_ok = g_of_m < G
+        cols = jnp.arange(D, dtype=jnp.int32)[None, :]
+        t = i + k_of_m
+        lane = sp * lanes + (t * Hkv + h) * Gp + g_of_m  # distinct per tile row
+
+        def write(o, m_i, l_i, mask):
+            store(out_ref.at[lane[:, None] * D + cols], o.astype(out_ref.dtype),
+                  mask=jnp.broadcast_to(mask[:, None], (BM, D)))
+            if splits > 1:
+                store(m_ref.at[lane], m_i, mask=mask)
+                store(l_ref.at[lane], l_i, mask=mask)
+
+        @pl.when(~real_i)
+        def _pad_token_gets_zeros():
+            write(jnp.zeros((BM, D), jnp.float32), jnp.full((BM,), MASK_VALUE, jnp.float32),
+                  jnp.zeros((BM,), jnp.float32), (k_of_m == 0) & head_ok)
+
+        @pl.when(starts)
+        def _attend_tile():
+            # The tile: tokens i .. i + k of one row, up to the next window boundary.
+            in_t = t < T
+            t_c = jnp.where(in_t, t, i)  # loads stay in range; members are all < T
+            rows_m = load(row_ref.at[t_c])
+            prev_m = load(row_ref.at[jnp.maximum(t_c - 1, 0)])
+            boundary = (k_of_m > 0) & (
+                ~in_t | (jax.lax.rem(t, BQ) == 0) | (rows_m != prev_m))
+            member = (k_of_m < jnp.min(jnp.where(boundary, k_of_m, BQ))) & head_ok
+            # Keys each tile row sees: [0, limit); the largest limit bounds the loop.
+            kv_len = jnp.clip(len_ref[row_i], 0, S)
+            pos_m = load(pos_ref.at[t_c])
+            limit = jnp.where(pos_m >= kv_len, kv_len, jnp.maximum(pos_m, -1) + 1)
+            limit = jnp.where(member, limit, 0)
+            n_keys = jnp.max(limit)
+            num_chunks = (n_keys + BN - 1) // BN
+            per_split = (num_chunks + splits - 1) // splits
+            first = jnp.minimum(sp * per_split, num_chunks)
+            last = jnp.minimum(first + per_split, num_chunks)
+            q_rows = t_c * Hq + h * G + jnp.minimum(g_of_m, G - 1)
+            q_mask = jnp.broadcast_to(member[:, None], (BM, D))
+            q_tile = load(q_ref.at[q_rows[:, None] * D + cols], mask=q_mask, other=0)
+            q_tile = q_tile.astype(cdt)
+            score_scale = jnp.float32(scale)
+            if fp8:
+                score_scale = score_scale * refs[0][h]
+            base = row_i * W
+
+            def step(c, carry):
+                acc, m_i, l_i = carry
+                j = c * BN + jnp.arange(BN, dtype=jnp.int32)
+                live = j < n_keys
+                col = jnp.minimum(jax.lax.div(j, bs), W - 1)
+                bid = load(table_ref.at[base + col], mask=live, other=0)
+                ok = live & (bid >= 0) & (bid < N)  # a bad id reads nothing
+                kv_rows = (jnp.where(ok, bid, 0) * bs + jax.lax.rem(j, bs)) * Hkv + h
+                kv_mask = jnp.broadcast_to(ok[:, None], (BN, D))
+                kb, vb = (read_kv(r.at[kv_rows[:, None] * D + cols], kv_mask)
+                          for r in (k_ref, v_ref))
+                s = jax.lax.dot_general(q_tile, kb, (((1,), (1,)), ((), ())), precision=prec,
+                                        preferred_element_type=jnp.float32) * score_scale
+                vis = j[None, :] < limit[:, None]
+                s = jnp.where(vis, s, MASK_VALUE)
+                m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+                alpha = jnp.exp(m_i - m_new)
+                p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
+                l_new = l_i * alpha + jnp.sum(p, axis=1)
+                pv = jax.lax.dot_general(p.astype(cdt), vb, (((1,), (0,)), ((), ())),
+                                         precision=prec, preferred_element_type=jnp.float32)
+                return acc * alpha[:, None] + pv, m_new, l_new
+
+            init = (jnp.zeros((BM, D), jnp.float32), jnp.full((BM,), MASK_VALUE, jnp.float32),
+                    jnp.zeros((BM,), jnp.float32))
+            acc, m_i, l_i = jax.lax.fori_loop(first, last, step, init)
+            o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+            if fp8:
+                o = o * refs[1][h]
+            write(o, m_i, l_i, member)
+
+    out_dtype = q.dtype if splits == 1 else jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((splits * lanes * D,), out_dtype)]
+    if splits > 1:
+        out_shape += [jax.ShapeDtypeStruct((splits * lanes,), jnp.float32)] * 2
+    call = pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(T, Hkv, splits),
+        compiler_params=_backend.triton.CompilerParams(
+            num_warps=config.gpu_num_warps, num_stages=config.gpu_num_stages),
+        interpret=interpret,
+        name="paged_attention_gpu",
+    )
+    outs = call(token_row, positions, seq_lens, flat[3], *flat[:3], *scales)
+    if splits == 1:
+        out = outs[0].reshape(T, Hkv, Gp, D)
+    else:
+        out = _combine_splits(*(o.reshape(splits, T, Hkv, Gp, -1) for o in outs), q.dtype)
+    return (out if Gp == G else out[:, :, :G]).reshape(T, Hq, D)
+
+
+def _combine_splits(o, m, l, dtype):
+    """One softmax from per-split results: ``o [splits, ..., D]`` (each normalised by its
+    own sum), running maxima ``m`` and sums ``l`` ``[splits, ..., 1]``. A lane no split
+    saw (``l`` all 0) gets 0."""
+    top = jnp.max(m, axis=0)
+    w = jnp.where(l > 0, l * jnp.exp(m - top), 0.0)
+    den = jnp.sum(w, axis=0)
+    out = jnp.sum(jnp.where(w > 0, w * o, 0.0), axis=0) / jnp.where(den > 0, den, 1.0)
+    return out.astype(dtype)
+
+
+# --------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------
+
+
+def _check(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
+           k_scale, v_scale):
+    """Static checks always, value checks when concrete; returns the fp8 scales (or Nones)."""
+    validation.check_rank("q", q, 3)
+    T, Hq, D = np.shape(q)
+    validation.check_dtype("q", q, (np.float32, jnp.bfloat16, np.float16))
+    validation.check_rank("key_cache", key_cache, 4)
+    num_blocks, block_size, Hkv = np.shape(key_cache)[:3]
+    validation.check_shape("key_cache", key_cache, (None, None, None, D))
+    validation.check_shape("value_cache", value_cache, np.shape(key_cache))
+    validation.check_dtype("key_cache", key_cache, "floating")
+    validation.check_dtype("value_cache", value_cache, np.dtype(key_cache.dtype))
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(
+            f"q's heads must be a multiple of the caches' kv heads: Hq={Hq}, Hkv={Hkv}")
+    validation.check_rank("block_table", block_table, 2)
+    R, W = np.shape(block_table)
+    for name, x, shape in (("seq_lens", seq_lens, (R,)), ("positions", positions, (T,)),
+                           ("token_row", token_row, (T,))):
+        validation.check_shape(name, x, shape)
+    for name, x in (("block_table", block_table), ("seq_lens", seq_lens),
+                    ("positions", positions), ("token_row", token_row)):
+        validation.check_dtype(name, x, np.int32)
+    validation.check_values_in_range("block_table", block_table, 0, num_blocks)
+    validation.check_values_in_range("seq_lens", seq_lens, 0, W * block_size + 1)
+    validation.check_values_in_range("token_row", token_row, 0, R + 1)
+    if np.dtype(key_cache.dtype) != np.dtype(FP8_DTYPE):
+        return None, None
+    return tuple(validation.fp8_scale_array(name, x, (1, Hkv))  # [1] or [Hkv]
+                 for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+
+def paged_attention(
+    q,  # [T, Hq, D] float
+    key_cache,  # [num_blocks, block_size, Hkv, D]
+    value_cache,  # [num_blocks, block_size, Hkv, D]
+    block_table,  # int32 [R, W] block ids
+    seq_lens,  # int32 [R]
+    positions,  # int32 [T]
+    token_row,  # int32 [T], R for pad tokens
+    *,
+    sm_scale: float | None = None,
+    k_scale=None,  # fp8 caches only: number, float32 [], [1] or [Hkv]
+    v_scale=None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    config: PagedAttentionConfig = PagedAttentionConfig(),
+):
+    """Causal attention of each token over its row's cached keys (see the module docstring).
+
+    Args:
+      q: ``[T, Hq, D]``, float32, bfloat16 or float16.
+      key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, one float dtype;
+        ``Hq`` a multiple of ``Hkv``.
+      block_table: int32 ``[R, W]``, ids in ``[0, num_blocks)``.
+      seq_lens: int32 ``[R]``, in ``[0, W * block_size]``: keys ``[0, seq_len)`` are live.
+      positions: int32 ``[T]``: token ``t`` sees keys ``j <= positions[t]``.
+      token_row: int32 ``[T]`` in ``[0, R]``; ``R`` marks a pad token.
+      sm_scale: score scale (static); None: ``1 / sqrt(D)``.
+      k_scale, v_scale: required for ``float8_e4m3fn`` caches (dequantised as
+        ``stored * scale``), ignored otherwise.
+      backend, interpret: see :mod:`pallas_kernels._backend` (TPU: the reference).
+      config: :class:`PagedAttentionConfig` (static).
+
+    Returns:
+      ``[T, Hq, D]`` in ``q``'s dtype; 0 for pad tokens and tokens that see no key.
+
+    Raises:
+      ValueError: bad shapes or dtypes; concrete ids, lengths or rows out of range;
+        a missing or non-positive fp8 scale.
+      NotImplementedError: the compiled GPU kernel cannot take the shapes
+        (head size not a power of two >= 16).
+    """
+    choice = _backend.choose(OP_ATTENTION, backend, interpret)
+    if not isinstance(config, PagedAttentionConfig):
+        raise ValueError(f"config must be a PagedAttentionConfig, got {config!r}")
+    k_scale, v_scale = _check(q, key_cache, value_cache, block_table, seq_lens, positions,
+                              token_row, k_scale, v_scale)
+    T, Hq, D = np.shape(q)
+    R, W = np.shape(block_table)
+    if T == 0 or R == 0 or W == 0 or np.shape(key_cache)[0] == 0:
+        return jnp.zeros((T, Hq, D), q.dtype)  # nothing to see: every token gets 0
+    sm_scale = None if sm_scale is None else float(sm_scale)
+    return _backend.run(
+        OP_ATTENTION, choice, q, key_cache, value_cache, block_table, seq_lens, positions,
+        token_row, k_scale, v_scale, sm_scale=sm_scale, config=config)
+
+
+def paged_attention_reference(q, key_cache, value_cache, block_table, seq_lens, positions,
+                              token_row, *, sm_scale=None, k_scale=None, v_scale=None):
+    """Plain-XLA :func:`paged_attention` (same contract and checks)."""
+    return paged_attention(q, key_cache, value_cache, block_table, seq_lens, positions,
+                           token_row, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                           backend="reference")

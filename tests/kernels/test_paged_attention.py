@@ -1,0 +1,348 @@
+"""paged_attention: the GPU kernel (interpret mode) and the jnp reference against float64 numpy.
+
+Every step is ragged (decode rows, chunked-prefill rows crossing tile windows,
+speculative windows, rows with a table but no token, rows whose ``seq_len`` is 0,
+pad tokens before, between and after the rows) and poisoned: the null block, every
+free block and every row's unwritten tail hold NaN. The oracle walks one token at a
+time over exactly the keys it sees, in float64, from the stored values. The kernel
+runs its body through Pallas' interpreter (``backend="pallas_gpu"`` on a CPU); its
+Triton lowering is built and verified for CUDA at the end.
+
+Planted bugs each test was seen to fail on (then restored):
+
+* the kernel's loop reads one block too many (``live = j < n_keys + bs``): NaN
+  tails reach V; the poisoned mixed-step, GQA and tile/split tests fail (NaN);
+* a row's keys rounded up to whole blocks (``kv_len`` = ``seq_len`` rounded up to
+  ``bs``): the interleaved test fails (its token past ``seq_len`` reads the tail);
+  every other token's causal limit hides this one;
+* the pad-token zero store removed: ``test_pad_and_empty_tokens_get_exact_zeros``
+  and the mixed-step tests fail (the interpreter does not zero the output);
+* a tile starting only at aligned windows (the row-change start dropped): the
+  mixed-step and interleaved tests fail (tokens of a run starting mid-window are
+  never written);
+* the split combine ignoring each split's running max (``w = l``): the 4-split
+  tile test fails;
+* the reference scaling scores by ``sqrt(D)`` instead of ``1 / sqrt(D)``:
+  ``test_reference_is_the_models_attention_bitwise`` fails.
+
+Not observable here: a tile taking in the next row's tokens (membership without the
+row check). The interpreter runs programs in grid order, so the later, right tile
+overwrites them; on a GPU it would be a race between two stores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvjax.testing.asserts import assert_bitwise
+from pallas_kernels import backend as _backend  # the public module (test_kernel_hygiene)
+from pallas_kernels.paged_attention import (
+    PagedAttentionConfig,
+    paged_attention,
+    paged_attention_reference,
+)
+
+FP8 = ml_dtypes.float8_e4m3fn
+BF16 = ml_dtypes.bfloat16
+GPU = "pallas_gpu"
+
+
+# --------------------------------------------------------------------------
+# Steps and the oracle
+# --------------------------------------------------------------------------
+
+
+def make_step(seed, rows, *, T, R, W, N, bs, Hq, Hkv, D, order=None, pads=(),
+              qdt=np.float32, cdt=np.float32, k_scale=None, v_scale=None):
+    """A poisoned ragged step.
+
+    ``rows``: per row ``(seq_len, query_len)``; row ``b``'s query is its last
+    ``query_len`` positions. ``order``: token order as a list of row ids (default:
+    rows in order); ``pads``: token indices where pad tokens go (the rest of the ``T``
+    slots after the real tokens are pads too).
+    """
+    rng = np.random.default_rng(seed)
+    assert len(rows) <= R
+    seq = np.zeros((R,), np.int32)
+    table = np.zeros((R, W), np.int32)
+    free = list(rng.permutation(np.arange(1, N)))
+    for b, (L, _) in enumerate(rows):
+        seq[b] = L
+        for c in range(-(-L // bs)):
+            table[b, c] = free.pop()
+    tokens = []  # (row, position)
+    # Row b's query: its last q positions (a row with seq_len 0: positions 0 .. q - 1).
+    queues = {b: list(range(L - q, L) if L else range(q)) for b, (L, q) in enumerate(rows)}
+    for b in order if order is not None else [b for b, (_, q) in enumerate(rows) for _ in range(q)]:
+        tokens.append((b, queues[b].pop(0)))
+    assert all(not v for v in queues.values())
+    token_row = np.full((T,), R, np.int32)
+    positions = rng.integers(-3, 40, size=T).astype(np.int32)  # pads: anything
+    slots = [t for t in range(T) if t not in pads]
+    assert len(tokens) <= len(slots)
+    for t, (b, p) in zip(slots, tokens):
+        token_row[t], positions[t] = b, p
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((N, bs, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((N, bs, Hkv, D)).astype(np.float32)
+    live = np.zeros((N, bs), bool)
+    for b in range(R):
+        for j in range(seq[b]):
+            live[table[b, j // bs], j % bs] = True
+    k[~live], v[~live] = np.nan, np.nan  # null block, free blocks, tails
+    if np.dtype(cdt) == np.dtype(FP8):
+        k, v = (x / np.asarray(s, np.float32).reshape(1, 1, -1, 1) for x, s in
+                ((k, k_scale), (v, v_scale)))
+    return dict(q=q.astype(qdt), key_cache=k.astype(cdt), value_cache=v.astype(cdt),
+                block_table=table, seq_lens=seq, positions=positions, token_row=token_row)
+
+
+def oracle(a, *, sm_scale=None, k_scale=None, v_scale=None):
+    """float64, one token at a time, over exactly the keys it sees."""
+    q = a["q"].astype(np.float64)
+    k, v = a["key_cache"].astype(np.float64), a["value_cache"].astype(np.float64)
+    if k_scale is not None:
+        k = k * np.asarray(k_scale, np.float64).reshape(1, 1, -1, 1)
+        v = v * np.asarray(v_scale, np.float64).reshape(1, 1, -1, 1)
+    table, seq = a["block_table"], a["seq_lens"]
+    T, Hq, D = q.shape
+    R, W = table.shape
+    bs, Hkv = k.shape[1], k.shape[2]
+    scale = 1 / np.sqrt(D) if sm_scale is None else sm_scale
+    out = np.zeros((T, Hq, D))
+    for t in range(T):
+        b = a["token_row"][t]
+        if b == R:
+            continue
+        n = min(int(seq[b]), int(a["positions"][t]) + 1, W * bs)
+        if n <= 0:
+            continue
+        j = np.arange(n)
+        kk, vv = k[table[b, j // bs], j % bs], v[table[b, j // bs], j % bs]
+        for h in range(Hq):
+            s = kk[:, h // (Hq // Hkv)] @ q[t, h] * scale
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vv[:, h // (Hq // Hkv)] / p.sum()
+    return out
+
+
+def check(got, want, tol, a):
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    assert not np.isnan(got).any(), f"NaN at {np.argwhere(np.isnan(got))[:3].tolist()}"
+    err = np.abs(got - want).max()
+    assert err <= tol, f"max |got - oracle| = {err:.3g} > {tol}"
+    pads = a["token_row"] == a["block_table"].shape[0]
+    assert (got[pads] == 0).all(), "a pad token's output is not 0"
+
+
+TOL = {np.dtype(np.float32): 2e-5, np.dtype(BF16): 3e-2}
+
+# One mixed step of every kind of row (T=24, R=7, W=5, bs=4: 20 keys per table).
+MIXED_ROWS = [
+    (17, 1),  # decode, partial last block
+    (20, 9),  # chunked prefill over a full table, crossing tile windows
+    (6, 3),  # speculative window inside one block
+    (0, 0),  # idle row, no table
+    (11, 0),  # a table but no token this step
+    (4, 1),  # decode, exactly one full block
+    (0, 2),  # seq_len 0 with tokens: they see nothing
+]
+MIXED = dict(T=24, R=7, W=5, N=24, bs=4, pads=(0, 5, 19))
+
+
+def mixed(seed, Hq=4, Hkv=2, D=16, **kw):
+    return make_step(seed, MIXED_ROWS, Hq=Hq, Hkv=Hkv, D=D, **{**MIXED, **kw})
+
+
+# --------------------------------------------------------------------------
+# The reference is the model's attention, and both flavours match the oracle
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_reference_is_the_models_attention_bitwise(fp8):
+    """float32: what ``kvjax.models.attention.paged_attention`` computes today, bit for bit."""
+    from kvjax.models.attention import paged_attention as model_attention
+
+    scales = dict(k_scale=0.5, v_scale=0.25) if fp8 else {}
+    a = mixed(0, cdt=FP8 if fp8 else np.float32, **scales)
+    want = model_attention(*(jnp.asarray(x) for x in a.values()), **scales)
+    got = paged_attention_reference(*a.values(), **scales)
+    assert_bitwise(got, want, "reference")
+    check(got, oracle(a, **scales), 2e-5, a)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("backend", ["reference", GPU])
+def test_poisoned_mixed_step_matches_the_oracle(backend, seed):
+    a = mixed(seed)
+    check(paged_attention(*a.values(), backend=backend), oracle(a), 2e-5, a)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(6, 2), (8, 1)], ids=["gqa-3-padded-to-4", "gqa-8"])
+def test_gqa_ratios(Hq, Hkv):
+    a = mixed(4, Hq=Hq, Hkv=Hkv)
+    check(paged_attention(*a.values(), backend=GPU), oracle(a), 2e-5, a)
+
+
+@pytest.mark.parametrize("qdt,cdt", [(BF16, BF16), (np.float32, BF16)],
+                         ids=["bf16", "f32-q-bf16-cache"])
+def test_dtypes(qdt, cdt):
+    a = mixed(5, qdt=qdt, cdt=cdt)
+    want = oracle(a)
+    for backend in ("reference", GPU):
+        got = paged_attention(*a.values(), backend=backend)
+        assert got.dtype == np.dtype(qdt)
+        check(got, want, TOL[np.dtype(qdt)], a)
+
+
+@pytest.mark.parametrize("scale_shape", [(), (2,)], ids=["one-scale", "per-kv-head"])
+def test_fp8_caches_dequantised_by_scale(scale_shape):
+    ks = np.full(scale_shape, 0.5, np.float32) if scale_shape else 0.5
+    vs = np.array([0.25, 2.0], np.float32) if scale_shape else 0.25
+    a = mixed(6, qdt=BF16, cdt=FP8, k_scale=ks, v_scale=vs)
+    want = oracle(a, k_scale=ks, v_scale=vs)
+    for backend in ("reference", GPU):
+        check(paged_attention(*a.values(), k_scale=ks, v_scale=vs, backend=backend), want,
+              3e-2 * max(1.0, float(np.max(vs))), a)
+
+
+@pytest.mark.parametrize(
+    "config", [PagedAttentionConfig(gpu_kv_splits=1, gpu_block_m=4, gpu_block_n=8),
+               PagedAttentionConfig(gpu_kv_splits=4, gpu_block_m=32, gpu_block_n=2)],
+    ids=["1-split-tiles-of-2-tokens-chunks-of-2-blocks",
+         "4-splits-tiles-of-16-tokens-chunks-of-half-a-block"])
+def test_tiles_chunks_and_splits(config):
+    a = mixed(7)
+    check(paged_attention(*a.values(), backend=GPU, config=config), oracle(a), 2e-5, a)
+
+
+def test_interleaved_rows_positions_out_of_range_and_sm_scale():
+    """Tokens of one row in separate runs, rows interleaved, a decode token whose position is
+    past its seq_len (sees every live key) and one with a negative position (sees none);
+    scores scaled by ``sm_scale``."""
+    rows = [(9, 4), (5, 2), (13, 3)]
+    order = [0, 1, 0, 2, 0, 1, 2, 2, 0]
+    a = make_step(9, rows, T=12, R=4, W=4, N=16, bs=4, Hq=4, Hkv=2, D=16, order=order,
+                  pads=(2,))
+    a["positions"][0] = 50  # row 0: every one of its 9 keys
+    a["positions"][4] = -7  # row 2: nothing
+    want = oracle(a, sm_scale=0.3)
+    for backend in ("reference", GPU):
+        check(paged_attention(*a.values(), sm_scale=0.3, backend=backend), want, 2e-5, a)
+
+
+@pytest.mark.parametrize("backend", ["reference", GPU])
+def test_pad_and_empty_tokens_get_exact_zeros(backend):
+    """A dummy step (every token a pad token), and a step whose rows all have seq_len 0."""
+    a = mixed(10)
+    a["token_row"][:] = a["block_table"].shape[0]
+    out = np.asarray(paged_attention(*a.values(), backend=backend))
+    assert_bitwise(out, np.zeros_like(out), "dummy step")
+    b = mixed(11)
+    b["seq_lens"][:] = 0
+    out = np.asarray(paged_attention(*b.values(), backend=backend))
+    assert_bitwise(out, np.zeros_like(out), "seq_len 0 everywhere")
+
+
+def test_empty_shapes():
+    a = mixed(12)
+    for backend in ("reference", GPU):
+        out = paged_attention(a["q"][:0], a["key_cache"], a["value_cache"], a["block_table"],
+                              a["seq_lens"], a["positions"][:0], a["token_row"][:0],
+                              backend=backend)
+        assert out.shape == (0, 4, 16)
+        out = paged_attention(a["q"], a["key_cache"], a["value_cache"], a["block_table"][:0],
+                              a["seq_lens"][:0], a["positions"], np.zeros((24,), np.int32),
+                              backend=backend)
+        assert_bitwise(np.asarray(out), np.zeros((24, 4, 16), np.float32), "no rows")
+
+
+def test_traced_bad_ids_read_nothing_out_of_range():
+    """Under jit nothing is value-checked. Garbage ids in columns past a row's live keys and in
+    a row without tokens change nothing; a token row past R is a pad token; a garbage id in a
+    live column reads nothing out of range (its keys count as zeros; only that row differs)."""
+    a = mixed(13)
+    want = oracle(a)
+    a["block_table"][2, 3] = 10**6  # row 2: 6 keys in columns 0-1
+    a["block_table"][5, 2] = -5  # row 5: 4 keys in column 0
+    a["block_table"][4, 1] = 10**6  # row 4: no tokens this step
+    a["block_table"][1, 2] = -(10**6)  # row 1: live column
+    a["token_row"][0] = 99
+    got = np.asarray(jax.jit(lambda *x: paged_attention(*x, backend=GPU))(*a.values()))
+    assert not np.isnan(got).any()
+    assert (got[0] == 0).all()
+    others = a["token_row"] != 1
+    np.testing.assert_allclose(got[others], want[others], atol=2e-5)
+
+
+# --------------------------------------------------------------------------
+# Argument checks, routing
+# --------------------------------------------------------------------------
+
+
+def test_value_checks_when_concrete():
+    a = mixed(14)
+
+    def call(**over):
+        return paged_attention(*{**a, **over}.values(), backend="reference")
+
+    bad_table = a["block_table"].copy()
+    bad_table[2, 1] = 24
+    with pytest.raises(ValueError, match=r"block_table must have values in \[0, 24\)"):
+        call(block_table=bad_table)
+    with pytest.raises(ValueError, match=r"seq_lens must have values in \[0, 21\)"):
+        call(seq_lens=np.full((7,), 21, np.int32))
+    with pytest.raises(ValueError, match=r"token_row must have values in \[0, 8\)"):
+        call(token_row=np.full((24,), -1, np.int32))
+    with pytest.raises(ValueError, match="positions must have dtype int32"):
+        call(positions=a["positions"].astype(np.int64))
+    with pytest.raises(ValueError, match="q must have dtype float32 or bfloat16 or float16"):
+        call(q=a["q"].astype(FP8))
+    with pytest.raises(ValueError, match="multiple of the caches' kv heads"):
+        call(q=np.zeros((24, 3, 16), np.float32))
+    with pytest.raises(ValueError, match="value_cache must have dtype float32"):
+        call(value_cache=a["value_cache"].astype(BF16))
+    with pytest.raises(ValueError, match="k_scale is required"):
+        call(key_cache=a["key_cache"].astype(FP8), value_cache=a["value_cache"].astype(FP8))
+    with pytest.raises(ValueError, match="gpu_block_n must be a power of two"):
+        PagedAttentionConfig(gpu_block_n=48)
+
+
+def test_registered_flavours_and_routing():
+    assert _backend.flavors("paged_attention") == ("reference", "gpu")
+    # No TPU kernel: every TPU choice runs the reference (the TPU path is JAX's RPA).
+    assert _backend.choose("paged_attention", "pallas_tpu", None).flavor == "reference"
+    assert _backend.choose("paged_attention", GPU, None).flavor == "gpu"
+
+
+# --------------------------------------------------------------------------
+# The compiled path: Triton modules built and verified for CUDA (on any host)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "qdt,cdt,T", [(jnp.bfloat16, jnp.bfloat16, 4), (jnp.bfloat16, jnp.float8_e4m3fn, 64),
+                  (jnp.float32, jnp.float32, 64), (jnp.bfloat16, jnp.bfloat16, 300)],
+    ids=["bf16-decode-splits", "fp8-decode", "f32", "bf16-prefill"])
+def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt, T):
+    Hq, Hkv, D, N, bs, R, W = 16, 4, 128, 64, 16, 32, 64
+    SD = jax.ShapeDtypeStruct
+    args = (SD((T, Hq, D), qdt), SD((N, bs, Hkv, D), cdt), SD((N, bs, Hkv, D), cdt),
+            SD((R, W), jnp.int32), SD((R,), jnp.int32), SD((T,), jnp.int32),
+            SD((T,), jnp.int32))
+    fp8 = cdt == jnp.float8_e4m3fn
+
+    def f(*x):
+        return paged_attention(*x, k_scale=jnp.float32(0.5) if fp8 else None,
+                               v_scale=jnp.float32(0.5) if fp8 else None, backend=GPU,
+                               interpret=False)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
+    module = str(verified_triton_modules[0].module)
+    assert module.count("tt.dot") == 2 and "scf.for" in module  # the key loop, two products
