@@ -41,7 +41,10 @@ from pallas_kernels.kv_write import (
 )
 from pallas_kernels.kv_pages import write_kv_pages as write_kv_pages
 from pallas_kernels.rpa import ragged_paged_attention as ragged_paged_attention
-from pallas_kernels.paged_attention import paged_attention as paged_attention
+from pallas_kernels.paged_attention import (
+    PagedAttentionConfig as PagedAttentionConfig,
+    paged_attention as paged_attention,
+)
 from pallas_kernels import kv_mosaic_gpu as kv_mosaic_gpu  # registers the "mosaic_gpu" flavour
 from pallas_kernels.mamba import (
     ConvConfig as ConvConfig,
@@ -60,12 +63,14 @@ __all__ = [
     "KVWriteConfig",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
+    "PagedAttentionConfig",
     "SSUConfig",
     "ZeroBlocksConfig",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "combine_sampled_and_draft_tokens",
     "concat_and_cache_mla",
+    "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",
     "selective_scan_varlen",

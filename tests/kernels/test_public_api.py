@@ -16,6 +16,7 @@ OPS = (
     "causal_conv1d_varlen",
     "combine_sampled_and_draft_tokens",
     "concat_and_cache_mla",
+    "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",
     "selective_scan_varlen",
@@ -23,7 +24,7 @@ OPS = (
     "write_kv_pages",
     "zero_blocks",
 )
-CONFIGS = ("ConvConfig", "KVWriteConfig", "SSUConfig", "ZeroBlocksConfig")
+CONFIGS = ("ConvConfig", "KVWriteConfig", "PagedAttentionConfig", "SSUConfig", "ZeroBlocksConfig")
 
 
 def _calls():
@@ -46,6 +47,9 @@ def _calls():
             one((1, 1, 2), f32), one((2, 2, 2, 2), f32), np.array([1], np.int32),
             np.array([[1]], np.int32), np.array([0, 1], np.int32), np.array([1], np.int32),
             backend="reference"),
+        "paged_attention": lambda f: f(
+            one((1, 1, 2), f32), one((2, 2, 1, 2), f32), one((2, 2, 1, 2), f32), np.array([[1]], np.int32),
+            np.array([1], np.int32), np.array([0], np.int32), np.array([0], np.int32), backend="reference"),
         "selective_state_update": lambda f: f(
             np.zeros((2, 1, 1, 2), f32), one((1, 1, 1), f32), one((1, 1, 1), f32),
             -one((1, 1, 1), f32), one((1, 1, 2), f32), one((1, 1, 2), f32),
