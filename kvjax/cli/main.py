@@ -52,7 +52,7 @@ def runner_config(args, model: TinyHybridConfig) -> RunnerConfig:
         backend=args.backend,
         seed=args.seed,
         poison=args.poison,
-        token_sizes=args.token_sizes,
+        token_sizes=args.token_sizes or demo_token_sizes(args.max_num_batched_tokens),
     )
 
 
@@ -92,7 +92,9 @@ def _demo(args, parser) -> int:
         if not args.no_strict:
             check_compiles_ahead(config.backend)
         available = available_memory()
-        check_fits(estimate_memory(config, longest_request=0), *available)  # before any host structure
+        # Sizes are per data rank; a CPU holds every local rank in its RAM, an accelerator one per device.
+        on_host = mesh_shape[0] // args.num_processes if jax.default_backend() == "cpu" else 1
+        check_fits(estimate_memory(config, longest_request=0).times(on_host), *available)  # before any host structure
         fits = config.make_scheduler().check_fits
         vocab = config.model.vocab_size
         if args.workload:
@@ -108,7 +110,7 @@ def _demo(args, parser) -> int:
                 r.stop_token_ids = stops
             r.ignore_eos = r.ignore_eos or args.ignore_eos
         longest = min(config.max_model_len, max(len(r.prompt) + r.max_tokens for r in requests))
-        memory = estimate_memory(config, longest_request=longest)
+        memory = estimate_memory(config, longest_request=longest).times(on_host)
         check_fits(memory, *available)
         if args.model is not None:
             _, params = hf_loader.load_pretrained(args.model, _dtype(args))
@@ -140,6 +142,9 @@ def _demo(args, parser) -> int:
     except SanitizerError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # e.g. the processes of a run given different workloads
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
     print_summary(report, config)
     if args.json:
         report.settings["workload"] = args.workload or f"generated: {args.requests} requests, seed {args.seed}"
@@ -147,6 +152,16 @@ def _demo(args, parser) -> int:
         with open(path, "w") as f:
             json.dump(report.to_json(), f, indent=1)
     return 0 if report.ok else 1
+
+
+def demo_token_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The demo's buckets: powers of 4 from 4 below the token budget, then the budget itself
+    (few buckets, so start-up compiles little)."""
+    sizes, t = [], 4
+    while t < max_num_batched_tokens:
+        sizes.append(t)
+        t *= 4
+    return tuple(sizes) + (max_num_batched_tokens,)
 
 
 def _dtype(args) -> str:
@@ -273,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-num-batched-tokens", type=_positive, metavar="N", default=32, help="token budget of a step")
     demo.add_argument("--max-model-len", type=_positive, metavar="N", default=96,
                       help="longest request (prompt + output) in tokens")
-    demo.add_argument("--token-sizes", type=_token_sizes, metavar="T1,T2,...", default="4,16,32",
-                      help="bucket token sizes, comma-separated")
+    demo.add_argument("--token-sizes", type=_token_sizes, metavar="T1,T2,...",
+                      help="bucket token sizes, comma-separated (default: 4, 16, 64, ... below "
+                           "--max-num-batched-tokens, and it: 4,16,32 for 32)")
     demo.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="kernel backend (auto: Pallas on GPU/TPU, jnp reference on CPU)")
     demo.add_argument("--poison", action="store_true",

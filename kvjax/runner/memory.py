@@ -79,6 +79,10 @@ class MemoryEstimate:
         parts = self.parts()
         return max(parts, key=parts.get)
 
+    def times(self, n: int) -> "MemoryEstimate":
+        """``n`` of these in one memory (e.g. the data ranks of a CPU mesh, all in host RAM)."""
+        return MemoryEstimate(**{k: v * n for k, v in self.parts().items()})
+
     def describe(self) -> str:
         """``total 1.23 GiB (kv_cache 0.5 GiB, ...)``."""
         inner = ", ".join(f"{k} {_gib(v)}" for k, v in self.parts().items())

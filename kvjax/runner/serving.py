@@ -21,6 +21,7 @@ loop waits for the pending step first. Outputs are bitwise those of the lockstep
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
@@ -111,6 +112,23 @@ def check_idle_ranks(result: StepResult, plans: Mapping[int, StepPlan | None], s
             raise SanitizerError(step, "idle_rank_not_dummy", "inputs", (), d)
 
 
+def _fingerprint(runner: Runner, arrivals) -> int:
+    """31 bits of a hash of the runner's configuration and the arrivals (ids, prompts, lengths,
+    arrival steps, sampling and stop settings): what every process of a run must share."""
+    text = repr((runner.config, [(r.req_id, r.prompt, r.max_tokens, r.arrival_step, r.temperature, r.top_k,
+                                  r.top_p, r.seed, r.stop_token_ids, r.ignore_eos) for r in arrivals]))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def check_same_everywhere(runner: Runner, arrivals) -> None:
+    """``ValueError`` unless every process serves the same arrivals with the same configuration
+    (processes given different workloads would place requests differently and serve wrongly)."""
+    prints = runner.agree({d: (_fingerprint(runner, arrivals),) for d in runner.local_ranks})[:, 0]
+    if len(set(prints.tolist())) > 1:
+        raise ValueError(f"the processes of this run were given different workloads or settings "
+                         f"(fingerprints by data rank: {prints.tolist()}); every process must get the same")
+
+
 def _needs_values(plans: Mapping[int, StepPlan | None]) -> bool:
     return any(p is not None and any(PENDING_TOKEN in tokens for _, tokens, _ in p.added)
                for p in plans.values())
@@ -150,6 +168,7 @@ def run_to_completion(scheds: Scheduler | Mapping[int, Scheduler], runner: Runne
         check_overlap_supported(runner.config.num_speculative_tokens)
     buckets = list(runner.buckets.buckets)
     pending = deque(sorted(arrivals, key=lambda r: r.arrival_step))
+    check_same_everywhere(runner, pending)
     stats = ServeStats(real_steps={d: 0 for d in scheds}, dummy_steps={d: 0 for d in scheds},
                        placed={d: [] for d in scheds})
     in_flight: _InFlight | None = None

@@ -90,7 +90,7 @@ def test_the_vllm_install_hint_is_printed_once(monkeypatch, capsys):
 def test_demo_json_report_records_the_settings_it_ran_with(monkeypatch, tmp_path):
     seen = {}
 
-    def fake_serve(config, requests, *, strict, progress_stream, compile_workers, overlap):
+    def fake_serve(config, requests, *, strict, progress_stream, compile_workers, overlap, **_):
         seen["config"] = config
         report = ServeReport(requests={}, steps=0, generated_tokens=0, tokens_per_s=0.0, serving_seconds=0.0,
                              buckets=[], executables=0, compile_seconds=0.0, serving_compiles=0, nan_count=0,
@@ -108,7 +108,7 @@ def test_demo_json_report_records_the_settings_it_ran_with(monkeypatch, tmp_path
     s = json.loads(out.read_text())["settings"]
     assert (s["backend"], s["kv_cache_dtype"], s["poison"], s["seed"]) == ("reference", "fp8", True, 7)
     assert s["token_sizes"] == [4, 16, 32] and s["max_model_len"] == 96 and s["strict"] is True
-    assert s["model"]["layer_types"] == ["attn", "mamba", "attn", "mamba"]
+    assert s["model"]["config"]["layer_types"] == ["attn", "mamba", "attn", "mamba"]
     assert s["platform"] == "cpu" and s["jax_version"] and s["workload"] == "generated: 2 requests, seed 7"
     assert seen["config"].seed == 7 and seen["config"].max_new_requests_per_step == 3
     assert s["max_new_requests_per_step"] == 3
@@ -187,7 +187,7 @@ def test_quiet_prints_nothing_but_the_summary(monkeypatch, capsys):
     # Issue 25 item 7: --quiet still printed the memory line.
     seen = {}
 
-    def fake_serve(config, requests, *, mesh, strict, progress_stream, compile_workers, overlap):
+    def fake_serve(config, requests, *, mesh, strict, progress_stream, compile_workers, overlap, **_):
         seen["progress_stream"] = progress_stream
         raise SystemExit(0)  # stop before the summary: only what came before is checked
 

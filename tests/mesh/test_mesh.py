@@ -145,6 +145,35 @@ def test_planted_mesh_bugs_are_caught_by_the_sanitizer(worker_results, case, inv
     assert err is not None and err["invariant"] in invariants, worker_results[case]
 
 
+def _two_processes(tmp_path, extra=((), ())):
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2", "--coordinator", f"localhost:{port}",
+         "--num-processes", "2", "--process-id", str(i), *CLI_SIZES, *extra[i],
+         "--json", str(tmp_path / "report.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return procs, outs
+
+
+def test_two_processes_given_different_workloads_stop(tmp_path):
+    """Issue 25: two processes of one run given different workloads used to serve silently wrong;
+    they now agree on a fingerprint of the workload and settings first, and both stop (exit 2)."""
+    procs, outs = _two_processes(tmp_path, (("--requests", "4"), ("--requests", "5")))
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 2, out + err[-3000:]
+        assert "different workloads or settings" in err, err[-3000:]
+
+
 def test_two_processes_through_jax_distributed(worker_results, tmp_path):
     """``demo --mesh data=2`` as 2 processes (jax.distributed on localhost, gloo CPU collectives),
     one data rank each: same placement and tokens as the single-device runner, checks pass."""
