@@ -17,6 +17,7 @@ transformers' greedy ``generate``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import jax
@@ -88,6 +89,19 @@ STEP = jax.jit(_apply, static_argnames=("model", "sizes"), donate_argnames=("poo
                compiler_options=FAST)
 
 
+@contextlib.contextmanager
+def _torch_one_thread():
+    """torch's CPU ops on one thread: on a shared 2-core machine its worker threads spin-wait
+    (a 3-layer forward of 10 tokens: ~2 s on 2 threads, ~10 ms on one). Restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _randomise(m):
     """Weights with std 1/sqrt(fan_in) (embeddings 1, norms ~1, biases ~0.1): logits far from flat."""
     with torch.no_grad():
@@ -116,22 +130,27 @@ class Checkpoint:
         self.tensors = safetensors_numpy.load_file(str(path / "model.safetensors"))
 
     def torch_logits(self, tokens):
-        with torch.no_grad():
+        with _torch_one_thread():
             return self.torch_model(torch.tensor([list(tokens)])).logits[0].numpy()
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     out = {}
-    for i, (name, extra) in enumerate(VARIANTS.items()):
-        torch.manual_seed(i)
-        cfg = transformers.DeepseekV3Config(**{**TINY, **extra})
-        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        _randomise(m)
-        path = tmp_path_factory.mktemp(f"dsv3_{name}")
-        m.save_pretrained(path)
-        out[name] = Checkpoint(path, m)
+    with _torch_one_thread():
+        for i, (name, extra) in enumerate(VARIANTS.items()):
+            out[name] = _build(tmp_path_factory, i, name, extra)
     return out
+
+
+def _build(tmp_path_factory, i, name, extra):
+    torch.manual_seed(i)
+    cfg = transformers.DeepseekV3Config(**{**TINY, **extra})
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _randomise(m)
+    path = tmp_path_factory.mktemp(f"dsv3_{name}")
+    m.save_pretrained(path)
+    return Checkpoint(path, m)
 
 
 def dense(model, params, tokens, kv_cache_dtype="auto"):
@@ -384,7 +403,7 @@ def test_greedy_tokens_match_transformers_generate(checkpoints, lora_poisoned, p
 
 
 def _hf_greedy(ck, prompt, n):
-    with torch.no_grad():
+    with _torch_one_thread():
         out = ck.torch_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
