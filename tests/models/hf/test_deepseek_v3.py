@@ -409,21 +409,34 @@ def _hf_greedy(ck, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def _prompt_with_draft(ck):
+    """A prompt whose greedy next token already occurs in it, so the n-gram drafter proposes."""
+    base = [9, 31, 250, 4, 77]
+    for x in range(256):
+        p = base + [x]
+        if int(np.argmax(ck.torch_logits(p)[-1])) in p:
+            return p
+    raise AssertionError("no prompt found")
+
+
 def test_runner_serves_token_for_token(checkpoints):
     """The Runner (model through the interface; chunked prefill in one 8-token bucket, NaN-poisoned
-    pools, the memory sanitizer): every logits row matches dense_logits of what it saw; greedy
-    tokens are transformers'. (The fp8 latent cache is checked by the hand-driven steps above.)"""
+    pools, the memory sanitizer, n-gram speculative decoding with 2 drafts): every logits row
+    matches dense_logits of what it saw; greedy tokens are transformers'. (The fp8 latent cache
+    is checked by the hand-driven steps above.)"""
     ck = checkpoints["lora"]
     cfg = RunnerConfig(model=ck.model, block_size=4, num_blocks=32, max_model_len=32, max_num_seqs=3,
-                       max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True)
+                       max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True,
+                       num_speculative_tokens=2)
     runner = Runner(cfg, params=ck.params, compiler_options=FAST)
     n_new = 5
-    prompts = list(PROMPTS.values()) + [[9, 9, 250, 31]]
+    prompts = list(PROMPTS.values()) + [_prompt_with_draft(ck)]
     reqs = [Request(f"r{i}", p, n_new, arrival_step=i) for i, p in enumerate(prompts)]
     report, _ = serve(cfg, reqs, runner=runner, compile_workers=1, progress_stream=None)
     assert report.nan_count == 0 and report.serving_compiles == 0
     for rid, r in report.requests.items():
         assert r["matches_reference"], (rid, r)
+    assert report.drafts_proposed > 0
     for i, p in enumerate(prompts):
         assert report.requests[f"r{i}"]["output"] == _hf_greedy(ck, p, n_new), i
 
