@@ -483,7 +483,7 @@ from kvjax.runner.runner import Runner, RunnerConfig
 
 path, prompts, n_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 mesh = make_mesh(2, 2)
-model, params = load_pretrained(path, mesh=mesh)
+model, params = load_pretrained(path)  # unsharded: the Runner places them, the oracle reads them
 cfg = RunnerConfig(model=model, block_size=4, num_blocks=32, max_model_len=32, max_num_seqs=3,
                    max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True)
 runner = Runner(cfg, mesh=mesh, params=params, compiler_options={"xla_backend_optimization_level": 0})
