@@ -1,8 +1,8 @@
 """``python -m kvjax``: the demo, the trace and the differential test.
 
 * :mod:`kvjax.cli.main` — argument parsing and the sub-commands.
-* :mod:`kvjax.cli.demo` — serve a workload and check it against the dense reference.
-* :mod:`kvjax.cli.mesh_demo` — the same demo over a ``("data", "model")`` device mesh.
+* :mod:`kvjax.cli.demo` — serve a workload and check it against the dense reference, on one
+  device or over a ``("data", "model")`` device mesh (``--mesh``).
 * :mod:`kvjax.cli.trace` — print a scheduling trace through the state functions alone.
 * :mod:`kvjax.cli.workload` — workload files: load, generate, validate.
 
