@@ -475,23 +475,44 @@ _MESH_WORKER = r"""
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax.numpy as jnp
 from kvjax.cli.demo import serve
 from kvjax.host.scheduler import Request
 from kvjax.models import load_pretrained
 from kvjax.runner.mesh import make_mesh
 from kvjax.runner.runner import Runner, RunnerConfig
+from kvjax.runner.sanitizer import SanitizerError
+from kvjax.state.block_tables import BlockTables
 
 path, prompts, n_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-mesh = make_mesh(2, 2)
 model, params = load_pretrained(path)  # unsharded: the Runner places them, the oracle reads them
 cfg = RunnerConfig(model=model, block_size=4, num_blocks=32, max_model_len=32, max_num_seqs=3,
                    max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True)
-runner = Runner(cfg, mesh=mesh, params=params, compiler_options={"xla_backend_optimization_level": 0})
-reqs = [Request(f"r{i}", p, n_new, arrival_step=3 * i) for i, p in enumerate(prompts)]
-report, _ = serve(cfg, reqs, runner=runner, compile_workers=1, progress_stream=None)
-print(json.dumps({"nan": report.nan_count, "compiles": report.serving_compiles,
-                  "match": {k: bool(r["matches_reference"]) for k, r in report.requests.items()},
-                  "out": {k: r["output"] for k, r in report.requests.items()}}))
+
+
+def run(D, M):
+    mesh = make_mesh(D, M)
+    runner = Runner(cfg, mesh=mesh, params=params, compiler_options={"xla_backend_optimization_level": 0})
+    reqs = [Request(f"r{i}", p, n_new, arrival_step=3 * i) for i, p in enumerate(prompts)]
+    try:
+        report, _ = serve(cfg, reqs, runner=runner, compile_workers=1, progress_stream=None)
+    except SanitizerError as e:
+        return {"caught": {"invariant": e.invariant, "array": e.array, "rank": e.rank}}
+    return {"nan": report.nan_count, "compiles": report.serving_compiles,
+            "dummy_steps": sum(r["dummy_steps"] for r in report.ranks.values()),
+            "match": {k: bool(r["matches_reference"]) for k, r in report.requests.items()},
+            "out": {k: r["output"] for k, r in report.requests.items()}}
+
+
+print(json.dumps(run(2, 2)), flush=True)
+# vLLM PR 39444: a step with no real row (an idle data rank's dummy step) maps its tokens to
+# slot 0 instead of PAD, writing the null block of every latent pool.
+original = BlockTables.slot_mappings
+def planted(self, idx_mapping, query_start_loc, positions, num_tokens_padded):
+    slots = original(self, idx_mapping, query_start_loc, positions, num_tokens_padded)
+    return jnp.where(jnp.all(idx_mapping < 0), 0, slots)
+BlockTables.slot_mappings = planted
+print(json.dumps(run(2, 1)), flush=True)
 """
 
 
@@ -499,7 +520,8 @@ def test_mesh_data2_model2_serves_token_for_token(checkpoints):
     """PR 39444's setting: experts over data=2 (idle-rank dummy steps: arrivals staggered), heads
     and MLP widths over model=2, latent cache replicated per model rank; in a fresh process with
     4 host CPU devices. Every logits row matches the unsharded dense oracle and the tokens are
-    transformers' greedy ones."""
+    transformers' greedy ones. Then on data=2 with PR 39444's bug planted (a dummy step's slot
+    mapping all 0): the sanitizer catches it."""
     import os  # noqa: PLC0415
     import pathlib  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
@@ -512,8 +534,9 @@ def test_mesh_data2_model2_serves_token_for_token(checkpoints):
     proc = subprocess.run([sys.executable, "-c", _MESH_WORKER, str(ck.path), json.dumps(prompts), str(n_new)],
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["nan"] == 0 and res["compiles"] == 0
+    res, planted = map(json.loads, proc.stdout.strip().splitlines()[-2:])
+    assert res["nan"] == 0 and res["compiles"] == 0 and res["dummy_steps"] > 0
     assert all(res["match"].values()), res["match"]
     for i, p in enumerate(prompts):
         assert res["out"][f"r{i}"] == _hf_greedy(ck, p, n_new), i
+    assert "caught" in planted, planted  # the sanitizer stops the run with the planted bug
