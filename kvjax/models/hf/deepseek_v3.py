@@ -53,7 +53,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax.models.hf.mla import MLA_FORMS, latent_attention, paged_latent_attention, rope
+from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.step_context import StepContext
 from pallas_kernels.kv_write import concat_and_cache_mla
@@ -301,7 +301,8 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             yarn_beta_slow=float(rp.get("beta_slow") or 1),
             yarn_mscale=None if rp.get("mscale") is None else float(rp["mscale"]),
             yarn_mscale_all_dim=None if rp.get("mscale_all_dim") is None else float(rp["mscale_all_dim"]),
-            yarn_attention_factor=None if rp.get("attention_factor") is None else float(rp["attention_factor"]),
+            yarn_attention_factor=(None if rp.get("attention_factor") is None
+                                   else float(rp["attention_factor"])),
             yarn_truncate=bool(rp.get("truncate", True)),
         )
     for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings"):
@@ -748,7 +749,8 @@ class DeepseekV3:
         c = self.config
         moe = c.num_hidden_layers - min(c.first_k_dense_replace, c.num_hidden_layers)
         return (f"DeepseekV3ForCausalLM ({c.num_hidden_layers} layers: {c.num_hidden_layers - moe} dense, "
-                f"{moe} MoE of {c.n_routed_experts} experts; MLA kv_lora_rank {c.kv_lora_rank}; {self.dtype})")
+                f"{moe} MoE of {c.n_routed_experts} experts; MLA kv_lora_rank {c.kv_lora_rank}; "
+                f"{self.dtype})")
 
     def shard(self, model_size: int) -> "DeepseekV3":
         if not isinstance(model_size, int) or model_size < 1:
@@ -758,7 +760,8 @@ class DeepseekV3:
         c = self.config
         for name, n in (("num_attention_heads", c.num_attention_heads),
                         ("intermediate_size", c.intermediate_size),
-                        ("moe_intermediate_size * n_shared_experts", c.moe_intermediate_size * c.n_shared_experts)):
+                        ("moe_intermediate_size * n_shared_experts",
+                         c.moe_intermediate_size * c.n_shared_experts)):
             if n % model_size:
                 raise ValueError(f"model={model_size} must divide {name}={n} (split over 'model')")
         return dataclasses.replace(self, model_shards=model_size)
