@@ -160,9 +160,11 @@ def mamba_mixer(
         dt = jnp.clip(jax.nn.softplus(dt + k["dt_bias"]), lo, hi)
         k["dt_bias"], k["softplus"] = None, False
 
-    y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+    y_pre, conv_state, ssm_state = _skippable(
+        jnp.any(ctx.prefill_row), _prefill, spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     decode = _decode_spec if ctx.is_speculative else _decode
-    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+    y_dec, conv_state, ssm_state = _skippable(
+        jnp.any(ctx.decode_row), decode, spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     R = ctx.num_rows
     row = gather_index(ctx.token_row, R)  # masked by token_real
     is_dec = ctx.token_real & ctx.decode_row[row]
@@ -183,6 +185,24 @@ def mamba_mixer(
     if bo is not None:
         out = out + bo.astype(f32)
     return out, conv_state, ssm_state
+
+
+def _skippable(run, path, spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
+    """``path(...)`` (``_prefill`` or a decode path) under ``lax.cond(run, ...)``: a step with
+    no row of that kind runs none of its kernels and returns ``y = 0`` and the pools as they
+    came (the path itself writes only its own rows' slots and its ``y`` of other tokens is
+    masked by the caller, so the results are the same either way)."""
+    def taken(operands):
+        return path(spec, k, ctx, *operands, backend)
+
+    operands = (xbc, z, dt, A, conv_state, ssm_state)
+    y_shape = jax.eval_shape(taken, operands)[0]
+
+    def skipped(operands):
+        *_, cs, ss = operands
+        return jnp.zeros(y_shape.shape, y_shape.dtype), cs, ss
+
+    return jax.lax.cond(run, taken, skipped, operands)
 
 
 def _split_xbc(spec: MambaSpec, xbc):
