@@ -21,7 +21,7 @@ from kvjax.runner import RunnerConfig
 from kvjax.runner.compile_guard import check_compiles_ahead
 from kvjax.runner.serving import check_overlap_supported
 from kvjax.runner.memory import available_memory, check_fits, estimate_memory
-from kvjax.runner.mesh import make_mesh, parse_mesh_shape
+from kvjax.runner.mesh import check_mesh_layout, make_mesh, parse_mesh_shape
 from kvjax.runner.sanitizer import SanitizerError
 from kvjax.testing import difftest as dt
 from kvjax.testing.scenarios import OPS
@@ -62,6 +62,7 @@ def _demo(args, parser) -> int:
     if args.mesh is not None:
         try:
             mesh_shape = parse_mesh_shape(args.mesh)
+            check_mesh_layout(args.kv_layout, mesh_shape[1])
             if args.model is None:
                 TinyHybridModel(demo_cli.MESH_MODEL).check_mesh(*mesh_shape)
             forced_devices = demo_cli.start_devices(args, mesh_shape)  # before JAX starts its backends

@@ -17,17 +17,24 @@ from jax.sharding import Mesh, NamedSharding
 
 from kvjax.models.interface import DATA, MESH_AXES, MODEL
 
-__all__ = ["DATA", "MESH_AXES", "MODEL", "check_mesh", "force_host_device_count", "global_array", "make_mesh",
+__all__ = ["DATA", "MESH_AXES", "MODEL", "check_mesh", "check_mesh_layout", "force_host_device_count", "global_array", "make_mesh",
            "parse_mesh_shape"]
 
 
 def parse_mesh_shape(text: str) -> tuple[int, int]:
     """``"data=D,model=M"`` (either part optional, default 1) -> ``(D, M)``."""
     sizes = {DATA: 1, MODEL: 1}
-    for part in filter(None, (p.strip() for p in str(text).split(","))):
+    parts = [p.strip() for p in str(text).split(",")]
+    if not any(parts):
+        raise ValueError(f"mesh must look like 'data=D,model=M', got {text!r}")
+    seen = set()
+    for part in filter(None, parts):
         name, sep, value = part.partition("=")
         if not sep or name.strip() not in sizes:
             raise ValueError(f"mesh must look like 'data=D,model=M', got {text!r}")
+        if name.strip() in seen:
+            raise ValueError(f"mesh names axis {name.strip()!r} twice: {text!r}")
+        seen.add(name.strip())
         try:
             n = int(value)
         except ValueError:
@@ -59,6 +66,13 @@ def make_mesh(data: int, model: int = 1, devices=None) -> Mesh:
     if n > len(devices):
         raise ValueError(f"mesh data={data},model={model} needs {n} devices, {len(devices)} exist")
     return Mesh(np.array(devices[:n], dtype=object).reshape(data, model), MESH_AXES)
+
+
+def check_mesh_layout(kv_layout: str, model: int) -> None:
+    """``ValueError`` unless ``kv_layout`` works with ``model``-way tensor parallelism (the rpa
+    layout's K/V interleaving is not split over heads: ``model`` must be 1)."""
+    if model > 1 and kv_layout != "flash":
+        raise ValueError(f"tensor parallelism (model={model}) supports kv_layout='flash', got {kv_layout!r}")
 
 
 def check_mesh(mesh) -> None:

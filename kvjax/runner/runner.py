@@ -56,7 +56,7 @@ from kvjax.models.interface import DATA, MODEL, CacheSizes, Model, PoolSpec
 from kvjax.models.step_context import make_step_context
 from kvjax.runner import sanitizer
 from kvjax.runner.compile_guard import ServingGuard
-from kvjax.runner.mesh import check_mesh, global_array, make_mesh
+from kvjax.runner.mesh import check_mesh, check_mesh_layout, global_array, make_mesh
 from kvjax.runner.packing import PackSpec, pack, pack_device, spec_of, unpack
 from kvjax.spec import KVGroupSpec, cdiv
 from kvjax.state import BlockTables, NewRequests, RequestState, ScheduledBatch, build_step_batch
@@ -93,6 +93,7 @@ class RunnerConfig:
     token_sizes: tuple[int, ...] | None = None
     max_new_requests_per_step: int = 4
     matmul_precision: str = "highest"
+    return_logits: bool = True  # False: the step returns token ids only (StepOutput.logits is [0, vocab])
 
     def __post_init__(self):
         if isinstance(self.model, TinyHybridConfig):
@@ -377,6 +378,8 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
     if sanitize:
         idle = sanitizer.idle_rank_checks(dummy, before, dict(_state_arrays(new)))
         checks = sanitizer.encode({**pre_checks, **post, **idle})
+    if not config.return_logits:  # token ids only: no [L, vocab] float32 copy to the host
+        logits = jnp.zeros((0, logits.shape[-1]), jnp.float32)
     return new, (sampled, num_sampled, logits.astype(jnp.float32), dummy, checks)
 
 
@@ -448,8 +451,7 @@ class Runner:
         check = getattr(model, "check_mesh", None)
         if check is not None:
             check(D, M)
-        if M > 1 and config.kv_layout != "flash":
-            raise ValueError(f"tensor parallelism supports kv_layout='flash', got {config.kv_layout!r}")
+        check_mesh_layout(config.kv_layout, M)
         self.config = config
         self.model = model
         self.mesh = mesh

@@ -36,7 +36,8 @@ def test_parse_mesh_shape():
     assert parse_mesh_shape("model=2") == (1, 2)
     assert parse_mesh_shape("data=3") == (3, 1)
     for bad, match in (("data=0", "positive"), ("pipe=2", "data=D,model=M"), ("data=x", "positive int"),
-                       ("data", "data=D,model=M")):
+                       ("data", "data=D,model=M"), ("", "data=D,model=M"), (" , ", "data=D,model=M"),
+                       ("data=2,data=4", "twice")):
         with pytest.raises(ValueError, match=match):
             parse_mesh_shape(bad)
 
@@ -235,6 +236,15 @@ def test_tp_shard_and_param_layout():
         model.shard(3)
     with pytest.raises(ValueError, match="mamba_n_groups == 1"):
         TinyHybridModel(TinyHybridConfig(layer_types=("mamba",), mamba_n_groups=2)).shard(2)
+
+
+def test_tensor_parallel_rpa_is_a_usage_error_before_anything_starts(capsys):
+    from kvjax.cli import main as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--mesh", "model=2", "--kv-layout", "rpa"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "supports kv_layout='flash', got 'rpa'" in err and "Traceback" not in err
 
 
 def test_runner_rejects_a_mesh_without_data_and_model_axes():
