@@ -1,13 +1,14 @@
 """Runner benchmarks: precompile time and executable count, host-side step preparation,
 and device step time of decode batches.
 
-    PYTHONPATH=. python benchmarks/bench_runner.py [--device-steps] [--json OUT]
+    PYTHONPATH=. python benchmarks/bench_runner.py [--device-steps] [--sizes 1,8,64,256] [--json OUT]
 
 Host preparation = ``Scheduler.schedule`` + ``Runner.pack`` + packing into the one int32
 buffer that crosses to the device, for a steady decode step of N running requests (target:
 under 200 us for 64). ``--device-steps`` also times one decode step of the tiny model for
-1, 8, 64 and 256 requests on the default JAX device (median over repeated steps after
-warm-up, synchronised with ``block_until_ready``).
+1, 8, 64 and 256 requests on the default JAX device: ``Runner.launch`` of a prepared step
+through ``PendingStep.wait`` (median over repeated steps after warm-up; the host packing
+and the outputs' read-back are outside the timed region).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
 
 from kvjax.runner.packing import pack
 from kvjax.runner import Runner, RunnerConfig
@@ -46,9 +46,10 @@ def host_prep_us(n: int, repeats: int = 300) -> dict:
     and the runner's preparation (``Runner.pack`` + packing into the one transfer buffer)."""
     cfg = RunnerConfig(max_num_seqs=n, max_num_batched_tokens=max(4 * n, 32), num_blocks=40 * n + 72,
                        max_model_len=512, token_sizes=(n, 4 * n) if n > 1 else (1, 32))
-    runner = Runner.__new__(Runner)  # packing needs only the config; skip params and compile
+    runner = Runner.__new__(Runner)  # packing needs only the config and buckets; skip params and compile
     runner.config = cfg
-    runner.sanitizer = None  # poison is off: no checked-mode inputs
+    runner.buckets = cfg.bucket_spec
+    runner.sanitizers = None  # poison is off: no checked-mode inputs
     sched = _decode_ready(cfg, n)
     sch, prep = [], []
     for _ in range(repeats):
@@ -76,7 +77,7 @@ def precompile(cfg: RunnerConfig) -> dict:
 def device_step_us(n: int, steps: int = 30) -> float:
     cfg = RunnerConfig(max_num_seqs=n, max_num_batched_tokens=max(n, 8), num_blocks=4 * n + 8,
                        max_model_len=64, token_sizes=(max(n, 8),))
-    runner = Runner(cfg, layout="tree")  # calls the executables itself
+    runner = Runner(cfg)
     runner.precompile()
     sched = cfg.make_scheduler()
     for i in range(n):
@@ -84,28 +85,29 @@ def device_step_us(n: int, steps: int = 30) -> float:
     times = []
     for i in range(steps + 5):
         plan = sched.schedule()
-        buf, _ = pack(runner.pack(plan))
-        exe, _ = runner.executables[plan.bucket]
+        prepared = runner.prepare(plan)  # host packing, outside the timed region
         t0 = time.perf_counter()
-        runner.state, outs = exe(runner.params, runner.state, buf)
-        jax.block_until_ready(outs)
+        pending = runner.launch(prepared)
+        pending.wait()
         times.append(time.perf_counter() - t0)
-        out = [np.asarray(o) for o in outs]
-        sched.update(plan, out[0], out[1], out[2])
+        out = pending.fetch().outputs[runner.local_ranks[0]]
+        sched.update(plan, out.sampled, out.num_sampled, out.logits)
     return statistics.median(times[5:]) * 1e6
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device-steps", action="store_true")
+    ap.add_argument("--sizes", default="1,8,64,256", help="comma-separated request counts (CPU smoke: 1,8)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
     res = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": str(jax.devices()[0]),
            "python": platform.python_version()}
-    res["host_prep_us"] = {n: host_prep_us(n) for n in (1, 8, 64, 256)}
+    res["host_prep_us"] = {n: host_prep_us(n) for n in sizes}
     res["precompile_demo_default"] = precompile(RunnerConfig(token_sizes=(4, 16, 32), num_blocks=96, max_model_len=96))
     if args.device_steps:
-        res["device_decode_step_us"] = {n: device_step_us(n) for n in (1, 8, 64, 256)}
+        res["device_decode_step_us"] = {n: device_step_us(n) for n in sizes}
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

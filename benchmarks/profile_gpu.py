@@ -45,8 +45,7 @@ import pallas_kernels.mamba_scan as mamba_scan_mod  # noqa: E402
 import kvjax.models.mamba_layer as mamba_layer_mod  # noqa: E402
 from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.runner import Runner, RunnerConfig  # noqa: E402
-from kvjax.runner.packing import pack  # noqa: E402
-from kvjax.runner.runner import step_fn  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from pallas_kernels.kv_write import reshape_and_cache_flash  # noqa: E402
 from _trace import trace_device  # noqa: E402  (benchmarks/_trace.py)
 
@@ -162,7 +161,7 @@ def profile_kv(T: int, fp8: bool) -> dict:
 def profile_step(n: int, steps: int = 40) -> dict:
     cfg = RunnerConfig(max_num_seqs=n, max_num_batched_tokens=max(n, 8), num_blocks=4 * n + 8,
                        max_model_len=64, token_sizes=(max(n, 8),))
-    runner = Runner(cfg, compiler_options=COMPILER_OPTIONS, layout=LAYOUT)
+    runner = Runner(cfg, compiler_options=COMPILER_OPTIONS)
     t0 = time.perf_counter()
     runner.precompile()
     compile_s = time.perf_counter() - t0
@@ -170,22 +169,21 @@ def profile_step(n: int, steps: int = 40) -> dict:
     for i in range(n):
         sched.add_request(Request(f"r{i}", [1 + i % 200], 10_000, 0))
     sync = []
-    buf = plan = None
+    prepared = plan = None
+    rank = runner.local_ranks[0]
     for i in range(steps + 5):
         plan = sched.schedule()
-        buf, _ = pack(runner.pack(plan))
+        prepared = runner.prepare(plan)
         t0 = time.perf_counter()
-        out = runner.enqueue(plan.bucket, buf).fetch()  # the Runner's own call (either layout)
+        out = runner.launch(prepared).fetch().outputs[rank]  # the Runner's own call
         sync.append(time.perf_counter() - t0)
         sched.update(plan, out.sampled, out.num_sampled, out.logits)
     exe, _ = runner.executables[plan.bucket]
     text = exe.as_text()
     names = op_names(text)
-    buf = jax.device_put(buf)
 
-    def once():
-        p = runner.enqueue(plan.bucket, buf)
-        return p.packed if p.packed is not None else (p.sampled, p.num_sampled, p.logits)
+    def once():  # the last decode step again (its inputs already packed)
+        return runner.launch(prepared).packed
 
     jax.block_until_ready(once())
     enq, total = [], []
@@ -199,7 +197,7 @@ def profile_step(n: int, steps: int = 40) -> dict:
         t2 = time.perf_counter()
         enq.append((t1 - t0) / steps)
         total.append((t2 - t0) / steps)
-    dispatch = dispatch_costs(runner, plan.bucket, buf, steps) if DISPATCH and runner.layout == "tree" else {}
+    dispatch = dispatch_costs(runner, prepared, steps) if DISPATCH else {}
     tr = trace_device(once, 10)
     kern = tr.pop("_kernels", [])
     split = collections.Counter()
@@ -222,7 +220,6 @@ def profile_step(n: int, steps: int = 40) -> dict:
     total_k = sum(split.values()) or 1.0
     return {
         "case": f"decode step, {n} requests (bucket {plan.bucket.num_tokens} tokens)",
-        "layout": runner.layout + ("+stable" if runner.stable_input else ""),
         "compile_s": compile_s,
         "sync_step_us_median": statistics.median(sync[5:]) * 1e6,
         "pipelined_step_us_median": statistics.median(total) * 1e6,
@@ -252,36 +249,36 @@ def enqueue_us(call, steps: int) -> float:
     return statistics.median(out) * 1e6
 
 
-def dispatch_costs(runner, bucket, buf, steps: int) -> dict:
-    """Host enqueue time of the step through the Compiled object (as the Runner calls it),
-    through ``jax.jit``'s dispatch of the same function, and of an executable that takes
-    the same arguments and does almost nothing (the cost of the arguments alone)."""
-    exe, spec = runner.executables[bucket]
-    fn = jax.jit(functools.partial(step_fn, config=runner.config, bucket=bucket, spec=spec),
-                 donate_argnums=(1,), compiler_options=runner.compiler_options)
+def dispatch_costs(runner, prepared, steps: int) -> dict:
+    """Host enqueue time of the step through the Compiled object (as ``Runner.launch`` calls
+    it), through ``jax.jit``'s dispatch of the same function (``Runner.jitted_step``), and of
+    an executable that takes the same arguments and does almost nothing (the cost of the
+    arguments alone). The input buffer is placed on the devices once, outside the timing."""
+    exe, _ = runner.executables[prepared.bucket]
+    fn, _, _ = runner.jitted_step(prepared.bucket)
+    buf = jax.device_put(prepared.buf, NamedSharding(runner.mesh, PartitionSpec("data")))
 
     def via_compiled():
-        runner.state, outs = exe(runner.params, runner.state, buf)
-        return outs
+        runner._rows, runner._pools, out = exe(runner.params, runner._rows, runner._pools, buf)
+        return out
 
     def via_jit():
         with jax.default_matmul_precision(runner.config.matmul_precision):
-            runner.state, outs = fn(runner.params, runner.state, buf)
-        return outs
+            runner._rows, runner._pools, out = fn(runner.params, runner._rows, runner._pools, buf)
+        return out
 
-    touch = jax.jit(lambda p, s, b: (s, b[:1] + 1), donate_argnums=(1,))
+    touch = jax.jit(lambda p, rows, pools, b: (rows, pools, b[:, :1] + 1), donate_argnums=(1, 2))
 
     def via_trivial():
-        runner.state, out = touch(runner.params, runner.state, buf)
+        runner._rows, runner._pools, out = touch(runner.params, runner._rows, runner._pools, buf)
         return out
 
     return {"compiled_call_us": enqueue_us(via_compiled, steps), "jit_call_us": enqueue_us(via_jit, steps),
             "trivial_same_args_us": enqueue_us(via_trivial, steps),
-            "argument_leaves": len(jax.tree.leaves((runner.params, runner.state, buf)))}
+            "argument_leaves": len(jax.tree.leaves((runner.params, runner._rows, runner._pools, buf)))}
 
 
 DISPATCH = False  # --dispatch
-LAYOUT = None  # --layout: the Runner's argument layout (None: its default for the backend)
 
 
 def main() -> int:
@@ -292,17 +289,14 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--kv-T", default="1,16,256")
     ap.add_argument("--step-n", default="8,64,256")
-    ap.add_argument("--layout", default=None, choices=("tree", "packed"),
-                    help="the Runner's argument layout (default: the Runner's default, packed on a GPU)")
     ap.add_argument("--chunk-scan", default="associative", choices=("associative", "sequential"))
     ap.add_argument("--dispatch", action="store_true", help="also time the step's host dispatch paths")
     ap.add_argument("--no-adapt-chunk", action="store_true", help="Mamba prefill chunks of chunk_size always")
     ap.add_argument("--hlo-dir", default="", help="write each case's optimised HLO here")
     ap.add_argument("--compiler-options", default="", help='JSON, e.g. {"xla_gpu_graph_min_graph_size": 1}')
     args = ap.parse_args()
-    global COMPILER_OPTIONS, DISPATCH, LAYOUT
+    global COMPILER_OPTIONS, DISPATCH
     DISPATCH = args.dispatch
-    LAYOUT = args.layout
     COMPILER_OPTIONS = json.loads(args.compiler_options) if args.compiler_options else None
     # The model's prefill scan with this run's ScanConfig (a static argument of the op).
     scan_config = mamba_scan_mod.ScanConfig(adapt_chunk=not args.no_adapt_chunk, chunk_states=args.chunk_scan)
