@@ -23,6 +23,7 @@ from kvjax.models.step_context import StepContext
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.kv_pages import write_kv_pages
 from pallas_kernels.kv_write import reshape_and_cache_flash
+from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 
 # Score of a masked key: finite, so max() and exp() stay NaN-free even for a
 # query with no visible key (a pad token); exp(MASK_VALUE - max) underflows to 0.
@@ -248,16 +249,8 @@ def attention_mixer(
             k, v, key_cache, value_cache, ctx.slot_mapping, kv_cache_dtype, *scales,
             backend=backend,
         )
-        o = paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            ctx.block_table,
-            ctx.seq_lens,
-            ctx.positions,
-            ctx.token_row,
-            k_scale=k_scale,
-            v_scale=v_scale,
+        o = live_paged_attention(
+            q, key_cache, value_cache, ctx, backend=backend, k_scale=k_scale, v_scale=v_scale,
             sm_scale=spec.sm_scale,
         )
     out = linear(o.reshape(T, -1), w["wo"])
@@ -266,6 +259,21 @@ def attention_mixer(
     if w.get("bo") is not None:
         out = out + w["bo"].astype(jnp.float32)
     return out, key_cache, value_cache
+
+
+def live_paged_attention(q, key_cache, value_cache, ctx: StepContext, *, backend: str,
+                         k_scale=None, v_scale=None, sm_scale=None) -> jax.Array:
+    """The flash layout's attention: :func:`pallas_kernels.paged_attention` with the step's
+    ``backend`` (the GPU flavour reads only each row's live blocks; the reference is
+    :func:`paged_attention` above, bitwise for float32). Where the compiled GPU kernel cannot
+    take the shapes (head size not a power of two >= 16) the reference runs. float32 ``[T, Hq, D]``."""
+    args = (q, key_cache, value_cache, ctx.block_table, ctx.seq_lens, ctx.positions, ctx.token_row)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sm_scale": sm_scale}
+    try:
+        o = paged_attention_op(*args, backend=backend, **kw)
+    except NotImplementedError:
+        o = paged_attention_op(*args, backend="reference", **kw)
+    return o.astype(jnp.float32)
 
 
 def _dense_init(key, shape, dtype=jnp.float32):

@@ -4,10 +4,12 @@
 [x | B | C]``; selective SSM with per-head scalar ``dt`` and ``A``, ``D`` skip and
 gate ``y * silu(z)``; gated RMS norm; ``out_proj``.
 
-A step mixes prefill chunks and decode rows, in any row order. Both paths run
-over the whole batch, each with the other's rows (and padded rows) given
-``NULL_BLOCK_ID`` as their state index, so each row reads and writes state in
-exactly one path; the token outputs are then picked per row:
+A step mixes prefill chunks and decode rows, in any row order. Each path runs
+under a ``lax.cond`` on "the step has a row of its kind" (a decode-only step runs
+no chunked scan, a prefill-only step no decode update) and, when it runs, over the
+whole batch, the other's rows (and padded rows) given ``NULL_BLOCK_ID`` as their
+state index, so each row reads and writes state in exactly one path; the token
+outputs are then picked per row:
 
 * prefill rows: ``causal_conv1d_varlen`` + ``selective_scan_varlen`` over the
   packed tokens, starting from the slot's state iff ``num_computed_tokens > 0``
