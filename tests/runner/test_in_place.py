@@ -46,12 +46,13 @@ HF = HybridModel(HybridConfig(
     "GraniteMoeHybridForCausalLM", vocab_size=96, d_model=32, rms_eps=1e-5,
     blocks=(Block("mamba"), Block("attn"), Block("mlp")), attn=AttnSpec(4, 2, 16),
     mamba=MambaSpec(4, 8, 8, conv_width=4), mlp=MLPSpec(48)))
-# Pool shapes unlike any temporary of these steps: 37 blocks, 6 state slots.
+# Pool shapes unlike any temporary of these steps: 37 blocks, 6 state slots (11 with one draft).
 SIZES = dict(block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=5, max_num_batched_tokens=8,
              token_sizes=(8,))
 CASES = {
     "tiny-flash": dict(kv_layout="flash"),
     "tiny-rpa": dict(kv_layout="rpa"),
+    "tiny-spec-fp8": dict(kv_layout="flash", num_speculative_tokens=1, kv_cache_dtype="fp8"),
     "hf-flash": dict(model=HF, kv_layout="flash"),
     "hf-rpa": dict(model=HF, kv_layout="rpa"),
 }
