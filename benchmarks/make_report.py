@@ -875,8 +875,8 @@ def plot_model_floor_ratio(doc, path):
     axes[0].set_xscale("log", base=2)
     axes[0].set_yscale("log")
     axes[0].set_xlabel("decode batch (requests, one token each)")
-    axes[0].set_ylabel("device time / byte floor")
-    axes[0].set_title("decode step: kvjax over the byte floor", fontsize=10)
+    axes[0].set_ylabel("device time / floor (max of byte, matmul)")
+    axes[0].set_title("decode step: kvjax over its floor", fontsize=10)
     axes[0].grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     # kvjax vs transformers, decode
