@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -135,3 +136,34 @@ def test_skipping_changes_no_bit(monkeypatch):
     assert len(state_cond) == len(state_without)
     for x, y in zip(state_cond, state_without):
         np.testing.assert_allclose(x, y, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("fp8,sm_scale", [(False, None), (True, None), (False, 0.3)])
+def test_flash_attention_op_is_the_models_gather_bitwise(fp8, sm_scale):
+    """``live_paged_attention`` (``pallas_kernels.paged_attention``, reference flavour) equals the
+    model's ``paged_attention`` bit for bit (jitted, float32; fp8 caches with a scale)."""
+    from kvjax.models.attention import live_paged_attention, paged_attention
+    from kvjax.models.step_context import StepContext
+
+    rng = np.random.default_rng(0)
+    T, R, W, bs, Hq, Hkv, D, nb = 9, 3, 4, 4, 4, 2, 16, 13
+    q = jnp.asarray(rng.standard_normal((T, Hq, D)), jnp.float32)
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.float32
+    kc = jnp.asarray(rng.standard_normal((nb, bs, Hkv, D)), jnp.float32).astype(dtype)
+    vc = jnp.asarray(rng.standard_normal((nb, bs, Hkv, D)), jnp.float32).astype(dtype)
+    bt = jnp.asarray(rng.integers(1, nb, (R, W)), jnp.int32)
+    seq = jnp.asarray([5, 16, 0], jnp.int32)
+    row = jnp.asarray([0, 0, 0, 1, 1, 1, 1, 3, 3], jnp.int32)
+    pos = jnp.asarray([2, 3, 4, 12, 13, 14, 15, 0, 0], jnp.int32)
+    scale = 0.7 if fp8 else None
+
+    class Ctx:  # the fields live_paged_attention reads
+        block_table, seq_lens, positions, token_row = bt, seq, pos, row
+
+    old = jax.jit(lambda *a: paged_attention(*a, k_scale=scale, v_scale=scale, sm_scale=sm_scale))(
+        q, kc, vc, bt, seq, pos, row)
+    new = jax.jit(lambda q, kc, vc: live_paged_attention(
+        q, kc, vc, Ctx, backend="reference", k_scale=scale, v_scale=scale, sm_scale=sm_scale))(q, kc, vc)
+    assert new.dtype == old.dtype == jnp.float32
+    assert np.asarray(new).tobytes() == np.asarray(old).tobytes()
+    assert np.abs(np.asarray(old)).sum() > 0
