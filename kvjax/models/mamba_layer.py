@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import flax.linen as nn
 import jax
@@ -42,6 +43,12 @@ from pallas_kernels.mamba import (
     selective_scan_varlen,
     selective_state_update,
 )
+
+# Each path under a lax.cond (see the module docstring). KVJAX_MAMBA_SKIP_IDLE_PATHS=0 (read at
+# import) runs both paths on every step, as before: on a GPU each conditional reads its
+# predicate on the host (a stream sync per conditional unless XLA puts conditionals in its
+# command buffers), so whether skipping pays depends on the model and the step; A/B it there.
+SKIP_IDLE_PATHS = os.environ.get("KVJAX_MAMBA_SKIP_IDLE_PATHS", "1") != "0"
 
 # Mamba2's dt initialisation range (softplus(dt_bias) is log-uniform in it) and A range.
 _DT_MIN, _DT_MAX = 1e-3, 1e-1
@@ -197,6 +204,8 @@ def _skippable(run, path, spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, ba
     def taken(operands):
         return path(spec, k, ctx, *operands, backend)
 
+    if not SKIP_IDLE_PATHS:
+        return taken((xbc, z, dt, A, conv_state, ssm_state))
     operands = (xbc, z, dt, A, conv_state, ssm_state)
     y_shape = jax.eval_shape(taken, operands)[0]
 

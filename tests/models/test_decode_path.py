@@ -118,12 +118,7 @@ def test_skipping_changes_no_bit(monkeypatch):
     with_cond = _serve(runner, _workload())
     state_cond = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
 
-    def always(run, path, spec, k, ctx, *operands_and_backend):
-        del run
-        *operands, backend = operands_and_backend
-        return path(spec, k, ctx, *operands, backend)
-
-    monkeypatch.setattr(ml, "_skippable", always)
+    monkeypatch.setattr(ml, "SKIP_IDLE_PATHS", False)  # KVJAX_MAMBA_SKIP_IDLE_PATHS=0: both paths always
     runner = Runner(CONFIG, compiler_options=FAST)
     without = _serve(runner, _workload())
     state_without = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
