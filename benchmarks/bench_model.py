@@ -155,6 +155,8 @@ SMOKE_MATRIX = {"decode": [(24, (1, 4))], "prefill": (48,)}
 BLOCK_SIZE = 16
 SLACK = 64  # decode tokens a fabricated row can still take (every timed step appends one)
 NOMINAL_BF16_TFLOPS = 989.0  # H100 SXM dense bf16 (datasheet)
+# serving mode: only token ids come back each step (RunnerConfig.return_logits, where the Runner has it)
+RETURN_LOGITS = {"return_logits": False}
 CHILD_CAP_S = {"kvjax": 240.0, "transformers": 100.0}  # one preset's process, at most (rows stream out)
 PROFILE_BATCH = 64  # decode batch whose kernels are traced (top kernels into the row)
 
@@ -441,10 +443,13 @@ class Bench:
         num_blocks = 1 + max(blocks_decode, blocks_prefill)
         max_seqs = max(batches)
         token_sizes = tuple(sorted(set(batches) | set(prefills)))
+        global RETURN_LOGITS
+        if "return_logits" not in {f.name for f in dataclasses.fields(RunnerConfig)}:
+            RETURN_LOGITS = {}
         self.cfg = RunnerConfig(model=self.model, block_size=BLOCK_SIZE, num_blocks=num_blocks,
                                 max_model_len=self.max_model_len, max_num_seqs=max_seqs,
                                 max_num_batched_tokens=max(token_sizes), token_sizes=token_sizes,
-                                max_new_requests_per_step=1, seed=seed)
+                                max_new_requests_per_step=1, seed=seed, **RETURN_LOGITS)
         mesh = make_mesh(1, 1)
         t0 = time.perf_counter()
         params = device_params(self.model, seed, NamedSharding(mesh, P()))
@@ -660,7 +665,8 @@ def run_kvjax(preset: str, matrix: dict, emit, *, profile: bool) -> None:
               "params_b": bench.params_info["total"] / 1e9, "copy_bw_TBps": ceil["copy_bw_Bps"] / 1e12,
               "matmul_tflops_measured": ceil.get("matmul_tflops_measured"), "matmul_tflops_floor": tflops,
               "compile_wall_s": bench.compile_wall_s, "param_init_s": bench.param_init_s,
-              "num_blocks": bench.cfg.num_blocks, "block_size": BLOCK_SIZE, "max_num_seqs": bench.cfg.max_num_seqs}
+              "num_blocks": bench.cfg.num_blocks, "block_size": BLOCK_SIZE, "max_num_seqs": bench.cfg.max_num_seqs,
+              "return_logits": getattr(bench.cfg, "return_logits", True)}
 
     def finish(row, t, phase, batch, context, tokens, bucket):
         fl = floors(bench.params_info, bench.model, phase=phase, batch=batch, context=context, tokens=tokens,
@@ -863,7 +869,8 @@ METHOD_SHORT = (
     "Each kvjax row is the Runner's own compiled step of its bucket (`Runner.jitted_step`, compiled as "
     "`precompile` does, the Runner's default GPU compiler options), on a state fabricated directly: "
     "request rows whose `num_computed` is the context, block tables filled (block 16), pools and weights "
-    "random (seeded, bf16; SSM states float32 as the configs ask). Decode: one token for each of `batch` "
+    "random (seeded, bf16; SSM states float32 as the configs ask), `return_logits=False` (only token ids come "
+    "back, sampling on the device). Decode: one token for each of `batch` "
     "requests, a real `StepPlan` packed by `Runner.prepare`; prefill: one new request's first step (installed, "
     "block table written, blocks and slot zeroed, the whole prompt). *device us*: the executable called back "
     "to back (median of 3 groups of 8, prefill 3 of 3). *host us*: one synchronous prepare + launch + fetch "
