@@ -21,13 +21,11 @@ from kvjax.interop.rpa import RPAMetadata, rpa_metadata
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.attention_math import MASK_VALUE as MASK_VALUE
 from pallas_kernels.kv_pages import write_kv_pages
 from pallas_kernels.kv_write import reshape_and_cache_flash
 from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 
-# Score of a masked key: finite, so max() and exp() stay NaN-free even for a
-# query with no visible key (a pad token); exp(MASK_VALUE - max) underflows to 0.
-MASK_VALUE = -1e30
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -68,71 +66,17 @@ def paged_attention(
     v_scale: float | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:
-    """Causal attention of each token over its row's cached keys (pure jnp).
-
-    Token ``t`` of row ``b`` sees key position ``j`` (column ``j // block_size``
-    of ``block_table[b]``) iff ``j <= positions[t]`` and ``j < seq_lens[b]``. Pad
-    tokens (``token_row == R``) see nothing and get 0. fp8 caches are dequantised
-    as ``stored * scale`` in float32. Scores are ``q . k / sqrt(D)``, or ``q . k * sm_scale``
-    when ``sm_scale`` is given.
+    """Causal attention of each token over its row's cached keys: the jnp gather over the whole
+    block table (``pallas_kernels.paged_attention``'s reference flavour, which owns the rules:
+    token ``t`` of row ``b`` sees key ``j`` iff ``j <= positions[t]`` and ``j < seq_lens[b]``;
+    masked on values; pad tokens get 0; fp8 dequantised as ``stored * scale``).
 
     Returns:
       float32 ``[T, Hq, D]``.
     """
-    T, Hq, D = q.shape
-    R, W = block_table.shape
-    _, bs, Hkv, _ = key_cache.shape
-    S = W * bs
-    real = token_row < R
-    row = jnp.where(real, token_row, 0)  # gather index only, masked by `real`
-    blocks = block_table[row]  # [T, W]
-    j = jnp.arange(S, dtype=jnp.int32)
-    visible = (
-        real[:, None]
-        & (j[None, :] <= positions[:, None])
-        & (j[None, :] < seq_lens[row][:, None])
-    )  # [T, S]
-
-    def read(cache, scale):
-        kv = cache[blocks].reshape(T, S, Hkv, D).astype(jnp.float32)
-        if scale is not None:
-            kv = kv * jnp.float32(scale)
-        return kv
-
-    return masked_attention(
-        q, read(key_cache, k_scale), read(value_cache, v_scale), visible,
-        (lambda s: s / jnp.sqrt(jnp.float32(D))) if sm_scale is None
-        else (lambda s: s * jnp.float32(sm_scale)),
-    )
-
-
-def masked_attention(q, k, v, visible, scale_scores) -> jax.Array:
-    """Softmax attention of each token over its own gathered keys, masked on values.
-
-    Args:
-      q: ``[T, Hq, D]``; k, v: float32 ``[T, S, Hkv, D]`` (token ``t``'s keys);
-        ``Hq`` a multiple of ``Hkv`` (query head ``h`` reads kv head ``h // (Hq // Hkv)``).
-      visible: bool ``[T, S]``; invisible K/V entries are replaced by 0 before any
-        product and their scores by :data:`MASK_VALUE`, so NaN there never reaches
-        the output; a token that sees nothing gets 0.
-      scale_scores: float32 ``q . k`` scores -> scaled scores (``s / sqrt(D)``, ``s * sm_scale``).
-
-    Returns:
-      float32 ``[T, Hq, D]``.
-    """
-    T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    k = jnp.where(visible[:, :, None, None], k, 0.0)
-    v = jnp.where(visible[:, :, None, None], v, 0.0)
-    qg = q.astype(jnp.float32).reshape(T, Hkv, G, D)
-    s = scale_scores(jnp.einsum("thgd,tshd->thgs", qg, k))
-    vis = visible[:, None, None, :]
-    s = jnp.where(vis, s, MASK_VALUE)
-    p = jnp.where(vis, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("thgs,tshd->thgd", p, v) / jnp.where(denom > 0, denom, 1.0)
-    return o.reshape(T, Hq, D)
+    return paged_attention_op(q.astype(jnp.float32), key_cache, value_cache, block_table, seq_lens, positions,
+                              token_row, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
+                              backend="reference").astype(jnp.float32)
 
 
 def ragged_paged_attention_xla(

@@ -178,24 +178,9 @@ def test_two_processes_given_different_workloads_stop(tmp_path):
 def test_two_processes_through_jax_distributed(worker_results, tmp_path):
     """``demo --mesh data=2`` as 2 processes (jax.distributed on localhost, gloo CPU collectives),
     one data rank each: same placement and tokens as the single-device runner, checks pass."""
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port = sock.getsockname()[1]
     workload = tmp_path / "workload.json"
     workload.write_text(json.dumps(WORKLOAD))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2", "--coordinator", f"localhost:{port}",
-         "--num-processes", "2", "--process-id", str(i), *CLI_SIZES, "--workload", str(workload),
-         "--json", str(tmp_path / "report.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, outs = _two_processes(tmp_path, (("--workload", str(workload)),) * 2)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err[-4000:]
     reports = [json.loads((tmp_path / f"report.json.{i}").read_text()) for i in range(2)]
