@@ -36,7 +36,10 @@ def test_auto_with_interpret_env_is_the_tpu_interpreter_too(monkeypatch):
 
 @pytest.mark.parametrize("backend, traces_at_run_time", [("pallas_gpu", False), ("pallas", True)])
 def test_only_the_tpu_interpreter_traces_when_a_compiled_kernel_runs(backend, traces_at_run_time):
-    """The premise of the rule, on the smallest kernel: compile ahead, then run under a strict guard."""
+    """The premise of the rule, on the smallest kernel: compile ahead, then run under a strict guard.
+    (Caches cleared first: the interpreter's run-time trace is cached once an earlier test in the
+    process ran the same interpreted kernel.)"""
+    jax.clear_caches()
     cache = jnp.ones((3, 2, 8), jnp.float32)
     ids = jnp.array([1, -1], jnp.int32)
     compiled = jax.jit(lambda c, i: zero_blocks([c], i, backend=backend)[0]).lower(cache, ids).compile()
