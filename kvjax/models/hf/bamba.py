@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvjax.models.attention import AttnSpec
 from kvjax.models.hf import hybrid as hy
-from kvjax.models.hf.granite import _common, _mamba_spec, attn_entries, mamba_entries
+from kvjax.models.hf.granite import _common, _mamba_spec, mixer_entries
 from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
 from kvjax.models.moe import MLPSpec
 
@@ -54,20 +54,12 @@ def config_from_hf(cfg: dict) -> HybridConfig:
 
 
 def _plan(c: HybridConfig) -> list[Entry]:
-    d, V, F = c.d_model, c.vocab_size, c.mlp.hidden
-    plan = [Entry(("embed",), ("model.embed_tokens.weight",), ((V, d),), hy.same),
-            Entry(("final_norm",), ("model.final_layernorm.weight",), ((d,),), hy.same)]
-    if not c.tie_embeddings:
-        plan.append(Entry(("lm_head",), ("lm_head.weight",), ((V, d),), hy.linear_t))
+    d, F = c.d_model, c.mlp.hidden
+    plan = hy.head_entries(c, "model.embed_tokens.weight", "model.final_layernorm.weight")
     for i in range(len(c.blocks) // 2):
         pre = f"model.layers.{i}."
-        mix, ffn = 2 * i, 2 * i + 1
-        plan.append(Entry(("blocks", mix, "norm"), (pre + "input_layernorm.weight",), ((d,),), hy.same))
-        plan.append(Entry(("blocks", ffn, "norm"), (pre + "pre_ff_layernorm.weight",), ((d,),), hy.same))
-        if c.blocks[mix].kind == "attn":
-            plan += attn_entries(c, mix, pre + "self_attn.")
-        else:
-            plan += mamba_entries(c, mix, pre + "mamba.")
+        ffn = 2 * i + 1
+        plan += mixer_entries(c, i, pre, ("input_layernorm.weight", "pre_ff_layernorm.weight"))
         for n, leaf, shape in (("gate_proj", "w_gate", (F, d)), ("up_proj", "w_up", (F, d)),
                                ("down_proj", "w_down", (d, F))):
             name = f"{pre}feed_forward.{n}."

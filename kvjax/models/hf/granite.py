@@ -183,21 +183,25 @@ def _swap_last(a):
     return np.swapaxes(np.asarray(a), -1, -2)
 
 
+def mixer_entries(c: HybridConfig, i: int, pre: str, norm_names: tuple[str, str]) -> list[Entry]:
+    """Layer ``i``'s two norms (``blocks[2i]`` mixer, ``blocks[2i+1]`` feed-forward; their checkpoint
+    names after ``pre``) and its attention or Mamba mixer's entries (Granite and Bamba lay them out
+    alike)."""
+    d, mix, ffn = c.d_model, 2 * i, 2 * i + 1
+    plan = [Entry(("blocks", mix, "norm"), (pre + norm_names[0],), ((d,),), hy.same),
+            Entry(("blocks", ffn, "norm"), (pre + norm_names[1],), ((d,),), hy.same)]
+    if c.blocks[mix].kind == "attn":
+        return plan + attn_entries(c, mix, pre + "self_attn.")
+    return plan + mamba_entries(c, mix, pre + "mamba.")
+
+
 def _plan(c: HybridConfig) -> list[Entry]:
-    d, V = c.d_model, c.vocab_size
-    plan = [Entry(("embed",), ("model.embed_tokens.weight",), ((V, d),), hy.same),
-            Entry(("final_norm",), ("model.norm.weight",), ((d,),), hy.same)]
-    if not c.tie_embeddings:
-        plan.append(Entry(("lm_head",), ("lm_head.weight",), ((V, d),), hy.linear_t))
+    d = c.d_model
+    plan = hy.head_entries(c, "model.embed_tokens.weight", "model.norm.weight")
     for i in range(len(c.blocks) // 2):
         pre = f"model.layers.{i}."
-        mix, ffn = 2 * i, 2 * i + 1
-        plan.append(Entry(("blocks", mix, "norm"), (pre + "input_layernorm.weight",), ((d,),), hy.same))
-        plan.append(Entry(("blocks", ffn, "norm"), (pre + "post_attention_layernorm.weight",), ((d,),), hy.same))
-        if c.blocks[mix].kind == "attn":
-            plan += attn_entries(c, mix, pre + "self_attn.")
-        else:
-            plan += mamba_entries(c, mix, pre + "mamba.")
+        ffn = 2 * i + 1
+        plan += mixer_entries(c, i, pre, ("input_layernorm.weight", "post_attention_layernorm.weight"))
         shared = c.moe_shared if c.moe is not None else c.mlp
         sp = ("blocks", ffn, "shared") if c.moe is not None else ("blocks", ffn)
         Fs = shared.hidden

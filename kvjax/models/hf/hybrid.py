@@ -586,6 +586,15 @@ def same(a):
     return np.asarray(a)
 
 
+def head_entries(c: "HybridConfig", embed: str, final_norm: str) -> list[Entry]:
+    """The plan's embedding, final norm and (untied) lm head, from their checkpoint names."""
+    d, V = c.d_model, c.vocab_size
+    plan = [Entry(("embed",), (embed,), ((V, d),), same), Entry(("final_norm",), (final_norm,), ((d,),), same)]
+    if not c.tie_embeddings:
+        plan.append(Entry(("lm_head",), ("lm_head.weight",), ((V, d),), linear_t))
+    return plan
+
+
 def expected_from_plan(plan: list[Entry]) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for e in plan:
