@@ -261,8 +261,10 @@ def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
     return y, conv_state, ssm_state
 
 
-def _decode_tokens(spec, k, xbc_d, z_d, dt_d, A, conv_state, ssm_state, backend, **idx):
-    """The two decode kernels on gathered tokens; ``y [n, H, P]``."""
+def _decode_tokens(spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backend, **idx):
+    """The two decode kernels on the tokens ``gather`` picks from ``xbc``, ``z``, ``dt``;
+    ``y [n, H, P]``."""
+    xbc_d, z_d, dt_d = gather(xbc), gather(z), gather(dt)
     n = xbc_d.shape[0]
     H, P = spec.num_heads, spec.head_dim
     conv_out, conv_state = causal_conv1d_update(
@@ -302,15 +304,7 @@ def _decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
 
     slots = jnp.where(ctx.decode_row, ctx.state_slot, NULL_BLOCK_ID)
     y_rows, conv_state, ssm_state = _decode_tokens(
-        spec,
-        k,
-        gather(xbc),
-        gather(z),
-        gather(dt),
-        A,
-        conv_state,
-        ssm_state,
-        backend,
+        spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backend,
         conv={"conv_state_indices": slots},
         ssm={"state_batch_indices": slots},
     )
@@ -336,15 +330,7 @@ def _decode_spec(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
     slots = jnp.where(ctx.decode_row[:, None], ctx.state_indices, NULL_BLOCK_ID)
     na = ctx.num_accepted_tokens
     y_packed, conv_state, ssm_state = _decode_tokens(
-        spec,
-        k,
-        gather(xbc),
-        gather(z),
-        gather(dt),
-        A,
-        conv_state,
-        ssm_state,
-        backend,
+        spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backend,
         conv={
             "conv_state_indices": slots,
             "num_accepted_tokens": na,
