@@ -1000,7 +1000,9 @@ def model_section(results):
         t = tf.get((r["preset"], r["phase"], r["batch"], r["context"]), {})
         tus = t.get("device_us")
         speed = (tus / r["device_us"]) if tus and r.get("device_us") else None
-        tcell = _fmt(tus) if tus else ("n/a" if not t else "not run" + (f" ({t['note'][:90]})" if t.get("note") else ""))
+        skipped = str(m.get("children", {}).get(f"{r['preset']}/transformers", "")).startswith("skipped")
+        tcell = _fmt(tus) if tus else (("not run (run budget spent)" if skipped else "n/a") if not t else
+                                       "not run" + (f" ({t['note'][:90]})" if t.get("note") else ""))
         out.append(
             f"| {r['preset']} | {r['phase']} | {r['batch']} | {r['context']} | {_fmt(r.get('device_us'))} | "
             f"{_fmt(r.get('host_us'))} | {_fmt(r.get('byte_floor_us'))} | {_fmt(r.get('matmul_floor_us'))} | "
