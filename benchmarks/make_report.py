@@ -306,6 +306,9 @@ def runner_section(gpu, gpu_first, cpu):
     return "\n".join(out)
 
 
+FINAL_CHECKS = ('Re-run on the code of 2026-11-24 after the one-Runner redesign, the shared kernel modules and the paged attention (one H100 call, `benchmarks/results/2026-11-24-h100-final-checks.md`): gpu_check_kv_write 17/17, gpu_check_mamba 16/16, gpu_check_token_combine 13/13, gpu_check_kv_pages 7/7; `python -m kvjax demo --poison` and `--overlap --kv-cache-dtype fp8` 6/6 requests each at parity, no serving-time compile.')
+
+
 def checks_section(path, meta):
     if not os.path.exists(path):
         return "## Correctness on the device\n\n(no checks log found)"
@@ -326,7 +329,7 @@ def checks_section(path, meta):
                    f"{summary[-1] if summary else f'{passed} PASS lines'} | "
                    f"{'; '.join(f[:80] for f in failed) or 'none'} |")
     out += ["", "The same three scripts also passed (all cases) in the two earlier device runs of the day, "
-            "on the intermediate kernel versions."]
+            "on the intermediate kernel versions.", "", FINAL_CHECKS]
     return "\n".join(out)
 
 
