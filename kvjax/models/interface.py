@@ -158,6 +158,10 @@ class Model(Protocol):
         with this step's K/V and states written. Pad tokens and padded rows write nothing and
         do not affect real rows."""
 
+    # Optional, for kvjax.runner.memory's estimate (0 when absent):
+    # step_temp_bytes(num_tokens, table_tokens, sizes) -> int: temporaries of one step whose rows
+    #   address table_tokens keys; dense_temp_bytes(n) -> int: of dense_logits on n tokens.
+
     def dense_logits(self, params, tokens: jax.Array, *, kv_cache_dtype: str = "auto") -> jax.Array:
         """float32 logits ``[n, vocab_size]`` of one sequence ``tokens int32 [n]``, unpaged (the
         oracle; with an fp8 KV dtype it rounds K/V as the cache stores them)."""

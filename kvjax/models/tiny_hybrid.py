@@ -349,12 +349,21 @@ class TinyHybridModel:
     def dense_logits(self, params, tokens, *, kv_cache_dtype: str = "auto"):
         return dense_forward(params, self.config, tokens, kv_cache_dtype)
 
-    def step_temp_bytes(self, num_tokens: int, table_tokens: int) -> int:
+    def step_temp_bytes(self, num_tokens: int, table_tokens: int, sizes: CacheSizes) -> int:
         """Temporaries of a step of ``num_tokens`` tokens whose rows address ``table_tokens`` keys:
         the jnp paged attention gathers, per token, every addressable key as float32 (K and V,
-        one masked copy each) and holds scores and probabilities ``[T, Hq, S]``."""
+        one masked copy each) and holds scores and probabilities ``[T, Hq, S]``; with the rpa
+        layout the XLA path of JAX's ragged paged attention (off the TPU) first gathers each
+        token's pages whole, K and V interleaved, in the storage dtype. XLA:CPU's
+        memory_analysis() of the compiled step agrees within 15% (tests/runner/test_memory.py)."""
         c, T, S = self.config, num_tokens, table_tokens
-        return (2 * T * S * c.num_kv_heads * c.head_dim + 3 * T * c.num_heads * S) * 4 if c.num_attn_layers else 0
+        if not c.num_attn_layers:
+            return 0
+        out = (2 * T * S * c.num_kv_heads * c.head_dim + 3 * T * c.num_heads * S) * 4
+        if sizes.kv_layout == "rpa":
+            per_token = 2 * c.num_kv_heads * c.head_dim * np.dtype(kv_storage_dtype(sizes.kv_cache_dtype)).itemsize
+            out += T * S * per_token
+        return out
 
     def dense_temp_bytes(self, n: int) -> int:
         """Temporaries of :meth:`dense_logits` on ``n`` tokens: scores and probabilities

@@ -1,11 +1,10 @@
 """Memory a runner configuration needs, estimated before anything is compiled.
 
-:func:`estimate_memory` adds up the persistent device state (KV caches, Mamba
-states, request rows and block tables: exact sizes from ``jax.eval_shape``, no
-allocation), the temporaries of the largest bucket's step (dominated by the jnp
-paged attention, which reads every key a row's table can address, so it scales
-with ``max_model_len``), and the dense reference used for the parity check
-(quadratic in the longest request). :func:`check_fits` compares the total with
+:func:`estimate_memory` adds up the persistent device state (the model's KV and
+state pools from its :class:`~kvjax.models.interface.PoolSpec`, request rows and
+block tables: exact sizes, no allocation), the temporaries of the largest bucket's
+step and of the dense reference used for the parity check, as the model states
+them (``step_temp_bytes`` / ``dense_temp_bytes``, optional: 0 when absent). :func:`check_fits` compares the total with
 :func:`available_memory` and raises :class:`InsufficientMemoryError` naming the
 flag to lower.
 """
@@ -52,8 +51,8 @@ def _nbytes(tree) -> int:
 class MemoryEstimate:
     """Bytes a configuration needs, by part (see the module docstring)."""
 
-    kv_cache: int  # K and V of every attention layer
-    states: int  # conv and SSM state of every Mamba layer
+    kv_cache: int  # the model's KV pools
+    states: int  # the model's recurrent-state pools
     rows_and_tables: int  # RequestState and BlockTables
     step: int  # temporaries of the largest bucket's step, plus its input buffer
     dense_reference: int  # the parity oracle on the longest request
@@ -114,26 +113,16 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     rows = jax.eval_shape(lambda: RequestState.create(c.max_num_seqs, c.max_model_len, c.num_speculative_tokens))
     tables = jax.eval_shape(lambda: BlockTables.create(c.specs, c.max_num_seqs, num_cache_blocks=c.num_blocks))
 
-    # Step: the jnp paged attention gathers, for each of T tokens, every key its row's table
-    # can address (S = table width x kernel block size >= max_model_len) as float32 (K and V,
-    # one masked copy each) and holds scores and probabilities [T, Hq, S]. XLA:CPU's
-    # memory_analysis() of the compiled step agrees within 15% (tests/runner/test_memory.py).
+    # Step: the model's temporaries for the largest bucket, every row addressing the whole table.
     T = max(b.num_tokens for b in c.bucket_spec.buckets)
     S = g.table_width * g.kernel_block_size
-    attention = m.step_temp_bytes(T, S) if hasattr(m, "step_temp_bytes") else 0
-    if c.kv_layout == "rpa":
-        # The XLA path of JAX's ragged paged attention (ragged_paged_attention_xla, used off the
-        # TPU) first gathers each token's pages whole, K and V interleaved, in the storage dtype:
-        # T x S tokens of one KV pool (1.70x short in float32 before this term; issue 25 item 6).
-        attention += T * S * max((_pool_bytes(p) // (p.shape[0] * g.kernel_block_size)
-                                  for p in pools if p.kind == "kv"), default=0)
+    model_temp = m.step_temp_bytes(T, S, c.cache_sizes) if hasattr(m, "step_temp_bytes") else 0
     # The new requests' token rows travel in the step's packed input buffer ([U, max_model_len]),
     # and post_update may hold a second copy of the request rows.
-    step = attention + 4 * c.max_new_requests * c.max_model_len + _nbytes(rows)
+    step = model_temp + 4 * c.max_new_requests * c.max_model_len + _nbytes(rows)
 
-    # Dense reference: scores and probabilities [H, n, n] float32 and the [n, n] causal mask; an
-    # upper bound: XLA:CPU keeps one or two of the [H, n, n] buffers depending on n
-    # (tests/runner/test_memory.py compares with its memory_analysis()).
+    # Dense reference: as the model states it (tests/runner/test_memory.py compares with XLA's
+    # memory_analysis()).
     if longest_request is None:
         longest_request = c.max_model_len
     if longest_request:

@@ -16,9 +16,9 @@ block ids, null block 0, null slot 0 and request rows. Pools are split over
 the model runs per shard (:meth:`~kvjax.models.interface.Model.shard`). A step
 is one SPMD program (``shard_map``) in which every rank uses the same bucket; a
 rank with nothing scheduled runs the dummy step (every slot ``PAD_SLOT_ID``,
-block tables and state indices ``NULL_BLOCK_ID``) and must write nothing. MoE
-experts are sharded over "data", so every step holds collectives every rank
-joins: that is why an idle rank cannot skip a step.
+block tables and state indices ``NULL_BLOCK_ID``) and must write nothing. A
+model may shard params over "data" (its partitioning says so), so a step can
+hold collectives every rank joins: that is why an idle rank cannot skip a step.
 
 Arguments cross into the executable as: the params; one donated int32 buffer of
 request rows and block tables per rank (followed by an area the step copies its

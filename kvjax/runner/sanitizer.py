@@ -1,7 +1,7 @@
 """The runner's checked mode (``RunnerConfig(poison=True)``, ``demo --poison``).
 
-Poison alone only shows when NaN reaches the logits; attention and the fresh
-Mamba path mask by value, so a write into the null block, a missing zero or a
+Poison alone only shows when NaN reaches the logits; a model that masks reads by
+value hides it, so a write into the null block, a missing zero or a
 stale row field would pass unseen. In checked mode the step also verifies
 memory on the device, inside the same ahead-of-time compiled executable (no
 extra compile, one small extra output per step):
