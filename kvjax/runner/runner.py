@@ -296,13 +296,15 @@ def _sampling_params(req: RequestState, batch) -> tuple[jax.Array, ...]:
 
 def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, config: RunnerConfig,
             bucket: Bucket, pool_specs: tuple[PoolSpec, ...], expert_axis: str | None = None,
-            model_axis: str | None = None, sanitize: bool | None = None):
+            model_axis: str | None = None, sanitize: bool | None = None,
+            record_checks: Callable[[dict], None] | None = None):
     """One data rank's whole step on the device (pure; the runner donates ``dstate``).
 
     ``model`` is the one this shard runs (:meth:`~kvjax.models.interface.Model.shard`),
     ``pool_specs`` its pools. ``sanitize`` (default ``config.poison``): compute the checks of
     :mod:`kvjax.runner.sanitizer`, returned as the last output (``int32 [0, 1]`` when off);
-    the inputs must then carry the host's expectations.
+    the inputs must then carry the host's expectations. ``record_checks(checks)`` is called at
+    trace time with the checks before they are encoded (the sanitizer learns their layout).
 
     Returns ``(new DeviceState, (sampled, num_sampled, logits, dummy, checks))``; ``dummy``: the
     inputs were all padding (:meth:`StepInputs.is_dummy`).
@@ -377,7 +379,10 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
     dummy = inp.is_dummy(req.max_num_reqs)
     if sanitize:
         idle = sanitizer.idle_rank_checks(dummy, before, dict(_state_arrays(new)))
-        checks = sanitizer.encode({**pre_checks, **post, **idle})
+        results = {**pre_checks, **post, **idle}
+        if record_checks is not None:
+            record_checks(results)
+        checks = sanitizer.encode(results)
     if not config.return_logits:  # token ids only: no [L, vocab] float32 copy to the host
         logits = jnp.zeros((0, logits.shape[-1]), jnp.float32)
     return new, (sampled, num_sampled, logits.astype(jnp.float32), dummy, checks)
@@ -487,10 +492,6 @@ class Runner:
         self._rows_spec = spec_of(self._initial_rows())
         self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
         self._rows, self._pools = self._initial_state()
-        if self.sanitizers is not None:
-            checks = jax.eval_shape(self._check_layout, self._initial_rows())
-            for s in self.sanitizers.values():
-                s.set_layout(checks)
 
     # ------------------------------------------------------------ state
 
@@ -653,27 +654,10 @@ class Runner:
 
     # --------------------------------------------------------- compiling
 
-    def _check_layout(self, rows):
-        """The sanitizer's checks of one rank (abstract: for their layout)."""
-        req, tables = rows
-        pools = {s.name: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.pool_specs}
-        pools = {n: jnp.zeros(a.shape, a.dtype) for n, a in pools.items()}
-        kv = {s.name: pools[s.name] for s in self.pool_specs if s.kind == "kv"}
-        st = {s.name: pools[s.name] for s in self.pool_specs if s.kind == "state"}
-        one = jnp.zeros((1,), jnp.int32)
-        c = self.config
-        state = DeviceState(requests=req, tables=tables, pools=pools)
-        arrays = dict(_state_arrays(state))
-        return {
-            **sanitizer.pre_forward_checks(req, kv, st, added_rows=one, fresh_blocks=one, fresh_slots=one,
-                                           r=c.kv_group.blocks_per_kv_block),
-            **sanitizer.post_step_checks(
-                req, tables, kv, st, expect_tables=tables.tables, expect_num_blocks=tables.num_blocks,
-                live_rows=jnp.zeros((c.max_num_seqs,), jnp.bool_),
-                live_slots=jnp.zeros((c.num_state_slots,), jnp.bool_), r=c.kv_group.blocks_per_kv_block,
-                kv_group=0),
-            **sanitizer.idle_rank_checks(jnp.bool_(False), arrays, arrays),
-        }
+    def _record_check_layout(self, checks: dict) -> None:
+        """The sanitizers learn the rows a step's encoded checks hold (at trace time)."""
+        for s in (self.sanitizers or {}).values():
+            s.set_layout(checks)
 
     def jitted_step(self, bucket: Bucket):
         """``(fn, args, spec)``: ``bucket``'s jitted SPMD step (rows and pools donated), its
@@ -689,7 +673,8 @@ class Runner:
         D, M = self.num_ranks, self.model_size
         step = functools.partial(
             step_fn, model=self.shard_model, config=self.config, bucket=bucket, pool_specs=self.pool_specs,
-            expert_axis=DATA if D > 1 else None, model_axis=MODEL if M > 1 else None)
+            expert_axis=DATA if D > 1 else None, model_axis=MODEL if M > 1 else None,
+            record_checks=self._record_check_layout)
         rows_spec, out_specs = self._rows_spec, self._out_specs
 
         def per_rank(params, rows, pools, buf):

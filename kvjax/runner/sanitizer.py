@@ -315,8 +315,8 @@ class Sanitizer:
         self.layout: list[tuple[str, str, int]] = []  # (invariant, array, ndim) per encoded row
 
     def set_layout(self, checks) -> None:
-        """Record the rows :func:`encode` emits, from the checks' abstract values
-        (``jax.eval_shape`` of the function that builds them)."""
+        """Record the rows :func:`encode` emits for ``checks`` (the step's, while it is traced:
+        shapes are all that is read)."""
         self.layout = [(inv, arr, checks[(inv, arr)][1].shape[0]) for inv, arr in result_keys(checks)]
 
     def expectations(self, mirror: HostMirror) -> dict[str, np.ndarray]:
