@@ -50,7 +50,8 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
 
     def sampled(_):
         scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        scaled = _filtered(scaled, top_k, top_p)
+        filtering = jnp.any((temperature > 0) & (((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1)))
+        scaled = jax.lax.cond(filtering, lambda x: _filtered(x, top_k, top_p), lambda x: x, scaled)
 
         def noise(s, p):
             return jax.random.gumbel(jax.random.fold_in(jax.random.key(s), p), (logits.shape[-1],))
