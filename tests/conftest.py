@@ -3,6 +3,12 @@ import os
 # Tests run on the CPU; the GPU checks live in benchmarks/.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from kvjax.testing import vllm as _vllm_oracle  # noqa: E402
+
+# Before any test imports transformers (which imports Triton): the vLLM oracle's Triton
+# kernels, and Triton's own tl.sum & co., must be decorated for the interpreter on a CPU.
+_vllm_oracle.use_interpreter_without_gpu()
+
 import pytest  # noqa: E402
 from jax._src.pallas.triton import lowering as triton_lowering  # noqa: E402
 
@@ -23,3 +29,17 @@ def verified_triton_modules(monkeypatch):
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", build_and_verify)
     return built
+
+
+@pytest.fixture(scope="session")
+def vllm_oracle():
+    """``kvjax.testing.vllm`` once its oracle is known to be available; the test skips otherwise.
+
+    CI installs the oracle and sets ``KVJAX_REQUIRE_VLLM_ORACLE=1``: there it must be available,
+    and an unavailable oracle fails instead of skipping the tests it guards."""
+    if not _vllm_oracle.available():
+        why = _vllm_oracle.reason()
+        if os.environ.get("KVJAX_REQUIRE_VLLM_ORACLE") == "1":
+            pytest.fail(f"KVJAX_REQUIRE_VLLM_ORACLE=1 but the vLLM oracle is unavailable: {why}")
+        pytest.skip(f"vLLM oracle unavailable: {why}")
+    return _vllm_oracle

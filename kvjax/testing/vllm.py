@@ -91,6 +91,7 @@ __all__ = [
     "reason",
     "selective_state_update",
     "triton_reshape_and_cache_flash",
+    "use_interpreter_without_gpu",
 ]
 
 VLLM_VERSION = "0.33.0"
@@ -104,6 +105,34 @@ _KERNEL_MODULES = (
     "vllm.model_executor.layers.mamba.ops.mamba_ssm",
     "vllm.model_executor.layers.mamba.ops.causal_conv1d",
 )
+
+
+def _no_cuda_torch() -> bool:
+    """True when torch is installed and sees no CUDA device (the interpreter's case)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def use_interpreter_without_gpu() -> bool:
+    """Set ``TRITON_INTERPRET=1`` now if torch sees no CUDA device; True if it is set.
+
+    Triton reads the variable when ``@triton.jit`` decorates, and its own
+    ``triton.language`` helpers (``tl.sum``, ...) are decorated when Triton is
+    first imported -- which importing ``transformers``' models does. A process
+    that imports those before the oracle (a test session) calls this first.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules and _no_cuda_torch():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_imported_compiled() -> bool:
+    """True when Triton's language helpers were decorated without the interpreter."""
+    lang = sys.modules.get("triton.language.standard")
+    return lang is not None and type(getattr(lang, "sum", None)).__name__ == "JITFunction"
 
 
 @contextlib.contextmanager
@@ -155,6 +184,13 @@ def _load() -> tuple[types.SimpleNamespace | None, str]:
             return None, (
                 f"{stale} were imported before TRITON_INTERPRET=1 was set; import "
                 "kvjax.testing.vllm (and call available()) before vLLM's kernels"
+            )
+        if _triton_imported_compiled():
+            return None, (
+                "triton was imported before TRITON_INTERPRET=1 was set (importing transformers' "
+                "models imports it), so its tl.sum and friends cannot run in the interpreter; "
+                "call kvjax.testing.vllm.use_interpreter_without_gpu() first, or start Python "
+                "with TRITON_INTERPRET=1"
             )
         os.environ["TRITON_INTERPRET"] = "1"
         importing = _env("CUDA_VISIBLE_DEVICES", "")

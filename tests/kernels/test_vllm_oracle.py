@@ -41,9 +41,8 @@ CVD_AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _vllm_oracle():
-    if not oracle.available():
-        pytest.skip(f"vLLM oracle unavailable: {oracle.reason()}")
+def _vllm_oracle(vllm_oracle):
+    """Every test here needs the oracle (conftest's ``vllm_oracle``: skips, or fails in CI)."""
 
 
 def assert_close(actual, expected, name, rtol, atol):

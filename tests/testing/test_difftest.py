@@ -174,11 +174,7 @@ def test_against_vllm_without_vllm_says_how_to_install(monkeypatch, capsys, agai
         dt.difftest(against=against, ops=["zero_blocks"])
 
 
-def test_small_run_against_vllm(capsys):
-    from kvjax.testing import vllm as oracle
-
-    if not oracle.available():
-        pytest.skip(f"vLLM oracle unavailable: {oracle.reason()}")
+def test_small_run_against_vllm(capsys, vllm_oracle):
     rc = main(["difftest", "--against", "vllm", "--ops", "combine_sampled_and_draft_tokens",
                "reshape_and_cache_flash", "--cases", "1", "--backend", "reference", "--quiet"])
     out = capsys.readouterr().out
