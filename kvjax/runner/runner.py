@@ -520,14 +520,21 @@ class Runner:
         rows = np.concatenate([buf, np.zeros((extra,), np.int32)])
         rows = np.broadcast_to(rows[None], (self.num_ranks, rows.size))
         rows = global_array(NamedSharding(self.mesh, P(DATA)), rows.shape, rows)
-        shapes = {s.name: (self._global_pool_shape(s), s.dtype) for s in self.pool_specs}
-        fill = sanitizer.poison_like if self.config.poison else (lambda a: a)
+        shapes = {s.name: (self._global_pool_shape(s), jnp.dtype(s.dtype)) for s in self.pool_specs}
+        poison = self.config.poison
 
-        def make():  # every block and slot starts as garbage in checked mode: only zeroed memory may be read
-            return {name: fill(jnp.zeros(shape, dtype)) for name, (shape, dtype) in shapes.items()}
+        def make_bits():  # every block and slot starts as garbage in checked mode: only zeroed memory may be read
+            return {name: jnp.full(shape, sanitizer.poison_bits(dtype) if poison else 0, sanitizer.uint_of(dtype))
+                    for name, (shape, dtype) in shapes.items()}
 
+        def as_floats(bits):
+            return {name: jax.lax.bitcast_convert_type(b, shapes[name][1]) for name, b in bits.items()}
+
+        # Made as unsigned ints, then bitcast in a second program whose input is not a constant:
+        # folded into one, XLA:CPU turns the bf16 poison into the canonical NaN (other bits).
         out = {name: NamedSharding(self.mesh, p) for name, p in self._pool_pspecs.items()}
-        return rows, jax.jit(make, out_shardings=out)()
+        bits = jax.jit(make_bits, out_shardings=out)()
+        return rows, jax.jit(as_floats, out_shardings=out, donate_argnums=0)(bits)
 
     def read_state(self, rank: int = 0) -> DeviceState:
         """A host (numpy) copy of data rank ``rank``'s state (every head shard's pools joined)."""
@@ -826,11 +833,14 @@ class Runner:
         if params is None:
             raise ValueError("the dense reference needs unsharded params: this runner was given params "
                              "already placed on its mesh (load them with mesh=None to check parity)")
-        fn = jax.jit(lambda toks: self.model.dense_logits(params, toks, kv_cache_dtype=c.kv_cache_dtype))
+        # params are an argument, not closed over: closed-over host arrays would be embedded in
+        # every compiled length's program as constants (the whole model, at real size)
+        fn = jax.jit(lambda p, toks: self.model.dense_logits(p, toks, kv_cache_dtype=c.kv_cache_dtype))
+        params = jax.device_put(params)
 
         def reference(tokens):
             with jax.default_matmul_precision(c.matmul_precision):
-                return fn(tokens)
+                return fn(params, tokens)
 
         return reference
 

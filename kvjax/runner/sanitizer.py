@@ -97,13 +97,14 @@ class SanitizerError(RuntimeError):
 # ------------------------------------------------------------------ bit views
 
 
-def _uint(dtype):
+def uint_of(dtype):
+    """The unsigned int dtype as wide as ``dtype`` (its bit view)."""
     return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
 
 
 def bits(a: jax.Array) -> jax.Array:
     """``a`` viewed as unsigned ints of the same width (exact, NaN payloads kept)."""
-    return jax.lax.bitcast_convert_type(a, _uint(a.dtype))
+    return jax.lax.bitcast_convert_type(a, uint_of(a.dtype))
 
 
 def poison_bits(dtype) -> int:
@@ -116,7 +117,7 @@ def poison_bits(dtype) -> int:
 
 def poison_like(a: jax.Array) -> jax.Array:
     """An array like ``a`` filled with the poison pattern."""
-    u = jnp.full(a.shape, poison_bits(a.dtype), _uint(a.dtype))
+    u = jnp.full(a.shape, poison_bits(a.dtype), uint_of(a.dtype))
     return jax.lax.bitcast_convert_type(u, a.dtype)
 
 
@@ -131,7 +132,7 @@ def poison_ids(arrays, ids: jax.Array, r: int = 1) -> list[jax.Array]:
     out = []
     for a in arrays:
         dest = jnp.where(ok, rows, a.shape[0])
-        u = bits(a).at[dest].set(jnp.asarray(poison_bits(a.dtype), _uint(a.dtype)), mode="drop")
+        u = bits(a).at[dest].set(jnp.asarray(poison_bits(a.dtype), uint_of(a.dtype)), mode="drop")
         out.append(jax.lax.bitcast_convert_type(u, a.dtype))
     return out
 
@@ -175,7 +176,7 @@ def poison_rows(req: RequestState, rows: jax.Array) -> RequestState:
     dest = scatter_index(rows, req.max_num_reqs)
 
     def fill(f):
-        u = bits(f).at[dest].set(jnp.asarray(ROW_POISON_BITS, _uint(f.dtype)), mode="drop")
+        u = bits(f).at[dest].set(jnp.asarray(ROW_POISON_BITS, uint_of(f.dtype)), mode="drop")
         return jax.lax.bitcast_convert_type(u, f.dtype)
 
     return jax.tree.map(fill, req)
@@ -200,7 +201,7 @@ def pre_forward_checks(req: RequestState, kv: dict, states: dict, *, added_rows,
     for field in dataclasses.fields(req):
         f = getattr(req, field.name)
         out[("added_row_holds_poison", field.name)] = _first(
-            _rows(added, f) & (bits(f) == jnp.asarray(ROW_POISON_BITS, _uint(f.dtype)))
+            _rows(added, f) & (bits(f) == jnp.asarray(ROW_POISON_BITS, uint_of(f.dtype)))
         )
     return out
 
@@ -217,12 +218,12 @@ def post_step_checks(req: RequestState, tables, kv: dict, states: dict, *, expec
     for name, a in kv.items():
         null = _id_mask(a.shape[0], jnp.asarray([NULL_BLOCK_ID], jnp.int32), r)
         out[("null_block_changed", name)] = _first(
-            _rows(null, a) & (bits(a) != jnp.asarray(poison_bits(a.dtype), _uint(a.dtype)))
+            _rows(null, a) & (bits(a) != jnp.asarray(poison_bits(a.dtype), uint_of(a.dtype)))
         )
     for name, a in states.items():
         null = _id_mask(a.shape[0], jnp.asarray([NULL_BLOCK_ID], jnp.int32))
         out[("null_slot_changed", name)] = _first(
-            _rows(null, a) & (bits(a) != jnp.asarray(poison_bits(a.dtype), _uint(a.dtype)))
+            _rows(null, a) & (bits(a) != jnp.asarray(poison_bits(a.dtype), uint_of(a.dtype)))
         )
     for g in range(tables.num_groups):
         out[("device_table_differs", f"block_tables[{g}]")] = _first(tables.tables[g] != expect_tables[g])

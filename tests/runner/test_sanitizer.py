@@ -148,3 +148,31 @@ def check_fresh_blocks_are_zero_past_the_written_tokens(runner):
 
 def test_fresh_blocks_are_zero_past_the_written_tokens(restore):
     check_fresh_blocks_are_zero_past_the_written_tokens(restore)
+
+
+def test_bf16_pools_keep_the_poison_payload(tmp_path):
+    """A bfloat16 model in checked mode serves without a false alarm: the pools start with the
+    poison's own bits (not the canonical NaN that XLA:CPU folds a bf16 NaN constant into), so the
+    null block is unchanged after every step."""
+    import json
+
+    from kvjax.models.hf.loader import model_from_dir
+
+    cfg = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+           "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
+           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32,
+           "shared_intermediate_size": 32, "num_local_experts": 0, "num_experts_per_tok": 0,
+           "mamba_n_heads": 2, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_d_conv": 4,
+           "mamba_expand": 1, "mamba_chunk_size": 16, "position_embedding_type": None,
+           "tie_word_embeddings": True, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = model_from_dir(tmp_path, dtype="bfloat16")
+    config = RunnerConfig(model=model, block_size=4, num_blocks=12, max_model_len=24, max_num_seqs=2,
+                          max_num_batched_tokens=8, token_sizes=(8,), poison=True)
+    r = Runner(config, compiler_options=FAST)
+    pools = {n: np.asarray(jax.device_get(a)) for n, a in r._pools.items()}
+    assert any(a.dtype == jnp.bfloat16 for a in pools.values())
+    for name, a in pools.items():
+        assert (bits(a) == sanitizer.poison_bits(a.dtype)).all(), name
+    report, _ = serve(config, requests(), runner=r, progress_stream=None)
+    assert report.checked and report.generated_tokens == sum(m for _, _, m, _ in WORKLOAD)
