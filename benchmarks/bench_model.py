@@ -420,7 +420,11 @@ def measure_ceilings(jax, jnp):
 class Bench:
     """One preset's Runner, its fabricated state and the measurements."""
 
-    def __init__(self, preset: str, matrix: dict, *, seed: int = 0, workers: int = 4):
+    def __init__(self, preset: str, matrix: dict, *, seed: int = 0, workers: int = 4, model=None,
+                 mesh=None, params=None):
+        """``model``: the preset's model (default: built from the preset); ``mesh``: the Runner's
+        (default 1x1); ``params``: host (numpy) params, laid out and sharded by the Runner (default:
+        random ones drawn replicated on the devices: a 1x1 mesh only)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -433,7 +437,7 @@ class Bench:
         self.jax, self.jnp, self.np = jax, jnp, np
         self.preset = preset
         self.matrix = matrix
-        self.model = build_model(preset)
+        self.model = build_model(preset) if model is None else model
         ctxs = [c for c, _ in matrix["decode"]]
         batches = sorted({b for _, bs in matrix["decode"] for b in bs})
         prefills = tuple(matrix["prefill"])
@@ -450,10 +454,11 @@ class Bench:
                                 max_model_len=self.max_model_len, max_num_seqs=max_seqs,
                                 max_num_batched_tokens=max(token_sizes), token_sizes=token_sizes,
                                 max_new_requests_per_step=1, seed=seed, **RETURN_LOGITS)
-        mesh = make_mesh(1, 1)
+        mesh = make_mesh(1, 1) if mesh is None else mesh
         t0 = time.perf_counter()
-        params = device_params(self.model, seed, NamedSharding(mesh, P()))
-        jax.block_until_ready(params)
+        if params is None:
+            params = device_params(self.model, seed, NamedSharding(mesh, P()))
+            jax.block_until_ready(params)
         self.param_init_s = time.perf_counter() - t0
         self.runner = Runner(self.cfg, mesh=mesh, params=params)
         del params
