@@ -4,7 +4,8 @@ Start-up compiles every bucket ahead of time; serving then runs the schedulers
 and the runner step by step with no compile (strict mode), and the run ends
 with each request checked against the dense reference (one request, no cache,
 no padding, full recompute): identical greedy tokens and logits within
-``LOGITS_ATOL`` at every generated position.
+``LOGITS_ATOL`` at every generated position (with an fp8 KV cache: of the reference or of one
+that rounds K/V near an fp8 rounding boundary the other way, :mod:`kvjax.testing.fp8_rounding`).
 
 With ``--mesh data=D,model=M`` each data rank has its own scheduler and block
 pool; requests are placed on arrival on the least loaded rank, ranks with
@@ -18,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.testing.fp8_rounding import RoundingVariants
 from kvjax.testing.progress import Progress
 from kvjax.models import TinyHybridConfig
 from kvjax.runner import Runner, RunnerConfig
@@ -37,11 +40,10 @@ from kvjax.host.scheduler import Request
 MESH_MODEL = TinyHybridConfig(layer_types=("attn", "mamba", "moe"))
 
 LOGITS_ATOL = 1e-4
-# fp8 caches: the paged path and the dense reference compute K/V with float32 ops in a
-# different order, so a value within float32 rounding of an fp8 rounding boundary can be
-# stored one fp8 step (1/8 relative) apart on the two sides. Tokens must still be identical;
-# such a flip moves logits by up to ~1e-3, hence the wider logits tolerance for fp8.
-LOGITS_ATOL_FP8 = 2e-3
+# fp8 caches use the same tolerance: a paged row may instead match a reference variant that rounds
+# the K/V elements within a few float32 ulps of an fp8 rounding boundary the other way (one such
+# flip moves logits by up to ~0.1 on the tiny model, so no fixed tolerance covers it without
+# hiding bugs; see kvjax.testing.fp8_rounding).
 
 
 # bfloat16 weights and activations: the paged path and the reference round products in a
@@ -56,10 +58,18 @@ def model_dtype(model) -> str:
 
 
 def logits_tolerance(kv_cache_dtype: str, dtype: str = "float32") -> float:
-    """Max abs logits difference to the dense reference counted as a match."""
+    """Max abs logits difference to the dense reference counted as a match (with a float32 model
+    and an fp8 cache, to the reference or to one of its fp8 rounding variants)."""
     if dtype == "bfloat16":
         return LOGITS_ATOL_BF16
-    return LOGITS_ATOL if kv_cache_dtype == "auto" else LOGITS_ATOL_FP8
+    return LOGITS_ATOL
+
+
+def uses_rounding_variants(kv_cache_dtype: str, dtype: str = "float32") -> bool:
+    """Whether the parity check also tries the fp8 rounding variants of the reference
+    (:mod:`kvjax.testing.fp8_rounding`): an fp8 cache under a float32 model (a bfloat16 model
+    is checked against its own, wider tolerance)."""
+    return kv_cache_dtype != "auto" and dtype != "bfloat16"
 
 
 def run_settings(config: RunnerConfig, **extra) -> dict:
@@ -209,31 +219,85 @@ def reference_tokens(req: Request, ref_logits: np.ndarray) -> np.ndarray:
 
 
 def check_against_reference(runner: Runner, config: RunnerConfig, finished: list[Request]):
-    """Per request: output tokens and logits vs the dense forward of prompt + output."""
+    """Per request: output tokens and logits vs the dense forward of prompt + output.
+
+    A request matches when every generated position has the reference's token and logits within
+    :func:`logits_tolerance`. With an fp8 cache (float32 model) a position may instead match one
+    of the reference's fp8 rounding variants (:class:`kvjax.testing.fp8_rounding.RoundingVariants`),
+    tried only for requests whose rows do not all match the reference itself.
+    ``max_logit_error``: the largest difference from the reference; ``fp8_rounding_rows``: the
+    positions matched by a rounding variant instead, ``max_logit_error_vs_match`` the largest
+    difference from whichever reference each position matched (as ``max_logit_error`` when
+    none)."""
     dense = runner.dense_reference
     results, nan_count = {}, 0
-    atol = logits_tolerance(config.kv_cache_dtype, model_dtype(config.model))
+    dtype = model_dtype(config.model)
+    atol = logits_tolerance(config.kv_cache_dtype, dtype)
+    variants = None
     for r in sorted(finished, key=lambda r: r.req_id):
         seq = r.prompt + r.output
         # Padded to a power of two, not to max_model_len (the oracle is quadratic in its length);
         # causal model: the zero tail does not change earlier logits.
         toks = np.zeros((dense_reference_length(len(seq), config.max_model_len),), np.int32)
         toks[: len(seq)] = seq
-        ref = np.asarray(dense(jnp.asarray(toks)))[len(r.prompt) - 1: len(seq) - 1]
+        rows = slice(len(r.prompt) - 1, len(seq) - 1)
+        ref = np.asarray(dense(jnp.asarray(toks)))[rows]
         got = np.stack(r.logits) if r.logits else np.zeros((0, ref.shape[1]), np.float32)
         nan_count += int(np.isnan(got).sum())
-        same_tokens = got.shape == ref.shape and bool((reference_tokens(r, ref) == np.array(r.output)).all())
-        err = float(np.abs(ref - got).max()) if got.shape == ref.shape and got.size else float("inf")
+        out = np.array(r.output)
+        rounding_rows, err, matched_err, ok = 0, float("inf"), float("inf"), False
+        if got.shape == ref.shape:
+            row_err = _row_errors(ref, got)
+            row_ok = (row_err <= atol) & (reference_tokens(r, ref) == out)
+            err = float(row_err.max()) if row_err.size else 0.0
+            if not row_ok.all() and uses_rounding_variants(config.kv_cache_dtype, dtype):
+                if variants is None:
+                    variants = _rounding_variants(runner, config)
+                before = row_ok.copy()
+                for logits in variants(toks):
+                    cand = logits[rows]
+                    cand_err = _row_errors(cand, got)
+                    cand_ok = (cand_err <= atol) & (reference_tokens(r, cand) == out)
+                    row_err = np.where(cand_ok & ~before, np.minimum(row_err, cand_err), row_err)
+                    row_ok |= cand_ok
+                    if row_ok.all():
+                        break
+                rounding_rows = int((row_ok & ~before).sum())
+            ok = bool(row_ok.all())
+            matched_err = float(row_err.max()) if row_err.size else 0.0
         results[r.req_id] = {
             "output": r.output,
-            "matches_reference": bool(same_tokens and err <= atol),
+            "matches_reference": ok,
             "max_logit_error": err,
+            "max_logit_error_vs_match": matched_err,
+            "fp8_rounding_rows": rounding_rows,
             "preemptions": r.num_preemptions,
         }
     return results, nan_count
 
 
-def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> None:
+_VARIANTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _rounding_variants(runner, config: RunnerConfig) -> RoundingVariants:
+    """The runner's :class:`RoundingVariants` (made once per runner: one compile per length)."""
+    variants = _VARIANTS.get(runner)
+    if variants is None:
+        variants = RoundingVariants(runner.model, runner.dense_params, config.kv_cache_dtype,
+                                    config.matmul_precision)
+        _VARIANTS[runner] = variants
+    return variants
+
+
+def _row_errors(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """Largest absolute difference of each logits row (NaN counts as infinitely far)."""
+    d = np.abs(ref - got)
+    return np.where(np.isnan(d), np.inf, d).max(axis=-1) if d.size else np.zeros(d.shape[:1])
+
+
+def print_summary(report: ServeReport, config: RunnerConfig, out=None) -> None:
+    """The demo's summary lines, to ``out`` (default: the current ``sys.stdout``)."""
+    out = sys.stdout if out is None else out
     n_ok = sum(r["matches_reference"] for r in report.requests.values())
     lines = [
         f"platform                {jax.default_backend()} (kernels: {config.backend})",
@@ -244,7 +308,8 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> 
         f"buckets compiled        {report.executables} ({', '.join(str(b['num_tokens']) for b in report.buckets)} tokens) in {report.compile_seconds:.1f} s",
         f"serving-time compiles   {report.serving_compiles}",
         f"preemptions             {report.preemptions}",
-        f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within {logits_tolerance(config.kv_cache_dtype, model_dtype(config.model)):g})",
+        f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within "
+        f"{logits_tolerance(config.kv_cache_dtype, model_dtype(config.model)):g}{_rounding_note(report, config)})",
         f"NaN count               {report.nan_count}",
     ]
     checked = [r["transformers"] for r in report.requests.values() if "transformers" in r]
@@ -269,6 +334,14 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=sys.stdout) -> 
             lines.append("sanitizer               ok (every rank, every step: null block/slot, fresh memory, "
                          "idle ranks bitwise unchanged)")
         print("\n".join(lines), file=out)
+
+
+def _rounding_note(report: ServeReport, config: RunnerConfig) -> str:
+    """The summary's word on fp8 rounding variants, when the check could use them."""
+    if not uses_rounding_variants(config.kv_cache_dtype, model_dtype(config.model)):
+        return ""
+    n = sum(r.get("fp8_rounding_rows", 0) for r in report.requests.values())
+    return f", or of an fp8 rounding variant: {n} positions"
 
 
 def start_devices(args, mesh_shape: tuple[int, int]) -> bool:
