@@ -12,9 +12,13 @@ field or tensor, what was expected and what came):
 2. the module turns the config into a frozen model config, refusing any field value it does
    not implement — before any weight is read;
 3. the safetensors headers (only) are read: every tensor the config needs must be there
-   with its shape, none may be left over, every file must hold the bytes its header
-   promises (a truncated file is refused here);
+   with its shape and a floating-point dtype (:data:`FLOAT_DTYPES`), none may be left over,
+   every file must hold the bytes its header promises (a truncated file is refused here), and
+   an index may name only files of the directory;
 4. tensors are read one by one (memory-mapped), converted to the requested dtype and placed:
+   each is first checked to hold finite values only: a NaN or infinite weight (or a float64
+   one beyond float32's range) is refused with a ``ValueError`` naming the file, the tensor,
+   the count and the first index, not loaded with a warning (it would make every logit NaN);
    with ``mesh`` each with its own ``NamedSharding`` right after it is read (attention and
    Mamba heads over ``"model"``, routed experts over ``"data"``), so the whole model is
    never on one device first.
@@ -105,37 +109,52 @@ class _TensorInfo:
     nbytes: int
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _read_header(file: str) -> dict[str, _TensorInfo]:
     """Every tensor of one safetensors file, from its header alone (nothing else is read)."""
-    size = os.path.getsize(file)
     name = os.path.basename(file)
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{name}: not a safetensors file (truncated: {size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise ValueError(f"{name}: truncated safetensors file (header of {n} bytes, file of {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{name}: safetensors header is not valid JSON ({e})") from None
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{name}: not a safetensors file (truncated: {size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"{name}: truncated safetensors file (header of {n} bytes, file of {size})")
+            raw = f.read(n)
+    except OSError as e:
+        raise ValueError(f"{name}: cannot be read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{name}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{name}: safetensors header must be a JSON object")
     out = {}
     for tname, info in header.items():
         if tname == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{name}: malformed header entry for tensor {tname!r}: {info!r}") from None
+        if isinstance(info, dict):
+            dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        else:
+            dtype = shape = offsets = None
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1] and isinstance(dtype, str)):
+            raise ValueError(f"{name}: malformed header entry for tensor {tname!r}: {info!r} (expected "
+                             f"'dtype' a name, 'shape' a list of ints >= 0, 'data_offsets' [begin, end])")
         if dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: tensor {tname!r} has dtype {dtype!r}, expected one of "
                              f"{sorted(_ST_DTYPES)}")
         dt = _ST_DTYPES[dtype]
+        begin, end = offsets
+        shape = tuple(shape)
         nbytes = math.prod(shape) * dt.itemsize
-        if end - begin != nbytes or begin < 0:
+        if end - begin != nbytes:
             raise ValueError(f"{name}: tensor {tname!r} of shape {list(shape)} {dtype} needs {nbytes} "
                              f"bytes, its header gives {end - begin}")
         if 8 + n + end > size:
@@ -152,8 +171,17 @@ def _index_checkpoint(path: str) -> dict[str, _TensorInfo]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"model.safetensors.index.json: no valid 'weight_map' ({e!r})") from None
+        except OSError as e:
+            raise ValueError(f"model.safetensors.index.json: cannot be read ({e.strerror or e})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model.safetensors.index.json: 'weight_map' must map tensor names to file "
+                             f"names, got a {type(weight_map).__name__}")
+        for tname, fn in weight_map.items():
+            if not isinstance(fn, str) or not fn or os.path.basename(fn) != fn or fn in (".", ".."):
+                raise ValueError(f"model.safetensors.index.json: tensor {tname!r} maps to {fn!r}, expected "
+                                 f"the name of a file in the checkpoint directory")
         files = sorted(set(weight_map.values()))
         for fn in files:
             if not os.path.exists(os.path.join(path, fn)):
@@ -176,7 +204,19 @@ def _index_checkpoint(path: str) -> dict[str, _TensorInfo]:
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
+#: Checkpoint dtypes a weight may have: floating point. fp8 weights come with quantisation scales
+#: (``quantization_config``), which the architectures refuse.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_FLOAT_NP = {_ST_DTYPES[d] for d in FLOAT_DTYPES}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
 def _reader(tensors: dict[str, _TensorInfo]):
+    """``get(name) -> np.ndarray`` (memory-mapped). Each tensor is checked on its first read: every
+    value finite (a NaN or infinite weight is a ``ValueError`` naming the file, the tensor, the
+    count and the first index), and float64 values within float32's range."""
+    checked: set[str] = set()
+
     def get(name: str) -> np.ndarray:
         try:
             t = tensors[name]
@@ -185,23 +225,73 @@ def _reader(tensors: dict[str, _TensorInfo]):
         if t.nbytes == 0:
             return np.zeros(t.shape, t.dtype)
         raw = np.memmap(t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
-        return raw.view(t.dtype).reshape(t.shape)
+        arr = raw.view(t.dtype).reshape(t.shape)
+        if name not in checked:
+            check_finite(name, arr, os.path.basename(t.file))
+            checked.add(name)
+        return arr
 
     return get
 
 
+_FINITE_CHUNK = 1 << 22  # elements checked at a time (bounded temporaries on large tensors)
+
+
+def check_finite(name: str, arr: np.ndarray, where: str = "checkpoint") -> None:
+    """``ValueError`` when the weight ``arr`` holds a NaN or an infinity (or, as float64, a value
+    float32 cannot hold): the count of each and the first index."""
+    if arr.dtype not in _FLOAT_NP or arr.size == 0:
+        return
+    wide = arr.dtype == np.float64
+    limit = np.finfo(np.float32).max
+
+    def ok(x):
+        good = np.isfinite(x)
+        if wide:
+            good &= np.abs(np.where(good, x, 0.0)) <= limit
+        return good
+
+    flat = arr.reshape(-1)
+    for start in range(0, flat.size, _FINITE_CHUNK):
+        good = ok(flat[start:start + _FINITE_CHUNK])
+        if good.all():
+            continue
+        first = [int(i) for i in np.unravel_index(start + int(np.argmin(good)), arr.shape)]
+        bad = int(sum((~ok(flat[i:i + _FINITE_CHUNK])).sum() for i in range(0, flat.size, _FINITE_CHUNK)))
+        nan = int(sum(np.isnan(flat[i:i + _FINITE_CHUNK]).sum() for i in range(0, flat.size, _FINITE_CHUNK)))
+        what = f"{nan} NaN and {bad - nan} infinite" + (" (or beyond float32)" if wide else "")
+        raise ValueError(f"{where}: tensor {name!r} holds {what} values (first at {first}: "
+                         f"{float(arr[tuple(first)])}); expected finite weights")
+
+
+def _file_of(t) -> str:
+    f = getattr(t, "file", None)
+    return os.path.basename(f) if f else "checkpoint"
+
+
 def check_tensors(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any], ignored=None) -> None:
-    """Missing, wrong-shape and unexpected tensors, each a ValueError naming the tensor."""
+    """Missing, wrong-shape, non-float and unexpected tensors, each a ValueError naming the file
+    (when ``tensors`` come from :func:`_read_header`) and the tensor, what config.json implies and
+    what came."""
+    files = sorted({_file_of(t) for t in tensors.values()}) or ["checkpoint"]
     for name, shape in expected.items():
         if name not in tensors:
-            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
-        got = tuple(tensors[name].shape)
+            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)}): not in "
+                             f"{', '.join(files)}, and config.json needs it")
+        t = tensors[name]
+        got = tuple(t.shape)
         if got != tuple(shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+            raise ValueError(f"{_file_of(t)}: checkpoint tensor {name!r} has shape {list(got)}, expected "
+                             f"{list(shape)} (from config.json)")
+        dtype = np.dtype(t.dtype)
+        if dtype not in _FLOAT_NP:
+            raise ValueError(f"{_file_of(t)}: tensor {name!r} has dtype {_ST_NAMES.get(dtype, dtype.name)}, "
+                             f"expected a floating-point weight ({', '.join(FLOAT_DTYPES)})")
     extra = sorted(n for n in tensors if n not in expected and not (ignored and ignored(n)))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise ValueError(f"checkpoint has unexpected tensor {extra[0]!r}{more}: the config does not use it")
+        raise ValueError(f"{_file_of(tensors[extra[0]])}: checkpoint has unexpected tensor {extra[0]!r}{more}: "
+                         f"the config does not use it")
 
 
 # ------------------------------------------------------------------------------ loading
@@ -266,12 +356,6 @@ def _make_model(module, config, dtype: str):
     if "dtype" in inspect.signature(cls).parameters:
         return cls(config, dtype=dtype)
     return cls(config)
-
-
-def model_from_dir(path, dtype: str = "float32"):
-    """The model (no params) of a checkpoint directory: config.json only, no weight read."""
-    module, config = config_from_dir(os.fspath(path), dtype)
-    return _make_model(module, config, dtype)
 
 
 def default_dtype() -> str:
