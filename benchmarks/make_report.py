@@ -958,6 +958,71 @@ def model_targets(doc):
     return lines, met, missed
 
 
+def mesh_section(results):
+    """Issue 27: ``benchmarks/bench_mesh.py`` runs over several GPUs (the newest ``*-mesh.json``)."""
+    paths = sorted(glob.glob(os.path.join(results, "*-mesh.json")))
+    if not paths:
+        return ""
+    path = paths[-1]
+    doc = load(path)
+    m, rows = doc["meta"], doc["rows"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["part"], []).append(r)
+    n = len(m["devices"])
+    out = [f"## Issue 27: real-width models over {n} GPUs ({m['device_kind']})", "",
+           f"{n} x {m['device_kind']}, JAX {m['jax']}, {m['date']}, {m['dtype']}; "
+           f"`{os.path.relpath(path, ROOT)}` and its `.log`, made by "
+           f"`python benchmarks/bench_mesh.py --gpu-run OUTDIR` in one call of {m['wall_s']:.0f} s. "
+           f"Real widths, fewer layers (the device time left allowed one short call): the "
+           f"Granite-4.0-H-Micro-like hybrid with {m['layers']} of its 40 layers (3 Mamba2 + 1 attention, "
+           f"dense MLPs, vocabulary 100,352) and the DeepSeek-V2-Lite-like MLA + MoE model with "
+           f"{m['mla_layers']} of its 27 layers (the first dense, then 64 routed experts top-6 + 2 shared, "
+           f"vocabulary 102,400). Random seeded weights; copy bandwidth {m['copy_bw_TBps']:.2f} TB/s.", ""]
+    dec = [r for r in by.get("tp_decode", []) if r.get("device_us")]
+    if dec:
+        one = {r["batch"]: r for r in dec if r["gpus"] == 1}
+        out += ["**Tensor parallelism** (`data=1, model=N`): the compiled decode step over a "
+                f"{dec[0]['context']}-token context, one GPU and N GPUs in the same process. The per-GPU "
+                "floor is the one-GPU byte floor / N (optimistic: embeddings and norms are replicated).", "",
+                "| GPUs | batch | step (us) | byte floor per GPU (us) | ratio | tokens/s | speed-up vs 1 GPU |",
+                "|---|---|---|---|---|---|---|"]
+        for r in sorted(dec, key=lambda r: (r["gpus"], r["batch"])):
+            sp = one[r["batch"]]["device_us"] / r["device_us"] if r["batch"] in one else float("nan")
+            out.append(f"| {r['gpus']} | {r['batch']} | {r['device_us']:,.0f} | {r['byte_floor_us_per_gpu']:,.0f} | "
+                       f"{r['floor_ratio']:.1f}x | {r['tokens_per_s']:,.0f} | {sp:.2f}x |")
+        out.append("")
+
+    def serve_row(name, s):
+        ranks = "; ".join(f"rank {d}: {v['real_steps']} real, {v['dummy_steps']} dummy"
+                          for d, v in s["ranks"].items())
+        return (f"| {name} | {'yes' if s['all_match'] else 'no'} | {s['max_logit_err']:.3g} | {s['steps']} | "
+                f"{s['tokens_per_s']:,.0f} | {s['serving_compiles']} | {'yes' if s['checked'] else 'no'} | {ranks} |")
+
+    serve = [r for k in ("tp_parity", "tp_overlap", "dp_mla") for r in by.get(k, []) if "compare" in r]
+    if serve:
+        out += ["**Serving end to end** (`kvjax.cli.demo.serve`: scheduler, packing, the Runner's step, "
+                "sampling on the device; 8 or 6 requests, staggered arrivals, every third sampled): "
+                "parity is each run's own check against the model's dense reference (bf16 tolerance "
+                "0.1); \"same tokens\" compares the runs' generated tokens request by request.", "",
+                "| run | parity | max logit error | steps | tokens/s | serving compiles | checked (poison) | ranks |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in serve:
+            for k, v in r.items():
+                if isinstance(v, dict) and "all_match" in v and not (r["part"] == "tp_overlap" and k == "lockstep"):
+                    out.append(serve_row(f"{r['part']} {k}", v))
+        out.append("")
+        for r in serve:
+            c = r["compare"]
+            out.append(f"- {r['part']}: same tokens in {c['same_tokens']} of {c['requests']} requests"
+                       + (f" (differ: {', '.join(c['differ'])})" if c["differ"] else "") + ".")
+        out.append("")
+    notes = [r for r in rows if r.get("note")]
+    for r in notes:
+        out.append(f"- {r['part']}: {r['note']}")
+    return "\n".join(out)
+
+
 def model_section(results):
     path, doc = _model_doc(results)
     if doc is None:
@@ -1070,6 +1135,8 @@ def main():
         "the runner) and the final run (final kernels, the benchmark alone).",
         "",
         model_section(a.results),
+        "",
+        mesh_section(a.results),
         "",
         graph_section(a.results, a.issue11_date, a.device),
         "",
