@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -70,7 +72,7 @@ def refused(match, path, **kw):
     assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), repr(e.__context__)
     assert "/kvjax/" in info.traceback[-1].path.as_posix(), info.traceback[-1].path
     for m in [match] if isinstance(match, str) else match:
-        assert __import__("re").search(m, str(e)), (m, str(e))
+        assert re.search(m, str(e)), (m, str(e))
     return str(e)
 
 
@@ -148,8 +150,7 @@ def test_other_float_dtypes_load_as_the_same_weights(hf_checkpoint, tmp_path):
     rewrite(path, lambda t: t.update({W: t[W].astype(np.float64),
                                       "lm_head.weight": t["lm_head.weight"].astype(np.float16)}))
     _, params = load_pretrained(path, dtype="float32")
-    flat = lambda p: {str(k): np.asarray(v) for k, v in __import__("jax").tree_util.tree_leaves_with_path(p)}  # noqa: E731
-    a, b = flat(ref), flat(params)
+    a, b = ({str(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(p)} for p in (ref, params))
     assert a.keys() == b.keys()
     changed = [k for k in a if not np.array_equal(a[k], b[k])]
     assert len(changed) == 1 and "lm_head" in changed[0], changed  # float16 rounds; float64 is exact
