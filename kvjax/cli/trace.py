@@ -27,8 +27,10 @@ def _holds(violations: dict, rule: str) -> bool:
     return not bool(np.asarray(violations[rule]))
 
 
-def run_trace(seed: int = 0, num_requests: int = 4, out=sys.stdout) -> dict:
-    """Run the trace; print the log to ``out``; return the summary dict."""
+def run_trace(seed: int = 0, num_requests: int = 4, out=None) -> dict:
+    """Run the trace; print the log to ``out`` (default: ``sys.stdout`` at the call); return the
+    summary dict."""
+    out = sys.stdout if out is None else out
     rng = random.Random(seed)
     specs = (
         KVGroupSpec(block_size=4, max_num_blocks=16),

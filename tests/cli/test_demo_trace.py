@@ -29,3 +29,9 @@ def test_trace_reports_a_violated_invariant(monkeypatch):
     assert "[FAIL] all step-batch" in out.getvalue() and "pad_token_slot_not_PAD" in out.getvalue()
     assert main(["trace", "--requests", "1"]) == 1
 
+
+
+def test_trace_prints_to_the_stdout_of_the_call(capsys):
+    """The default ``out`` is ``sys.stdout`` when called (a redirected or captured run gets the log)."""
+    run_trace(seed=0, num_requests=1)
+    assert "invariant checks:" in capsys.readouterr().out
