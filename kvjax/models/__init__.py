@@ -11,11 +11,26 @@ from kvjax.models.tiny_hybrid import (
     init_params as init_params,
 )
 
+
+
+def default_model():
+    """The model a :class:`~kvjax.runner.RunnerConfig` serves when none is named: the tiny hybrid."""
+    return TinyHybridModel()
+
+
+def as_model(model):
+    """``model`` as a :class:`~kvjax.models.interface.Model`: a :class:`TinyHybridConfig` is taken as
+    the tiny hybrid model of that config; anything else is returned as it is."""
+    return TinyHybridModel(model) if isinstance(model, TinyHybridConfig) else model
+
+
 __all__ = [
     "HybridCaches",
     "TinyHybrid",
     "TinyHybridConfig",
     "TinyHybridModel",
+    "as_model",
+    "default_model",
     "dense_forward",
     "forward_step",
     "init_caches",

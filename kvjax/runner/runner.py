@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
 from kvjax.host.buckets import Bucket, BucketSpec, bucket_staging
 from kvjax.host.scheduler import Scheduler, StepPlan
-from kvjax.models import TinyHybridConfig, TinyHybridModel
+from kvjax.models import as_model, default_model
 from kvjax.models.interface import DATA, MODEL, CacheSizes, Model, PoolSpec
 from kvjax.models.step_context import make_step_context
 from kvjax.runner import sanitizer
@@ -69,8 +69,8 @@ from pallas_kernels import tpu_target, zero_blocks
 class RunnerConfig:
     """Sizes and options of a runner (hashable). Sizes are per data rank.
 
-    ``model``: any :class:`~kvjax.models.interface.Model` (a :class:`TinyHybridConfig` is
-    taken as the tiny hybrid model of that config).
+    ``model``: any :class:`~kvjax.models.interface.Model` (default and accepted configs:
+    :func:`kvjax.models.default_model`, :func:`kvjax.models.as_model`).
     ``num_blocks`` counts logical KV blocks including the reserved block 0.
     ``matmul_precision`` is the ``jax.default_matmul_precision`` the step (and the
     dense reference) is traced under: "highest" keeps float32 matmuls float32 on GPUs,
@@ -78,7 +78,7 @@ class RunnerConfig:
     ``num_state_slots`` (derived) is ``1 + max_num_seqs * (1 + num_speculative_tokens)``.
     """
 
-    model: Model = TinyHybridModel()
+    model: Model = dataclasses.field(default_factory=default_model)
     block_size: int = 8
     num_blocks: int = 64
     max_model_len: int = 128
@@ -96,8 +96,7 @@ class RunnerConfig:
     return_logits: bool = True  # False: the step returns token ids only (StepOutput.logits is [0, vocab])
 
     def __post_init__(self):
-        if isinstance(self.model, TinyHybridConfig):
-            object.__setattr__(self, "model", TinyHybridModel(self.model))
+        object.__setattr__(self, "model", as_model(self.model))
         if not isinstance(self.model, Model):
             raise ValueError(f"model must implement kvjax.models.interface.Model, got {type(self.model).__name__}")
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
