@@ -112,3 +112,21 @@ def test_public_kernel_names_at_top_level(name):
 
     assert name in pallas_kernels.__all__
     assert callable(getattr(pallas_kernels, name))
+
+
+def test_runner_names_no_model_or_layer_type():
+    """kvjax/runner serves any model through kvjax.models.interface: no layer type or model class
+    is named in its code (the model's own module owns them)."""
+    import re
+
+    terms = ("mamba", "attn", "attention", "moe", "ssm", "hybrid", "latent", "expert", "conv")
+    allowed = {"expert_axis"}  # the interface's argument naming the mesh axis MoE experts shard over
+
+    def named(token):  # identifier parts, split at "_" and at camelCase humps
+        return any(part.lower().rstrip("s") in terms or part.lower() in terms
+                   for part in re.split(r"_|(?<=[a-z0-9])(?=[A-Z])", token))
+
+    bad = [f"{p.name}:{i}: {tok}" for p in sorted((ROOT / "kvjax" / "runner").glob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1)
+           for tok in re.findall(r"\w+", line) if tok not in allowed and named(tok)]
+    assert not bad, bad
