@@ -129,7 +129,7 @@ def tp_decode(model, hp, n: int, emit, *, preset: str, batches, context: int, ce
                        "phase": "decode", "batch": b, "context": context, "device_us": t["device_us"],
                        "host_us": t["host_us"], "byte_floor_us_one_gpu": fl["byte_floor_us"],
                        "byte_floor_us_per_gpu": per_gpu, "floor_ratio": t["device_us"] / per_gpu,
-                       "tokens_per_s": b / t["device_us"] * 1e6, "compile_s": bench.compile_s.get(plan.bucket.num_tokens),
+                       "tokens_per_s": b / t["device_us"] * 1e6, "compile_s": bench.compile_s.get(plan.bucket),
                        "memory_gb_dev0": bench.memory_gb()}
                 emit(row)
                 log(f"  model={m} b={b:4d}: {t['device_us']:9.1f} us (floor/GPU {per_gpu:8.1f} us, "

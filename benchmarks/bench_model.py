@@ -483,7 +483,9 @@ class Bench:
         from concurrent.futures import ThreadPoolExecutor
 
         r = self.runner
-        todo = list(r.buckets.buckets)
+        # the buckets the matrix steps run in: decode-only ones for decode, mixed ones for prefill
+        todo = sorted({r.buckets.choose(b, b, decode_only=True) for _, bs in self.matrix["decode"] for b in bs}
+                      | {r.buckets.choose(n, 1) for n in self.matrix["prefill"]})
 
         def build(b):
             t0 = time.perf_counter()
@@ -495,8 +497,8 @@ class Bench:
         with ThreadPoolExecutor(max(1, min(self.workers, len(todo)))) as ex:
             for b, built, s in ex.map(build, todo):
                 r.executables[b] = built
-                self.compile_s[b.num_tokens] = s
-                log(f"  compiled bucket T={b.num_tokens} R={b.num_reqs} in {s:.1f} s")
+                self.compile_s[b] = s
+                log(f"  compiled bucket T={b.num_tokens} R={b.num_reqs} decode_only={b.decode_only} in {s:.1f} s")
         self.compile_wall_s = time.perf_counter() - t0
 
     # -- state fabrication
@@ -558,7 +560,7 @@ class Bench:
             reqs.append(q)
         tables = tables.replace(tables=tuple(tabs), num_blocks=nblk)
         self._put_rows(req, tables)
-        bucket = self.runner.buckets.choose(batch, batch)
+        bucket = self.runner.buckets.choose(batch, batch, decode_only=True)
         plan = StepPlan(step=0, bucket=bucket, scheduled=[ScheduledRequest(q, 1, []) for q in reqs], added=[],
                         cleared_rows=[], block_writes=[], blocks_to_zero=[], slots_to_zero=[], freed_blocks=[],
                         freed_slots=[])
@@ -683,7 +685,8 @@ def run_kvjax(preset: str, matrix: dict, emit, *, profile: bool) -> None:
                     "byte_ratio": t["device_us"] / fl["byte_floor_us"],
                     "matmul_fraction": fl["matmul_floor_us"] / t["device_us"],
                     "tokens_per_s": tokens / t["device_us"] * 1e6, "memory_gb": bench.memory_gb(),
-                    "compile_s": bench.compile_s.get(bucket.num_tokens), "bucket_tokens": bucket.num_tokens,
+                    "compile_s": bench.compile_s.get(bucket), "bucket_tokens": bucket.num_tokens,
+                    "bucket_decode_only": bucket.decode_only,
                     "bucket_rows": bucket.num_reqs,
                     **{k: v for k, v in t.items() if k not in ("device_us", "host_us")}})
         emit(row)
@@ -1012,6 +1015,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--profile", action="store_true", help=f"trace the decode batch-{PROFILE_BATCH} step's kernels")
     ap.add_argument("--budget-s", type=float, default=520.0, help="stop starting new parts after this (s)")
+    ap.add_argument("--decode", action="append", metavar="CTX:B1,B2,...",
+                    help="--gpu-run: replace each preset's decode rows (repeatable), e.g. 1024:1,16,64")
+    ap.add_argument("--prefill", metavar="N1,N2,...", help="--gpu-run: replace the prefill sizes ('' for none)")
     # internal: one preset and impl in a child process
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=("kvjax", "transformers"), help=argparse.SUPPRESS)
@@ -1023,7 +1029,14 @@ def main(argv=None) -> int:
         return child(a)
     if a.gpu_run:
         presets = a.preset or list(GPU_MATRIX)
-        return driver(presets, {p: GPU_MATRIX[p] for p in presets}, a.gpu_run, peers=not a.no_peers,
+        matrices = {p: dict(GPU_MATRIX[p]) for p in presets}
+        for m in matrices.values():
+            if a.decode:
+                m["decode"] = [(int(c), tuple(int(b) for b in bs.split(",")))
+                               for c, bs in (d.split(":") for d in a.decode)]
+            if a.prefill is not None:
+                m["prefill"] = tuple(int(n) for n in a.prefill.split(",") if n)
+        return driver(presets, matrices, a.gpu_run, peers=not a.no_peers,
                       profile=True, budget_s=a.budget_s, cpu=False)
     if a.cpu_smoke or a.smoke:
         import tempfile

@@ -3,9 +3,15 @@
 A step runs in the executable of the smallest bucket that fits it; the
 runner's precompile and its serving path both call :meth:`BucketSpec.choose`.
 Like vLLM's full CUDA graphs, a bucket ties its request capacity to its token
-count (``num_reqs = min(num_tokens, max_num_seqs)``), so there is one
-executable per token size; the logits capacity is
+count (``num_reqs = min(num_tokens, max_num_seqs)``); the logits capacity is
 ``min(num_tokens, num_reqs * (1 + num_speculative_tokens))``.
+
+Each token size has a *mixed* executable (any mix of prefill chunks and decode
+rows). Token sizes a decode-only step can have (at most ``max_num_seqs * (1 + k)``
+tokens) also have a *decode-only* one (vLLM's uniform-decode graphs), which the
+model compiles without its prefill path: a Mamba layer's chunked scan, for one,
+then never runs on a decode step and no step chooses a path at run time. A step
+runs decode-only exactly when no scheduled row is prefilling (:meth:`BucketSpec.choose`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,19 @@ class BatchTooLargeError(ValueError):
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Bucket:
-    """Padded sizes of one step executable: ``T`` tokens, ``R`` rows, ``L`` logits."""
+    """Padded sizes of one step executable: ``T`` tokens, ``R`` rows, ``L`` logits; ``decode_only``:
+    no row of a step in it is prefilling (the model compiles no prefill path)."""
 
     num_tokens: int
     num_reqs: int
     num_logits: int
+    decode_only: bool = False
+
+    def holds(self, other: "Bucket") -> bool:
+        """Whether a step planned for ``other`` can run in this bucket (as big in every size, and
+        mixed unless ``other`` is decode-only)."""
+        return (self.num_tokens >= other.num_tokens and self.num_reqs >= other.num_reqs
+                and self.num_logits >= other.num_logits and (other.decode_only or not self.decode_only))
 
 
 def default_token_sizes(max_num_batched_tokens: int, num_speculative_tokens: int = 0) -> tuple[int, ...]:
@@ -73,36 +87,60 @@ class BucketSpec:
         return cls(default_token_sizes(max_num_batched_tokens, num_speculative_tokens), max_num_seqs,
                    num_speculative_tokens)
 
-    def bucket_for(self, num_tokens_padded: int) -> Bucket:
-        """The bucket of one token size."""
+    def bucket_for(self, num_tokens_padded: int, decode_only: bool = False) -> Bucket:
+        """The bucket of one token size (mixed, or decode-only)."""
         R = min(num_tokens_padded, self.max_num_seqs)
         L = min(num_tokens_padded, R * (1 + self.num_speculative_tokens))
-        return Bucket(num_tokens_padded, R, L)
+        return Bucket(num_tokens_padded, R, L, bool(decode_only))
+
+    @property
+    def max_decode_tokens(self) -> int:
+        """The most tokens a decode-only step has: every row a full decode window."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
-        """Every bucket, ascending: what precompile builds."""
-        return tuple(self.bucket_for(t) for t in self.token_sizes)
+        """Every bucket, ascending by size, a size's decode-only bucket before its mixed one: what
+        precompile builds. Decode-only buckets: each token size up to the first one holding
+        :attr:`max_decode_tokens`."""
+        cap = next((t for t in self.token_sizes if t >= self.max_decode_tokens), self.token_sizes[-1])
+        out = [self.bucket_for(t, True) for t in self.token_sizes if t <= cap]
+        out += [self.bucket_for(t) for t in self.token_sizes]
+        return tuple(sorted(out, key=lambda b: (b.num_tokens, not b.decode_only)))
 
     @property
     def max_num_tokens(self) -> int:
         return self.token_sizes[-1]
 
-    def choose(self, num_tokens: int, num_reqs: int, num_logits: int | None = None) -> Bucket:
-        """The smallest bucket holding ``num_tokens`` tokens, ``num_reqs`` rows and the logits.
+    def choose(self, num_tokens: int, num_reqs: int, num_logits: int | None = None, *,
+               decode_only: bool = False) -> Bucket:
+        """The smallest bucket holding ``num_tokens`` tokens, ``num_reqs`` rows and the logits;
+        ``decode_only`` (no scheduled row is prefilling): a decode-only bucket, or the mixed one
+        where none fits; otherwise a mixed bucket.
 
         Raises:
           BatchTooLargeError: nothing fits; the scheduler must split the batch.
         """
         if num_logits is None:
             num_logits = num_reqs
+        need = Bucket(num_tokens, num_reqs, num_logits, bool(decode_only))
         for b in self.buckets:
-            if b.num_tokens >= num_tokens and b.num_reqs >= num_reqs and b.num_logits >= num_logits:
+            if b.holds(need):
                 return b
         raise BatchTooLargeError(
             f"a step of {num_tokens} tokens, {num_reqs} requests and {num_logits} logits fits no "
             f"bucket (largest: {self.buckets[-1]}); the scheduler must split it"
         )
+
+    def join(self, buckets) -> Bucket:
+        """The smallest bucket holding every one of ``buckets`` (ranks that run one step
+        together: decode-only only if all of theirs are). ``buckets`` must not be empty."""
+        buckets = list(buckets)
+        if not buckets:
+            raise ValueError("join needs at least one bucket")
+        return self.choose(max(b.num_tokens for b in buckets), max(b.num_reqs for b in buckets),
+                           max(b.num_logits for b in buckets),
+                           decode_only=all(b.decode_only for b in buckets))
 
 
 @dataclasses.dataclass(frozen=True)

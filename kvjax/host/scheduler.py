@@ -365,7 +365,8 @@ class Scheduler:
             return None
         scheduled.sort(key=lambda s: (not s.req.is_decoding, s.num_tokens))
         num_logits = sum(1 + len(s.drafts) for s in scheduled)
-        bucket = self.buckets.choose(max(sum(s.num_tokens for s in scheduled), 1), max(len(scheduled), 1), max(num_logits, 1))
+        bucket = self.buckets.choose(max(sum(s.num_tokens for s in scheduled), 1), max(len(scheduled), 1),
+                                     max(num_logits, 1), decode_only=all(s.req.is_decoding for s in scheduled))
         live_rows = {r.row for r in self.running}
         plan = StepPlan(
             step=step,

@@ -139,6 +139,14 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y if b is None else y + b.astype(jnp.float32)
 
 
+def attention_query(q: jax.Array, weight_dtype) -> jax.Array:
+    """The query attention reads: rounded to the weights' dtype when that is narrower than
+    float32 (a bf16 model's query is bf16, as in transformers and vLLM), so the paged-attention
+    kernel runs bf16 products over a bf16 or fp8 cache instead of widening every key to IEEE
+    float32; float32 models keep a float32 query. The dense references round the same way."""
+    return q if jnp.dtype(weight_dtype) == jnp.float32 else q.astype(weight_dtype)
+
+
 def attention_mixer(
     h: jax.Array,  # [T, d] (normed)
     ctx: StepContext,
@@ -169,6 +177,7 @@ def attention_mixer(
     if spec.rope_theta is not None:
         q = apply_rope(q, ctx.positions, spec.rope_theta, spec.rotary_dim)
         k = apply_rope(k, ctx.positions, spec.rope_theta, spec.rotary_dim)
+    q = attention_query(q, w["wq"].dtype)
     fp8 = kv_cache_dtype != "auto"
     k_scale = spec.k_scale if fp8 else None
     v_scale = spec.v_scale if fp8 else None
@@ -184,7 +193,7 @@ def attention_mixer(
         )
         q_rpa = q
         if spec.sm_scale is not None:  # rpa_attention scales by 1/sqrt(D): fold the rest into q
-            q_rpa = q * jnp.float32(spec.sm_scale * float(np.sqrt(D)))
+            q_rpa = (q.astype(jnp.float32) * jnp.float32(spec.sm_scale * float(np.sqrt(D)))).astype(q.dtype)
         o = rpa_attention(
             q_rpa, key_cache, ctx, backend=backend, k_scale=k_scale, v_scale=v_scale
         ).astype(jnp.float32)

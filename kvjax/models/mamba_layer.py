@@ -4,12 +4,11 @@
 [x | B | C]``; selective SSM with per-head scalar ``dt`` and ``A``, ``D`` skip and
 gate ``y * silu(z)``; gated RMS norm; ``out_proj``.
 
-A step mixes prefill chunks and decode rows, in any row order. Each path runs
-under a ``lax.cond`` on "the step has a row of its kind" (a decode-only step runs
-no chunked scan, a prefill-only step no decode update) and, when it runs, over the
-whole batch, the other's rows (and padded rows) given ``NULL_BLOCK_ID`` as their
-state index, so each row reads and writes state in exactly one path; the token
-outputs are then picked per row:
+A step mixes prefill chunks and decode rows, in any row order. A decode-only step
+(``ctx.decode_only``, from its bucket: static) runs only the decode path; a mixed
+step runs both, each over the whole batch, the other's rows (and padded rows)
+given ``NULL_BLOCK_ID`` as their state index, so each row reads and writes state
+in exactly one path; the token outputs are then picked per row:
 
 * prefill rows: ``causal_conv1d_varlen`` + ``selective_scan_varlen`` over the
   packed tokens, starting from the slot's state iff ``num_computed_tokens > 0``
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import flax.linen as nn
 import jax
@@ -43,12 +41,6 @@ from pallas_kernels.mamba import (
     selective_scan_varlen,
     selective_state_update,
 )
-
-# Each path under a lax.cond (see the module docstring). KVJAX_MAMBA_SKIP_IDLE_PATHS=0 (read at
-# import) runs both paths on every step, as before: on a GPU each conditional reads its
-# predicate on the host (a stream sync per conditional unless XLA puts conditionals in its
-# command buffers), so whether skipping pays depends on the model and the step; A/B it there.
-SKIP_IDLE_PATHS = os.environ.get("KVJAX_MAMBA_SKIP_IDLE_PATHS", "1") != "0"
 
 # Mamba2's dt initialisation range (softplus(dt_bias) is log-uniform in it) and A range.
 _DT_MIN, _DT_MAX = 1e-3, 1e-1
@@ -169,16 +161,16 @@ def mamba_mixer(
         dt = jnp.clip(jax.nn.softplus(dt + k["dt_bias"]), lo, hi)
         k["dt_bias"], k["softplus"] = None, False
 
-    y_pre, conv_state, ssm_state = _skippable(
-        jnp.any(ctx.prefill_row), _prefill, spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     decode = _decode_spec if ctx.is_speculative else _decode
-    y_dec, conv_state, ssm_state = _skippable(
-        jnp.any(ctx.decode_row), decode, spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     R = ctx.num_rows
     row = gather_index(ctx.token_row, R)  # masked by token_real
     is_dec = ctx.token_real & ctx.decode_row[row]
-    is_pre = ctx.token_real & ctx.prefill_row[row]
-    y = jnp.where(is_dec[:, None, None], y_dec, jnp.where(is_pre[:, None, None], y_pre, 0.0))
+    y = jnp.where(is_dec[:, None, None], y_dec, 0.0)
+    if not ctx.decode_only:
+        y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+        is_pre = ctx.token_real & ctx.prefill_row[row]
+        y = jnp.where(is_pre[:, None, None], y_pre, y)
     y = y.reshape(T, H * P)
     bo = w.get("out_proj_bias")
     if model_axis is None or not spec.norm_spans_shards:
@@ -194,26 +186,6 @@ def mamba_mixer(
     if bo is not None:
         out = out + bo.astype(f32)
     return out, conv_state, ssm_state
-
-
-def _skippable(run, path, spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
-    """``path(...)`` (``_prefill`` or a decode path) under ``lax.cond(run, ...)``: a step with
-    no row of that kind runs none of its kernels and returns ``y = 0`` and the pools as they
-    came (the path itself writes only its own rows' slots and its ``y`` of other tokens is
-    masked by the caller, so the results are the same either way)."""
-    def taken(operands):
-        return path(spec, k, ctx, *operands, backend)
-
-    if not SKIP_IDLE_PATHS:
-        return taken((xbc, z, dt, A, conv_state, ssm_state))
-    operands = (xbc, z, dt, A, conv_state, ssm_state)
-    y_shape = jax.eval_shape(taken, operands)[0]
-
-    def skipped(operands):
-        *_, cs, ss = operands
-        return jnp.zeros(y_shape.shape, y_shape.dtype), cs, ss
-
-    return jax.lax.cond(run, taken, skipped, operands)
 
 
 def _split_xbc(spec: MambaSpec, xbc):

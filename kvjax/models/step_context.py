@@ -33,6 +33,8 @@ class StepContext(NamedTuple):
       state_indices: int32 ``[R]`` or ``[R, 1 + k]`` (speculative), ``NULL_BLOCK_ID``
         for padded rows.
       num_accepted_tokens: int32 ``[R]`` (1 for padded rows) or None (no speculation).
+      decode_only: static: no row is prefilling (the step's bucket is decode-only, so
+        ``prefill_row`` is all False and a layer may leave its prefill path out of the program).
     """
 
     input_ids: jax.Array
@@ -51,6 +53,7 @@ class StepContext(NamedTuple):
     state_slot: jax.Array
     state_indices: jax.Array
     num_accepted_tokens: jax.Array | None
+    decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -70,12 +73,14 @@ def make_step_context(
     state_indices: jax.Array | None = None,
     num_accepted_tokens: jax.Array | None = None,
     kv_group: int = 0,
+    decode_only: bool = False,
 ) -> StepContext:
     """The layers' view of ``batch`` (every mask and index comes from :func:`build_step_batch`).
 
     ``state_indices`` / ``num_accepted_tokens``: override the batch's (callers that build the
     batch without them); padding rows get ``NULL_BLOCK_ID`` / 1 through the same padding rules
     (:mod:`kvjax.state.padding`). One state-index column means no speculation.
+    ``decode_only``: the step's bucket is decode-only (:class:`kvjax.host.buckets.Bucket`).
     """
     R = batch.num_reqs_padded
     if not 0 <= kv_group < len(batch.block_tables):
@@ -123,4 +128,5 @@ def make_step_context(
         state_slot=si if si.ndim == 1 else si[:, 0],
         state_indices=si,
         num_accepted_tokens=na,
+        decode_only=bool(decode_only),
     )

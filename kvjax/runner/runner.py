@@ -358,7 +358,7 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
         backend=config.backend, state_indices=inp.state_indices,
     )
     valid = batch.row_valid
-    ctx = make_step_context(batch)
+    ctx = make_step_context(batch, decode_only=bucket.decode_only)
     with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
         logits, pools = model.apply(params, ctx, pools, backend=config.backend, sizes=config.cache_sizes,
                                     expert_axis=expert_axis, model_axis=model_axis)
@@ -598,9 +598,13 @@ class Runner:
         if plan is None:
             sched = ScheduledBatch.empty(R)
         else:
-            if self.buckets.buckets.index(plan.bucket) > self.buckets.buckets.index(bucket):
-                raise ValueError(f"the plan needs bucket {plan.bucket}, larger than the step's {bucket}")
+            if not bucket.holds(plan.bucket):
+                raise ValueError(f"the plan needs bucket {plan.bucket}, which the step's {bucket} does not hold")
             sc = plan.scheduled
+            if bucket.decode_only and not all(s.req.is_decoding for s in sc):
+                prefilling = [s.req.req_id for s in sc if not s.req.is_decoding]
+                raise ValueError(f"step {plan.step}: bucket {bucket} is decode-only (compiled without the "
+                                 f"prefill path) but request(s) {prefilling} are prefilling")
             excess = st.excess(plan.staging_need())
             if excess:  # the scheduler never plans this (tests/host): a bug upstream, said plainly
                 raise RuntimeError(f"step {plan.step}'s plan exceeds bucket {bucket}'s staging: {excess}")
@@ -770,7 +774,7 @@ class Runner:
             raise ValueError(f"plans name rank(s) {sorted(unknown)}, not among this process's {list(self.local_ranks)}")
         if bucket is None:
             needed = [p.bucket for p in plans.values() if p is not None]
-            bucket = max(needed, key=self.buckets.buckets.index) if needed else self.buckets.buckets[0]
+            bucket = self.buckets.join(needed) if needed else self.buckets.buckets[0]
         if bucket not in self.executables:
             raise RuntimeError(f"bucket {bucket} was not precompiled; call precompile() first")
         bufs, labels = [], {}

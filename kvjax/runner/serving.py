@@ -192,15 +192,15 @@ def run_to_completion(scheds: Scheduler | Mapping[int, Scheduler], runner: Runne
             s.step_count = step  # the loop drives every rank's clock
             plans[d] = s.schedule()
         need = runner.agree({d: (-1 if p is None else buckets.index(p.bucket),) for d, p in plans.items()})
-        b = int(need[:, 0].max())
         step += 1
-        if b < 0:  # nobody has anything to run yet
+        if int(need[:, 0].max()) < 0:  # nobody has anything to run yet
             continue
+        bucket = runner.buckets.join(buckets[i] for i in need[:, 0] if i >= 0)
         if in_flight is not None and _needs_values(plans):
             _resolve(in_flight)
             in_flight = None
             _refresh_added(plans)
-        prepared = runner.prepare(plans, buckets[b])  # overlapped: packed while the step in flight runs
+        prepared = runner.prepare(plans, bucket)  # overlapped: packed while the step in flight runs
         if not overlap:
             result = runner.launch(prepared).fetch()
             check_idle_ranks(result, plans, step - 1)

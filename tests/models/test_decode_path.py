@@ -1,22 +1,24 @@
-"""The Mamba mixer runs only the paths a step needs (issue 24 item 2).
+"""Decode-only steps compile no prefill path (issue 24 item 2).
 
-``mamba_mixer`` puts its prefill path (``causal_conv1d_varlen`` + ``selective_scan_varlen``)
-and its decode path (``causal_conv1d_update`` + ``selective_state_update``) each under a
-``lax.cond`` on "the step has a row of that kind". Which branch ran is observable at run
+A step whose rows all decode runs in a decode-only bucket (:mod:`kvjax.host.buckets`), whose
+program has ``ctx.decode_only`` set: ``mamba_mixer`` then runs only its decode path
+(``causal_conv1d_update`` + ``selective_state_update``); a mixed bucket's program runs both
+paths, each over the whole batch, with no conditional. Which kernels ran is observable at run
 time: each kernel is wrapped (monkeypatched in ``kvjax.models.mamba_layer``) with a
-``jax.debug.callback`` that counts its executions; a callback inside a branch that is not
-taken never runs. The runner then serves a workload with prefill-only, mixed and
-decode-only steps, and the counts per step are checked against the step's rows.
+``jax.debug.callback`` that counts its executions. The runner serves a workload with
+prefill-only, mixed and decode-only steps, and the counts per step are checked against the
+step's bucket.
 
-Planted (by hand, then restored): ``_skippable`` returning ``path(...)`` without the cond ->
-``test_decode_only_steps_run_no_scan`` fails (the scan runs on every decode-only step, the
-decode kernels on every prefill-only step); the outputs test passes either way (it checks
-that the cond changes no token and moves logits and pools only by float32 rounding).
+Planted (by hand, then restored): ``mamba_mixer`` ignoring ``ctx.decode_only`` ->
+``test_decode_only_steps_run_no_scan`` fails; the scheduler choosing mixed buckets for
+decode steps -> the same test fails (decode steps in mixed buckets); a decode-only program
+that drops the decode path's outputs -> ``test_decode_only_programs_match_mixed`` fails.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -52,26 +54,6 @@ def _count_kernels(monkeypatch, counts):
         monkeypatch.setattr(ml, name, wrapped)
 
 
-def _serve(runner, requests):
-    """Serves ``requests``; per step: (kinds of rows, outputs)."""
-    runner.precompile()
-    runner.warm_up()
-    sched = runner.config.make_scheduler()
-    for r in requests:
-        sched.add_request(r)
-    steps = []
-    while sched.has_work:
-        plan = sched.schedule()
-        if plan is None:
-            continue
-        kinds = {("decode" if s.req.is_decoding else "prefill") for s in plan.scheduled}
-        out = runner.execute(plan)
-        jax.effects_barrier()
-        steps.append((kinds, out))
-        sched.update(plan, out.sampled, out.num_sampled, out.logits)
-    return steps
-
-
 def _workload():
     # a alone (prefill only), then a decoding while b prefills (mixed), then decodes only.
     return [Request("a", [3, 4, 5], 8, 0), Request("b", list(range(10, 20)), 3, 2)]
@@ -83,6 +65,7 @@ def test_decode_only_steps_run_no_scan(monkeypatch):
     runner = Runner(CONFIG, compiler_options=FAST)
     runner.precompile()
     runner.warm_up()
+    assert any(b.decode_only for b in runner.buckets.buckets)
     n_mamba = None
     seen = collections.Counter()
     sched = runner.config.make_scheduler()
@@ -98,7 +81,8 @@ def test_decode_only_steps_run_no_scan(monkeypatch):
         jax.effects_barrier()
         sched.update(plan, out.sampled, out.num_sampled, out.logits)
         ran = {path for name, path in PATHS.items() if counts[name]}
-        assert ran == kinds, (plan.step, kinds, dict(counts))
+        assert plan.bucket.decode_only == (kinds == {"decode"}), (plan.step, kinds, plan.bucket)
+        assert ran == ({"decode"} if kinds == {"decode"} else {"prefill", "decode"}), (plan.step, kinds, dict(counts))
         per = set(counts.values())
         assert len(per) == 1, dict(counts)  # every kernel that ran, once per Mamba layer
         n_mamba = n_mamba or per.pop()
@@ -109,28 +93,60 @@ def test_decode_only_steps_run_no_scan(monkeypatch):
     assert seen[frozenset({"prefill", "decode"})], seen
 
 
-def test_skipping_changes_no_bit(monkeypatch):
-    """Tokens of every step identical, logits and pools within float32 rounding, with the conds
-    and with both paths always run. (Not bitwise on the CPU: XLA compiles a conditional's
-    branches as separate computations, so the paths' float32 arithmetic is fused and
-    ordered differently; the differences are a few ulps.)"""
-    runner = Runner(CONFIG, compiler_options=FAST)
-    with_cond = _serve(runner, _workload())
-    state_cond = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
+def _serve_in(runner, requests, mixed_only: bool):
+    """Serves ``requests``; per step: outputs. ``mixed_only``: every step in a mixed bucket."""
+    runner.precompile()
+    runner.warm_up()
+    sched = runner.config.make_scheduler()
+    for r in requests:
+        sched.add_request(r)
+    steps = []
+    while sched.has_work:
+        plan = sched.schedule()
+        if plan is None:
+            continue
+        bucket = runner.buckets.bucket_for(plan.bucket.num_tokens) if mixed_only else plan.bucket
+        out = runner.step(plan, bucket).outputs[runner.local_ranks[0]]
+        steps.append((plan.bucket.decode_only, out))
+        sched.update(plan, out.sampled, out.num_sampled, out.logits)
+    return steps
 
-    monkeypatch.setattr(ml, "SKIP_IDLE_PATHS", False)  # KVJAX_MAMBA_SKIP_IDLE_PATHS=0: both paths always
+
+def test_decode_only_programs_match_mixed():
+    """The same workload with decode steps in decode-only buckets and with every step in a mixed
+    bucket: tokens identical, logits and pools within float32 rounding (XLA fuses and orders the
+    two programs' float32 arithmetic differently; the differences are a few ulps)."""
     runner = Runner(CONFIG, compiler_options=FAST)
-    without = _serve(runner, _workload())
-    state_without = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
-    assert len(with_cond) == len(without) >= 4
-    for (k1, a), (k2, b) in zip(with_cond, without):
-        assert k1 == k2
+    split = _serve_in(runner, _workload(), mixed_only=False)
+    state_split = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
+    runner = Runner(CONFIG, compiler_options=FAST)
+    mixed = _serve_in(runner, _workload(), mixed_only=True)
+    state_mixed = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
+    assert len(split) == len(mixed) >= 4
+    assert sum(d for d, _ in split) >= 2  # decode-only steps ran
+    for (_, a), (_, b) in zip(split, mixed):
         np.testing.assert_array_equal(a.sampled, b.sampled)
         np.testing.assert_array_equal(a.num_sampled, b.num_sampled)
         np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=TOL)
-    assert len(state_cond) == len(state_without)
-    for x, y in zip(state_cond, state_without):
+    assert len(state_split) == len(state_mixed)
+    for x, y in zip(state_split, state_mixed):
         np.testing.assert_allclose(x, y, rtol=0, atol=TOL)
+
+
+def test_decode_only_bucket_refuses_a_prefilling_plan():
+    """Packing a plan with a prefilling row into a decode-only bucket is a ValueError naming the
+    requests (its prefill tokens would otherwise run through no Mamba path)."""
+    runner = Runner(CONFIG, compiler_options=FAST)
+    sched = runner.config.make_scheduler()
+    sched.add_request(Request("a", [3, 4, 5], 4, 0))
+    plan = sched.schedule()
+    assert not plan.bucket.decode_only
+    decode = runner.buckets.bucket_for(plan.bucket.num_tokens, decode_only=True)
+    with pytest.raises(ValueError, match=r"does not hold"):
+        runner.pack(plan, decode)
+    # a plan that claims a decode-only bucket (a scheduler bug) is refused by what its rows are
+    with pytest.raises(ValueError, match=r"decode-only .*\['a'\] are prefilling"):
+        runner.pack(dataclasses.replace(plan, bucket=decode))
 
 
 @pytest.mark.parametrize("fp8,sm_scale", [(False, None), (True, None), (False, 0.3)])

@@ -202,6 +202,25 @@ def test_buckets():
         BucketSpec((8, 4), 2)
 
 
+def test_decode_only_buckets():
+    """Decode-only buckets exist for the sizes a decode-only step can have (up to the first size
+    holding ``max_num_seqs * (1 + k)`` tokens); choose picks one only for a decode-only step and
+    falls back to the mixed bucket; join is decode-only only if every bucket joined is."""
+    spec = BucketSpec((4, 16, 32), max_num_seqs=4, num_speculative_tokens=1)  # decode steps: <= 8 tokens
+    assert [(b.num_tokens, b.decode_only) for b in spec.buckets] == [
+        (4, True), (4, False), (16, True), (16, False), (32, False)]
+    assert spec.choose(3, 2, 3, decode_only=True) == spec.bucket_for(4, decode_only=True)
+    assert spec.choose(3, 2, 3) == spec.bucket_for(4)
+    assert spec.choose(20, 4, 8, decode_only=True) == spec.bucket_for(32)  # no decode-only bucket that big
+    d4, m4, d16 = spec.bucket_for(4, True), spec.bucket_for(4), spec.bucket_for(16, True)
+    assert m4.holds(d4) and not d4.holds(m4) and d16.holds(d4) and not d16.holds(m4)
+    assert spec.join([d4, d16]) == d16
+    assert spec.join([d4, m4]) == m4
+    assert spec.join([d16, m4]) == spec.bucket_for(16)
+    with pytest.raises(ValueError, match="at least one"):
+        spec.join([])
+
+
 def test_pack_roundtrip_under_jit():
     tree = {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": np.array([True, False]),
             "c": np.array([1.5, -0.0, np.nan], np.float32)}

@@ -48,7 +48,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax.models.attention import AttnSpec, apply_rope, attention_mixer, linear, rms_norm
+from kvjax.models.attention import AttnSpec, apply_rope, attention_mixer, attention_query, linear, rms_norm
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.mamba_layer import MambaSpec, gated_rms_norm, mamba_mixer
 from kvjax.models.moe import MLPSpec, MoESpec, mlp, moe_ffn
@@ -497,6 +497,7 @@ def _dense_attn(p, a: AttnSpec, h, fp8: bool):
     if a.rope_theta is not None:
         pos = jnp.arange(n, dtype=jnp.int32)
         q, k = apply_rope(q, pos, a.rope_theta, a.rotary_dim), apply_rope(k, pos, a.rope_theta, a.rotary_dim)
+    q = attention_query(q, p["wq"].dtype).astype(jnp.float32)
     if fp8:
         k, v = _fp8_round_trip(k, a.k_scale), _fp8_round_trip(v, a.v_scale)
     elif p["wq"].dtype != jnp.float32:  # an "auto" cache of a bf16 model stores K/V in bf16
