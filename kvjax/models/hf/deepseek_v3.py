@@ -29,8 +29,9 @@ Parallelism: ``model_axis`` splits the attention heads (``q``, ``kv_b``, ``o``) 
 dense / shared MLP's intermediate width (partial outputs ``psum``-ed); the latent cache is
 per token, not per head, so every model rank holds and writes the whole of it.
 ``expert_axis`` splits the routed experts: each member gathers every member's tokens,
-applies its own experts and ``psum_scatter``-s the partial outputs back, as
-:mod:`kvjax.models.moe` does.
+applies its own experts and ``psum_scatter``-s the partial outputs back; the routed experts
+are applied by :func:`kvjax.models.moe.routed_ffn` (the rule every MoE here shares: dense
+batched over the expert axis, or only the chosen experts' weights for few tokens).
 
 Not served (``ValueError`` from :func:`config_from_hf`): RoPE types other than
 ``default`` / ``yarn``, ``partial_rotary_factor != 1``, ``quantization_config`` (fp8
@@ -55,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope
 from kvjax.models.interface import CacheSizes, PoolSpec
+from kvjax.models.moe import routed_ffn
 from kvjax.models.step_context import StepContext
 from pallas_kernels.kv_write import concat_and_cache_mla
 
@@ -559,8 +561,9 @@ def _swiglu(h, gate, up, down):
     return _mm(jax.nn.silu(_mm(h, gate)) * _mm(h, up), down)
 
 
-def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> jax.Array:
-    """Gate weights float32 ``[T, E]`` of every routed expert (0 for unchosen ones)."""
+def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> tuple[jax.Array, jax.Array]:
+    """``(idx int32 [T, k], weight float32 [T, k])``: each token's routed experts and their gate
+    weights (see the module docstring)."""
     T = h.shape[0]
     E, G, k = c.n_routed_experts, c.n_group, c.num_experts_per_tok
     logits = jnp.matmul(h.astype(jnp.float32), mp["router"].astype(jnp.float32))
@@ -575,30 +578,15 @@ def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> jax.Array:
     w = jnp.take_along_axis(scores, idx, axis=1)
     if c.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    w = w * jnp.float32(c.routed_scaling_factor)
-    return jnp.einsum("tk,tke->te", w, jax.nn.one_hot(idx, E, dtype=jnp.float32))
-
-
-def _routed_experts(h, gates, mp):
-    """``sum_e gates[:, e] * swiglu_e(h)`` over the experts held (``gates`` has their columns)."""
-    a = _mm(h, mp["w_gate"], "td,edf->tef")
-    b = _mm(h, mp["w_up"], "td,edf->tef")
-    o = _mm(jax.nn.silu(a) * b, mp["w_down"], "tef,efd->ted")
-    return jnp.einsum("te,ted->td", gates, o)
+    return idx, w * jnp.float32(c.routed_scaling_factor)
 
 
 def _moe(mp, c, h, expert_axis, model_axis):
     shared = _swiglu(h, mp["shared_gate"], mp["shared_up"], mp["shared_down"])
     if model_axis is not None:
         shared = jax.lax.psum(shared, model_axis)
-    if expert_axis is None:
-        return _routed_experts(h, route(h, mp, c), mp) + shared
-    El = mp["w_gate"].shape[0]
-    h_all = jax.lax.all_gather(h, expert_axis, tiled=True)  # every member's tokens
-    gates = route(h_all, mp, c)
-    local = jax.lax.dynamic_slice_in_dim(gates, jax.lax.axis_index(expert_axis) * El, El, axis=1)
-    part = _routed_experts(h_all, local, mp)
-    return jax.lax.psum_scatter(part, expert_axis, scatter_dimension=0, tiled=True) + shared
+    routed = routed_ffn(h, lambda r: route(r, mp, c), mp, expert_axis=expert_axis)
+    return routed + shared
 
 
 def _mlp(lp, c, i, h, expert_axis, model_axis):

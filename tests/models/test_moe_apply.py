@@ -1,0 +1,291 @@
+"""The routed-expert rule (``kvjax.models.moe.apply_experts`` / ``routed_ffn``) shared by the
+generic MoE and DeepSeek-V3: dense (all held experts, batched over the expert axis) and sparse
+(only the chosen experts' weights) paths against a per-token numpy loop, expert parallelism
+over two host devices, the routing functions unchanged, and no weight-stack-sized transpose or
+copy in the compiled program."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.models import moe
+from kvjax.models.hf import deepseek_v3 as ds
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+E, D, F, K = 8, 16, 24, 2  # stack E * D * F = 3072 elements; no activation has that size
+
+# float32 bounds (values are O(1)): both paths against the float64 loop, and against each other
+# (they differ only in the accumulation order of the products)
+LOOP_TOL = 2e-5
+PATH_TOL = 1e-6
+
+
+def _weights(seed, E_=E, gated=True):
+    r = np.random.default_rng(seed)
+    w = {"w_up": r.standard_normal((E_, D, F)).astype(np.float32) / np.sqrt(D),
+         "w_down": r.standard_normal((E_, F, D)).astype(np.float32) / np.sqrt(F)}
+    if gated:
+        w["w_gate"] = r.standard_normal((E_, D, F)).astype(np.float32) / np.sqrt(D)
+    return w
+
+
+def _act(x, name):
+    return x / (1 + np.exp(-x)) if name == "silu" else np.square(np.maximum(x, 0))
+
+
+def loop_reference(h, idx, weight, w, gated, act, first=0):
+    """Per token, per choice, in float64: the chosen expert if this holder has it, else 0."""
+    h, w = np.asarray(h, np.float64), {k: np.asarray(v, np.float64) for k, v in w.items()}
+    El = w["w_up"].shape[0]
+    y = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j]) - first
+            if not 0 <= e < El:
+                continue
+            up = h[t] @ w["w_up"][e]
+            up = _act(h[t] @ w["w_gate"][e], act) * up if gated else _act(up, act)
+            y[t] += float(weight[t, j]) * (up @ w["w_down"][e])
+    return y
+
+
+def _routing(seed, T, E_=E, k=K, lo=0, hi=None):
+    """Distinct experts per token drawn from ``[lo, hi)``, positive weights (not normalised)."""
+    r = np.random.default_rng(seed)
+    hi = E_ if hi is None else hi
+    idx = np.stack([r.choice(np.arange(lo, hi), k, replace=False) for _ in range(T)]).astype(np.int32)
+    return idx, r.uniform(0.2, 1.5, (T, k)).astype(np.float32)
+
+
+VARIANTS = [(True, "silu"), (True, "relu2"), (False, "relu2"), (False, "silu")]
+
+
+@pytest.mark.parametrize("gated,act", VARIANTS)
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_dense_and_sparse_match_the_loop(gated, act, T):
+    w = _weights(T, gated=gated)
+    h = np.random.default_rng(T + 100).standard_normal((T, D)).astype(np.float32)
+    idx, weight = _routing(T + 7, T)
+    ref = loop_reference(h, idx, weight, w, gated, act)
+    outs = {p: np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w,
+                                            gated=gated, activation=act, path=p))
+            for p in ("dense", "sparse", "auto")}
+    for p, y in outs.items():
+        np.testing.assert_allclose(y, ref, rtol=0, atol=LOOP_TOL, err_msg=p)
+    assert np.max(np.abs(outs["dense"] - outs["sparse"])) <= PATH_TOL
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_a_holder_applies_only_its_own_experts(path):
+    """``w`` holds experts 4..7 of 8 (``first=4``): choices of 0..3 add 0; tokens 0-2 chose
+    only experts another member holds (their rows are exactly 0), token 3 only held ones."""
+    gated, act, T = True, "silu", 7
+    w_all = _weights(3)
+    w = {k: v[4:] for k, v in w_all.items()}
+    h = np.random.default_rng(5).standard_normal((T, D)).astype(np.float32)
+    idx, weight = _routing(6, T)
+    idx[:3] = [[0, 1], [3, 2], [1, 3]]
+    idx[3] = [5, 7]
+    y = np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w,
+                                     gated=gated, activation=act, first=4, path=path))
+    np.testing.assert_allclose(y, loop_reference(h, idx, weight, w, gated, act, first=4), atol=LOOP_TOL, rtol=0)
+    assert np.all(y[:3] == 0)
+    # the two holders' parts add up to the whole
+    other = np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight),
+                                         {k: v[:4] for k, v in w_all.items()}, first=0, path=path))
+    whole = loop_reference(h, idx, weight, w_all, gated, act)
+    np.testing.assert_allclose(y + other, whole, atol=LOOP_TOL, rtol=0)
+
+
+def test_auto_path_is_a_static_choice_from_shapes():
+    assert moe.sparse_pays(1, 6, 64) and moe.sparse_pays(3, 6, 64) and not moe.sparse_pays(4, 6, 64)
+    assert not moe.sparse_pays(1, 2, 4) and moe.sparse_pays(1, 2, 8)
+    with pytest.raises(ValueError, match="path must be one of"):
+        moe.apply_experts(jnp.zeros((1, D)), jnp.zeros((1, K), jnp.int32), jnp.ones((1, K)), _weights(0),
+                          path="ragged")
+
+
+def test_bf16_weights_run_both_paths_alike():
+    """bf16 stacks (the ``mm`` rule: inputs cast to bf16, float32 accumulation): the paths
+    agree to the float32 accumulation order, the bf16-rounded intermediate aside."""
+    w = {k: jnp.asarray(v, jnp.bfloat16) for k, v in _weights(9).items()}
+    h = np.random.default_rng(9).standard_normal((5, D)).astype(np.float32)
+    idx, weight = _routing(9, 5)
+    ref = loop_reference(np.asarray(jnp.asarray(h, jnp.bfloat16), np.float32), idx, weight,
+                         {k: np.asarray(v, np.float32) for k, v in w.items()}, True, "silu")
+    for p in ("dense", "sparse"):
+        y = np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path=p))
+        np.testing.assert_allclose(y, ref, atol=0.05, rtol=0.02, err_msg=p)
+
+
+# ----------------------------------------------------------------------------- routing unchanged
+
+
+def _old_gates_softmax(logits, top_k):
+    vals, idx = jax.lax.top_k(logits, top_k)
+    w = jax.nn.softmax(vals, axis=-1)
+    return jnp.einsum("tk,tke->te", w, jax.nn.one_hot(idx, logits.shape[-1], dtype=jnp.float32))
+
+
+def _old_gates_sigmoid_grouped(logits, e_bias, spec):
+    T, E_ = logits.shape
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores if e_bias is None else scores + e_bias.astype(jnp.float32)
+    if spec.n_group > 1:
+        per = E_ // spec.n_group
+        group_score = jnp.sum(jax.lax.top_k(choice.reshape(T, spec.n_group, per), min(2, per))[0], axis=-1)
+        _, best = jax.lax.top_k(group_score, spec.topk_group)
+        keep = jnp.sum(jax.nn.one_hot(best, spec.n_group, dtype=jnp.int32), axis=1) > 0
+        choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, spec.top_k)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    if spec.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    w = w * jnp.float32(spec.routed_scaling_factor)
+    return jnp.einsum("tk,tke->te", w, jax.nn.one_hot(idx, E_, dtype=jnp.float32))
+
+
+def test_routing_functions_unchanged_bitwise():
+    r = np.random.default_rng(0)
+    logits = jnp.asarray(r.standard_normal((32, 16)), jnp.float32)
+    bias = jnp.asarray(r.standard_normal(16) * 0.1, jnp.float32)
+    np.testing.assert_array_equal(moe.route_from_logits(logits, 3), _old_gates_softmax(logits, 3))
+    np.testing.assert_array_equal(moe.gates_from_topk(*moe.topk_softmax(logits, 3), 16),
+                                  _old_gates_softmax(logits, 3))
+    spec = moe.MoESpec(16, 3, 8, routing="sigmoid_grouped", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    np.testing.assert_array_equal(moe.route_sigmoid_grouped(logits, bias, spec),
+                                  _old_gates_sigmoid_grouped(logits, bias, spec))
+    # DeepSeek-V3's router: the same choice and weights as the previous dense-gates form
+    for norm in (True, False):
+        c = ds.config_from_hf(dict(
+            vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+            n_routed_experts=16, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
+            qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=4, topk_group=2,
+            num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=64,
+            norm_topk_prob=norm))
+        h = jnp.asarray(r.standard_normal((32, 32)), jnp.float32)
+        mp = {"router": jnp.asarray(r.standard_normal((32, 16)) / 6, jnp.float32), "bias": bias}
+        logits = jnp.matmul(h, mp["router"])
+        spec = moe.MoESpec(16, 3, 16, routing="sigmoid_grouped", n_group=4, topk_group=2,
+                           norm_topk_prob=norm, routed_scaling_factor=2.5)
+        old_gates = _old_gates_sigmoid_grouped(logits, bias, spec)
+        np.testing.assert_array_equal(moe.gates_from_topk(*ds.route(h, mp, c), 16), old_gates)
+
+
+# ----------------------------------------------------------------------------- compiled HLO
+
+_INSTR = re.compile(r"%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+
+
+def stack_sized_copies(hlo: str, stack: int) -> list[str]:
+    """Instructions of the compiled HLO (fused computations included) that transpose or copy
+    ``stack`` elements: an op ``transpose`` / ``copy`` or a fusion named after one."""
+    out = []
+    for line in hlo.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        n = int(np.prod([int(x) for x in m.group(2).split(",") if x] or [1]))
+        name = line.strip().removeprefix("ROOT ").split(" ")[0]
+        if n == stack and (m.group(3) in ("transpose", "copy") or "transpose" in name or "copy" in name):
+            out.append(line.strip()[:200])
+    return out
+
+
+def _old_einsum_experts(h, idx, weight, w, **_):
+    """The previous rule (``td,edf->tef``): a transposed copy of two stacks every call."""
+    g = moe.gates_from_topk(idx, weight, E)
+    a = jnp.einsum("td,edf->tef", h, w["w_gate"])
+    b = jnp.einsum("td,edf->tef", h, w["w_up"])
+    o = jnp.einsum("tef,efd->ted", jax.nn.silu(a) * b, w["w_down"])
+    return jnp.einsum("te,ted->td", g, o)
+
+
+def _compiled(fn, T=16):
+    w = {k: jnp.asarray(v) for k, v in _weights(1).items()}
+    idx, weight = _routing(1, T)
+    lowered = jax.jit(fn).lower(jnp.ones((T, D)), jnp.asarray(idx), jnp.asarray(weight), w)
+    return lowered.as_text(), lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_no_weight_stack_copy_in_the_compiled_program(path):
+    """Every expert product is a batched dot with the expert (or (token, choice)) axis the batch
+    of both operands and the stack's contraction axis where a gemm reads it (``[B, M, K] x
+    [B, K, N]``); the compiled CPU program holds no transpose or copy of a stack's size."""
+    text, compiled = _compiled(lambda *a: moe.apply_experts(*a, path=path))
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3, dots
+    assert all("batching_dims = [0] x [0], contracting_dims = [2] x [1]" in line for line in dots), dots
+    assert stack_sized_copies(compiled, E * D * F) == []
+
+
+def test_the_copy_detector_sees_the_old_einsum():
+    """The planted previous rule is caught: its compiled program copies the stacks."""
+    _, compiled = _compiled(_old_einsum_experts)
+    assert stack_sized_copies(compiled, E * D * F), "the old td,edf->tef einsum should copy a stack"
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+_EP_WORKER = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from kvjax.models import moe
+
+E, D, F, K, T = 8, 16, 24, 2, 6  # 6 tokens a member, 12 gathered
+r = np.random.default_rng(0)
+w = {"w_up": r.standard_normal((E, D, F)) / 4, "w_gate": r.standard_normal((E, D, F)) / 4,
+     "w_down": r.standard_normal((E, F, D)) / 5}
+w = {k: jnp.asarray(v, jnp.float32) for k, v in w.items()}
+h = jnp.asarray(r.standard_normal((2 * T, D)), jnp.float32)
+idx = np.stack([r.choice(E, K, replace=False) for _ in range(2 * T)]).astype(np.int32)
+idx[0] = [0, 3]; idx[1] = [5, 6]; idx[T] = [1, 2]; idx[T + 1] = [4, 7]  # all on one member
+weight = jnp.asarray(r.uniform(0.2, 1.5, (2 * T, K)), jnp.float32)
+table = {"idx": jnp.asarray(idx), "weight": weight}
+
+def route_fn(hh):  # a fixed routing of the gathered tokens, looked up by the token's first feature
+    pos = jnp.argmin(jnp.abs(hh[:, :1] - h[None, :, 0]), axis=1)
+    return table["idx"][pos], table["weight"][pos]
+
+mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+out = {}
+for path in ("dense", "sparse"):
+    ref = moe.routed_ffn(h, route_fn, w, path=path)
+    f = jax.shard_map(lambda hh, ww: moe.routed_ffn(hh, route_fn, ww, expert_axis="data", path=path),
+                      mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False)
+    got = jax.jit(f)(h, w)
+    out[path] = {"max_err": float(jnp.max(jnp.abs(got - ref))), "ref": np.asarray(ref).tolist()}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def ep_results():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _EP_WORKER], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_expert_parallel_over_two_members_matches_one_device(ep_results, path):
+    """Two members each holding 4 of 8 experts (local columns, ``first = axis_index * 4``),
+    tokens whose choices all sit on one member included: the psum_scatter-ed sum equals the
+    single-device result to float32 rounding."""
+    assert ep_results[path]["max_err"] <= PATH_TOL, ep_results[path]["max_err"]
+    assert np.max(np.abs(ep_results[path]["ref"])) > 0.1
