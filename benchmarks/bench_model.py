@@ -442,6 +442,8 @@ class Bench:
         batches = sorted({b for _, bs in matrix["decode"] for b in bs})
         prefills = tuple(matrix["prefill"])
         self.max_model_len = max([c + SLACK for c in ctxs] + list(prefills)) + BLOCK_SIZE
+        if matrix.get("max_model_len"):  # a longer table than the contexts need (attention reads live blocks only)
+            self.max_model_len = max(self.max_model_len, int(matrix["max_model_len"]))
         blocks_decode = max(b * math.ceil((c + SLACK) / BLOCK_SIZE) for c, bs in matrix["decode"] for b in bs)
         blocks_prefill = max([math.ceil(n / BLOCK_SIZE) for n in prefills] or [0])
         num_blocks = 1 + max(blocks_decode, blocks_prefill)
@@ -698,7 +700,8 @@ def run_kvjax(preset: str, matrix: dict, emit, *, profile: bool) -> None:
         for b in batches:
             try:
                 plan = bench.fabricate_decode(b, context)
-                t = bench.time_plan(plan, profile=profile and b == PROFILE_BATCH and context == matrix["decode"][0][0])
+                traced = matrix.get("profile_batches", [PROFILE_BATCH])
+                t = bench.time_plan(plan, profile=profile and b in traced and context == matrix["decode"][0][0])
                 finish({}, t, "decode", b, context, b, plan.bucket)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
@@ -708,7 +711,7 @@ def run_kvjax(preset: str, matrix: dict, emit, *, profile: bool) -> None:
     for n in matrix["prefill"]:
         try:
             plan = bench.fabricate_prefill(n)
-            t = bench.time_plan(plan, groups=3, per_group=3)
+            t = bench.time_plan(plan, groups=3, per_group=3, profile=profile and matrix.get("profile_prefill", False))
             finish({}, t, "prefill", 1, n, n, plan.bucket)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
@@ -1018,6 +1021,10 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", action="append", metavar="CTX:B1,B2,...",
                     help="--gpu-run: replace each preset's decode rows (repeatable), e.g. 1024:1,16,64")
     ap.add_argument("--prefill", metavar="N1,N2,...", help="--gpu-run: replace the prefill sizes ('' for none)")
+    ap.add_argument("--profile-batch", type=int, action="append",
+                    help=f"--gpu-run: decode batches traced (default {PROFILE_BATCH}; repeatable)")
+    ap.add_argument("--profile-prefill", action="store_true", help="--gpu-run: trace the prefill rows too")
+    ap.add_argument("--max-model-len", type=int, help="--gpu-run: at least this max_model_len (block-table width)")
     # internal: one preset and impl in a child process
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=("kvjax", "transformers"), help=argparse.SUPPRESS)
@@ -1036,6 +1043,11 @@ def main(argv=None) -> int:
                                for c, bs in (d.split(":") for d in a.decode)]
             if a.prefill is not None:
                 m["prefill"] = tuple(int(n) for n in a.prefill.split(",") if n)
+            if a.profile_batch:
+                m["profile_batches"] = a.profile_batch
+            m["profile_prefill"] = a.profile_prefill
+            if a.max_model_len:
+                m["max_model_len"] = a.max_model_len
         return driver(presets, matrices, a.gpu_run, peers=not a.no_peers,
                       profile=True, budget_s=a.budget_s, cpu=False)
     if a.cpu_smoke or a.smoke:

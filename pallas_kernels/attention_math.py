@@ -23,13 +23,13 @@ def masked_attention(q, k, v, visible, *, sm_scale: float | None = None):
     """Softmax attention of each token over its own gathered keys, masked on values.
 
     Args:
-      q: ``[T, Hq, D]``; k, v: float32 ``[T, S, Hkv, D]`` (token ``t``'s keys), ``Hq`` a
+      q: ``[T, Hq, D]``; k: float32 ``[T, S, Hkv, D]``, v ``[T, S, Hkv, Dv]`` (token ``t``'s keys), ``Hq`` a
         multiple of ``Hkv`` (query head ``h`` reads kv head ``h // (Hq // Hkv)``).
       visible: bool ``[T, S]``.
       sm_scale: the score scale (float32 ``q . k * sm_scale``); None: ``q . k / sqrt(D)``.
 
     Returns:
-      float32 ``[T, Hq, D]``.
+      float32 ``[T, Hq, Dv]``.
     """
     T, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -44,4 +44,4 @@ def masked_attention(q, k, v, visible, *, sm_scale: float | None = None):
     p = jnp.where(vis, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("thgs,tshd->thgd", p, v) / jnp.where(denom > 0, denom, 1.0)
-    return o.reshape(T, Hq, D)
+    return o.reshape(T, Hq, v.shape[-1])

@@ -28,6 +28,11 @@ Contract (every implementation):
 Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference, the
 TPU path being JAX's ragged paged attention, :mod:`pallas_kernels.rpa`):
 
+* Values: ``value_cache`` (its own head size ``Dv``), or ``None`` with ``v_head_dim``: each
+  key row's first ``v_head_dim`` features (a latent cache read as MQA, MLA's absorbed form:
+  ``kvjax.models.hf.mla``). Head sizes need not be powers of two (the GPU kernel pads its
+  blocks to one and masks the rest).
+
 * reference (jnp): gathers every block of the table for every token,
   ``[T, W * block_size]`` keys, then :func:`pallas_kernels.attention_math.masked_attention`
   — the math of the model's first attention (``kvjax.models.attention.paged_attention``,
@@ -44,7 +49,7 @@ TPU path being JAX's ragged paged attention, :mod:`pallas_kernels.rpa`):
   ``splits > 1`` (few tokens: decode at small batch) one XLA pass combines the
   splits' maxima, sums and outputs, otherwise the call is one launch. Tiles of a
   decode row hold one token; a prefill chunk of ``L`` tokens makes about
-  ``L / block_q`` tiles. Compiled: head size a power of two >= 16. The same body
+  ``L / block_q`` tiles. Compiled: head sizes >= 16. The same body
   runs in interpret mode on a CPU. Measured on an H100:
   ``benchmarks/results/2026-11-24-h100-paged-attention.json``.
 """
@@ -116,12 +121,13 @@ class PagedAttentionConfig:
 
 @_backend.register(OP_ATTENTION, "reference")
 def _reference(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
-               k_scale, v_scale, *, sm_scale, config, interpret):
+               k_scale, v_scale, *, sm_scale, v_head_dim, config, interpret):
     """The model's jnp paged attention (bitwise for float32 with ``sm_scale=None``)."""
     del config, interpret
     T, _, D = q.shape
     R, W = block_table.shape
     _, bs, Hkv, _ = key_cache.shape
+    Dv = v_head_dim if value_cache is None else value_cache.shape[-1]
     S = W * bs
     real = token_row < R
     row = jnp.where(real, token_row, 0)  # gather index only, masked by `real`
@@ -133,14 +139,15 @@ def _reference(q, key_cache, value_cache, block_table, seq_lens, positions, toke
         & (j[None, :] < seq_lens[row][:, None])
     )  # [T, S]
 
-    def read(cache, scale):
-        kv = cache[blocks].reshape(T, S, Hkv, D).astype(jnp.float32)
+    def read(cache, scale, width):
+        kv = cache[blocks][..., :width].reshape(T, S, Hkv, width).astype(jnp.float32)
         if scale is not None:  # [1] or [Hkv]
             kv = kv * scale[None, None, :, None]
         return kv
 
-    o = masked_attention(q, read(key_cache, k_scale), read(value_cache, v_scale), visible,
-                         sm_scale=sm_scale)
+    k = read(key_cache, k_scale, D)
+    v = read(key_cache, v_scale, Dv) if value_cache is None else read(value_cache, v_scale, Dv)
+    o = masked_attention(q, k, v, visible, sm_scale=sm_scale)
     return o.astype(q.dtype)
 
 
@@ -177,11 +184,15 @@ def _dot_dtype(q_dtype, cache_dtype):
 
 @_backend.register(OP_ATTENTION, "gpu")
 def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
-         k_scale, v_scale, *, sm_scale, config, interpret):
+         k_scale, v_scale, *, sm_scale, v_head_dim, config, interpret):
     """The Pallas Triton kernel (module docstring), plus the split combine when splits > 1."""
     T, Hq, D = q.shape
     R, W = block_table.shape
     N, bs, Hkv, _ = key_cache.shape
+    shared = value_cache is None  # values: the first Dv features of each key row (MLA's latent)
+    Dv = v_head_dim if shared else value_cache.shape[-1]
+    Vw = D if shared else Dv  # row width of the array the values are read from
+    Dp, Dvp = max(16, pl.next_power_of_2(D)), max(16, pl.next_power_of_2(Dv))  # Triton block widths
     G = Hq // Hkv
     Gp = pl.next_power_of_2(G)
     BM = _tile_rows(T, R, G, config)
@@ -190,12 +201,12 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     S = W * bs
     splits = _kv_splits(T, Hkv, S, BN, config)
     if not interpret:
-        if D & (D - 1) or D < 16 or BN < 16:
+        if D < 16 or Dv < 16 or BN < 16:
             raise NotImplementedError(
-                f"the GPU kernel needs a power-of-two head size >= 16 and gpu_block_n >= 16 "
-                f"(Triton block shapes and products), got head size {D}, gpu_block_n {BN}")
+                f"the GPU kernel needs head sizes >= 16 and gpu_block_n >= 16 (Triton products), "
+                f"got key head size {D}, value head size {Dv}, gpu_block_n {BN}")
     for name, shape in (("key_cache", key_cache.shape), ("q", q.shape),
-                        ("the output", (splits, T, Hkv, Gp, D))):
+                        ("the output", (splits, T, Hkv, Gp, Dvp))):
         gpu_tiling.check_int32_offsets(name, shape)  # the kernel's index arithmetic is int32
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     fp8 = k_scale is not None
@@ -203,7 +214,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     # float32 products in IEEE float32 (Triton's default would be tf32), as the reference.
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
     # Flat views: every access is a gather of whole head rows, ``row * D + column``.
-    flat = [a.reshape(-1) for a in (q, key_cache, value_cache, block_table)]
+    flat = [a.reshape(-1) for a in (q, key_cache, key_cache if shared else value_cache, block_table)]
     # One scale per kv head: program h reads entry h.
     scales = tuple(jnp.broadcast_to(x, (Hkv,)) for x in (k_scale, v_scale)) if fp8 else ()
     load, store = _backend.triton.load, _backend.triton.store
@@ -220,8 +231,10 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         # Inputs:  row_ref i32[T] (token -> row, R = pad), pos_ref i32[T], len_ref i32[R],
         #          table_ref i32[R * W], q_ref [T * Hq * D], k_ref / v_ref [N * bs * Hkv * D],
         #          fp8 only: k_scale_ref / v_scale_ref f32[Hkv]
-        # Outputs: out_ref [splits * lanes * D]: q.dtype, or with splits > 1 float32 per
+        # Outputs: out_ref [splits * lanes * Dvp]: q.dtype, or with splits > 1 float32 per
         #          split, with its running max and sum m_ref / l_ref f32[splits * lanes].
+        #          Head sizes are padded to powers of two (Dp, Dvp): padded columns read
+        #          nothing (masked, their addresses clamped into the row) and are sliced off.
         #          Lane (t, h, g) of the group padded to Gp heads: every lane of a tile has
         #          its own address (interpret mode writes masked lanes back).
         out_ref, m_ref, l_ref = (refs[-3:] if splits > 1 else (refs[-1], None, None))
@@ -234,20 +247,23 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         # Tile row m -> token i + k_of_m, query head h * G + g_of_m (lanes g >= G unused).
         k_of_m, g_of_m = jax.lax.div(m, Gp), jax.lax.rem(m, Gp)
         head_ok = g_of_m < G
-        cols = jnp.arange(D, dtype=jnp.int32)[None, :]
+        cols_p = jnp.arange(Dp, dtype=jnp.int32)[None, :]
+        cols, col_ok = jnp.minimum(cols_p, D - 1), cols_p < D  # key / query features
+        vcols_p = jnp.arange(Dvp, dtype=jnp.int32)[None, :]
+        vcols, vcol_ok = jnp.minimum(vcols_p, Dv - 1), vcols_p < Dv  # value features
         t = i + k_of_m
         lane = sp * lanes + (t * Hkv + h) * Gp + g_of_m  # distinct per tile row
 
         def write(o, m_i, l_i, mask):
-            store(out_ref.at[lane[:, None] * D + cols], o.astype(out_ref.dtype),
-                  mask=jnp.broadcast_to(mask[:, None], (BM, D)))
+            store(out_ref.at[lane[:, None] * Dvp + vcols_p], o.astype(out_ref.dtype),
+                  mask=jnp.broadcast_to(mask[:, None], (BM, Dvp)))
             if splits > 1:
                 store(m_ref.at[lane], m_i, mask=mask)
                 store(l_ref.at[lane], l_i, mask=mask)
 
         @pl.when(~real_i)
         def _pad_token_gets_zeros():
-            write(jnp.zeros((BM, D), jnp.float32), jnp.full((BM,), MASK_VALUE, jnp.float32),
+            write(jnp.zeros((BM, Dvp), jnp.float32), jnp.full((BM,), MASK_VALUE, jnp.float32),
                   jnp.zeros((BM,), jnp.float32), (k_of_m == 0) & head_ok)
 
         @pl.when(starts)
@@ -271,7 +287,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
             first = jnp.minimum(sp * per_split, num_chunks)
             last = jnp.minimum(first + per_split, num_chunks)
             q_rows = t_c * Hq + h * G + jnp.minimum(g_of_m, G - 1)
-            q_mask = jnp.broadcast_to(member[:, None], (BM, D))
+            q_mask = member[:, None] & col_ok
             q_tile = load(q_ref.at[q_rows[:, None] * D + cols], mask=q_mask, other=0)
             q_tile = q_tile.astype(cdt)
             score_scale = jnp.float32(scale)
@@ -287,9 +303,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
                 bid = load(table_ref.at[base + col], mask=live, other=0)
                 ok = live & (bid >= 0) & (bid < N)  # a bad id reads nothing
                 kv_rows = (jnp.where(ok, bid, 0) * bs + jax.lax.rem(j, bs)) * Hkv + h
-                kv_mask = jnp.broadcast_to(ok[:, None], (BN, D))
-                kb, vb = (read_kv(r.at[kv_rows[:, None] * D + cols], kv_mask)
-                          for r in (k_ref, v_ref))
+                kb = read_kv(k_ref.at[kv_rows[:, None] * D + cols], ok[:, None] & col_ok)
+                vb = read_kv(v_ref.at[kv_rows[:, None] * Vw + vcols], ok[:, None] & vcol_ok)
                 s = jax.lax.dot_general(q_tile, kb, (((1,), (1,)), ((), ())), precision=prec,
                                         preferred_element_type=jnp.float32) * score_scale
                 vis = j[None, :] < limit[:, None]
@@ -302,7 +317,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
                                          precision=prec, preferred_element_type=jnp.float32)
                 return acc * alpha[:, None] + pv, m_new, l_new
 
-            init = (jnp.zeros((BM, D), jnp.float32), jnp.full((BM,), MASK_VALUE, jnp.float32),
+            init = (jnp.zeros((BM, Dvp), jnp.float32), jnp.full((BM,), MASK_VALUE, jnp.float32),
                     jnp.zeros((BM,), jnp.float32))
             acc, m_i, l_i = jax.lax.fori_loop(first, last, step, init)
             o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
@@ -311,7 +326,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
             write(o, m_i, l_i, member)
 
     out_dtype = q.dtype if splits == 1 else jnp.float32
-    out_shape = [jax.ShapeDtypeStruct((splits * lanes * D,), out_dtype)]
+    out_shape = [jax.ShapeDtypeStruct((splits * lanes * Dvp,), out_dtype)]
     if splits > 1:
         out_shape += [jax.ShapeDtypeStruct((splits * lanes,), jnp.float32)] * 2
     call = pl.pallas_call(
@@ -325,10 +340,10 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     )
     outs = call(token_row, positions, seq_lens, flat[3], *flat[:3], *scales)
     if splits == 1:
-        out = outs[0].reshape(T, Hkv, Gp, D)
+        out = outs[0].reshape(T, Hkv, Gp, Dvp)
     else:
         out = _combine_splits(*(o.reshape(splits, T, Hkv, Gp, -1) for o in outs), q.dtype)
-    return (out if Gp == G else out[:, :, :G]).reshape(T, Hq, D)
+    return out[:, :, :G, :Dv].reshape(T, Hq, Dv)
 
 
 def _combine_splits(o, m, l, dtype):
@@ -348,7 +363,7 @@ def _combine_splits(o, m, l, dtype):
 
 
 def _check(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
-           k_scale, v_scale):
+           k_scale, v_scale, v_head_dim):
     """Static checks always, value checks when concrete; returns the fp8 scales (or Nones)."""
     validation.check_rank("q", q, 3)
     T, Hq, D = np.shape(q)
@@ -356,9 +371,17 @@ def _check(q, key_cache, value_cache, block_table, seq_lens, positions, token_ro
     validation.check_rank("key_cache", key_cache, 4)
     num_blocks, block_size, Hkv = np.shape(key_cache)[:3]
     validation.check_shape("key_cache", key_cache, (None, None, None, D))
-    validation.check_shape("value_cache", value_cache, np.shape(key_cache))
     validation.check_dtype("key_cache", key_cache, "floating")
-    validation.check_dtype("value_cache", value_cache, np.dtype(key_cache.dtype))
+    if value_cache is None:
+        if not isinstance(v_head_dim, int) or isinstance(v_head_dim, bool) or not 0 < v_head_dim <= D:
+            raise ValueError(f"value_cache=None (values are the keys' first v_head_dim features) needs "
+                             f"v_head_dim, an int in [1, {D}], got {v_head_dim!r}")
+    else:
+        if v_head_dim is not None:
+            raise ValueError(f"v_head_dim is only for value_cache=None, got {v_head_dim!r} with a value_cache")
+        validation.check_rank("value_cache", value_cache, 4)
+        validation.check_shape("value_cache", value_cache, tuple(np.shape(key_cache)[:3]) + (None,))
+        validation.check_dtype("value_cache", value_cache, np.dtype(key_cache.dtype))
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(
             f"q's heads must be a multiple of the caches' kv heads: Hq={Hq}, Hkv={Hkv}")
@@ -387,7 +410,7 @@ def _check(q, key_cache, value_cache, block_table, seq_lens, positions, token_ro
 def paged_attention(
     q,  # [T, Hq, D] float
     key_cache,  # [num_blocks, block_size, Hkv, D]
-    value_cache,  # [num_blocks, block_size, Hkv, D]
+    value_cache,  # [num_blocks, block_size, Hkv, Dv], or None: the keys' first v_head_dim features
     block_table,  # int32 [R, W] block ids
     seq_lens,  # int32 [R]
     positions,  # int32 [T]
@@ -396,6 +419,7 @@ def paged_attention(
     sm_scale: float | None = None,
     k_scale=None,  # fp8 caches only: number, float32 [], [1] or [Hkv]
     v_scale=None,
+    v_head_dim: int | None = None,
     backend: str = "auto",
     interpret: bool | None = None,
     config: PagedAttentionConfig = PagedAttentionConfig(),
@@ -404,8 +428,9 @@ def paged_attention(
 
     Args:
       q: ``[T, Hq, D]``, float32, bfloat16 or float16.
-      key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, one float dtype;
-        ``Hq`` a multiple of ``Hkv``.
+      key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` and ``[..., Hkv, Dv]``, one
+        float dtype; ``Hq`` a multiple of ``Hkv``. ``value_cache=None``: each key row's first
+        ``v_head_dim`` features are its value (a latent cache read as MQA: MLA's absorbed form).
       block_table: int32 ``[R, W]``, ids in ``[0, num_blocks)``.
       seq_lens: int32 ``[R]``, in ``[0, W * block_size]``: keys ``[0, seq_len)`` are live.
       positions: int32 ``[T]``: token ``t`` sees keys ``j <= positions[t]``.
@@ -413,31 +438,33 @@ def paged_attention(
       sm_scale: score scale (static); None: ``1 / sqrt(D)``.
       k_scale, v_scale: required for ``float8_e4m3fn`` caches (dequantised as
         ``stored * scale``), ignored otherwise.
+      v_head_dim: with ``value_cache=None`` only (static).
       backend, interpret: see :mod:`pallas_kernels._backend` (TPU: the reference).
       config: :class:`PagedAttentionConfig` (static).
 
     Returns:
-      ``[T, Hq, D]`` in ``q``'s dtype; 0 for pad tokens and tokens that see no key.
+      ``[T, Hq, Dv]`` in ``q``'s dtype; 0 for pad tokens and tokens that see no key.
 
     Raises:
       ValueError: bad shapes or dtypes; concrete ids, lengths or rows out of range;
         a missing or non-positive fp8 scale.
       NotImplementedError: the compiled GPU kernel cannot take the shapes
-        (head size not a power of two >= 16).
+        (a head size under 16).
     """
     choice = _backend.choose(OP_ATTENTION, backend, interpret)
     if not isinstance(config, PagedAttentionConfig):
         raise ValueError(f"config must be a PagedAttentionConfig, got {config!r}")
     k_scale, v_scale = _check(q, key_cache, value_cache, block_table, seq_lens, positions,
-                              token_row, k_scale, v_scale)
+                              token_row, k_scale, v_scale, v_head_dim)
     T, Hq, D = np.shape(q)
     R, W = np.shape(block_table)
+    Dv = v_head_dim if value_cache is None else np.shape(value_cache)[-1]
     if T == 0 or R == 0 or W == 0 or np.shape(key_cache)[0] == 0:
-        return jnp.zeros((T, Hq, D), q.dtype)  # nothing to see: every token gets 0
+        return jnp.zeros((T, Hq, Dv), q.dtype)  # nothing to see: every token gets 0
     sm_scale = None if sm_scale is None else float(sm_scale)
     return _backend.run(
         OP_ATTENTION, choice, q, key_cache, value_cache, block_table, seq_lens, positions,
-        token_row, k_scale, v_scale, sm_scale=sm_scale, config=config)
+        token_row, k_scale, v_scale, sm_scale=sm_scale, v_head_dim=v_head_dim, config=config)
 
 
 def paged_attention_reference(q, key_cache, value_cache, block_table, seq_lens, positions,

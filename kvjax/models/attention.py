@@ -135,8 +135,17 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     elif jax.default_backend() == "cpu":  # XLA:CPU has no bf16 x bf16 -> f32 dot
         y = x.astype(w.dtype).astype(jnp.float32) @ w.astype(jnp.float32)
     else:
-        y = jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        y = row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=jnp.float32), x.astype(w.dtype))
     return y if b is None else y + b.astype(jnp.float32)
+
+
+def row_padded(f, x: jax.Array) -> jax.Array:
+    """``f(x)`` for a product whose leading axis is the token axis; off the CPU a single token is
+    padded to two rows first and the first output row returned: XLA:GPU lowers a one-row product
+    to a column reduction at about half the memory bandwidth, two rows take its GEMM path."""
+    if x.shape[0] != 1 or jax.default_backend() == "cpu":
+        return f(x)
+    return f(jnp.concatenate([x, jnp.zeros_like(x)], axis=0))[:1]
 
 
 def attention_query(q: jax.Array, weight_dtype) -> jax.Array:
@@ -219,7 +228,7 @@ def live_paged_attention(q, key_cache, value_cache, ctx: StepContext, *, backend
     """The flash layout's attention: :func:`pallas_kernels.paged_attention` with the step's
     ``backend`` (the GPU flavour reads only each row's live blocks; the reference is
     :func:`paged_attention` above, bitwise for float32). Where the compiled GPU kernel cannot
-    take the shapes (head size not a power of two >= 16) the reference runs. float32 ``[T, Hq, D]``."""
+    take the shapes (a head size under 16) the reference runs. float32 ``[T, Hq, D]``."""
     args = (q, key_cache, value_cache, ctx.block_table, ctx.seq_lens, ctx.positions, ctx.token_row)
     kw = {"k_scale": k_scale, "v_scale": v_scale, "sm_scale": sm_scale}
     try:

@@ -113,7 +113,7 @@ def oracle(a, *, sm_scale=None, k_scale=None, v_scale=None):
     R, W = table.shape
     bs, Hkv = k.shape[1], k.shape[2]
     scale = 1 / np.sqrt(D) if sm_scale is None else sm_scale
-    out = np.zeros((T, Hq, D))
+    out = np.zeros((T, Hq, v.shape[-1]))
     for t in range(T):
         b = a["token_row"][t]
         if b == R:
@@ -313,6 +313,43 @@ def test_value_checks_when_concrete():
         PagedAttentionConfig(gpu_block_n=48)
 
 
+@pytest.mark.parametrize("backend", ["reference", GPU])
+@pytest.mark.parametrize("D,Dv,shared", [(24, 24, False), (40, 16, False), (36, 32, True)],
+                         ids=["pad-24", "dv-16", "latent-36-32"])
+def test_head_sizes_not_powers_of_two_and_shared_latent_values(backend, D, Dv, shared):
+    """Head sizes need not be powers of two (the GPU kernel pads its blocks and masks the rest);
+    values may have their own head size, or be the keys' first ``v_head_dim`` features
+    (``value_cache=None``: a latent cache read as MQA, MLA's absorbed form). Poisoned mixed step
+    against the float64 oracle; the padded columns' NaN-free zeros never reach an output."""
+    a = mixed(7, Hq=4, Hkv=1 if shared else 2, D=D)
+    v_full = a["value_cache"]
+    if shared:
+        a["value_cache"] = a["key_cache"][..., :Dv]  # what the oracle reads
+    else:
+        rng = np.random.default_rng(3)
+        a["value_cache"] = np.where(np.isnan(v_full[..., :1]), np.nan,
+                                    rng.standard_normal(v_full.shape[:3] + (Dv,))).astype(np.float32)
+    want = oracle(a)
+    args = dict(a)
+    if shared:
+        args["value_cache"] = None
+    got = paged_attention(**args, v_head_dim=Dv if shared else None, backend=backend)
+    assert got.shape == (a["q"].shape[0], 4, Dv)
+    check(got, want, TOL[np.dtype(np.float32)], a)
+
+
+def test_shared_values_need_v_head_dim():
+    a = mixed(0)
+    a["value_cache"] = None
+    with pytest.raises(ValueError, match="v_head_dim, an int in"):
+        paged_attention(**a, backend="reference")
+    with pytest.raises(ValueError, match="v_head_dim, an int in"):
+        paged_attention(**a, v_head_dim=17, backend="reference")
+    b = mixed(0)
+    with pytest.raises(ValueError, match="only for value_cache=None"):
+        paged_attention(**b, v_head_dim=8, backend="reference")
+
+
 def test_registered_flavours_and_routing():
     assert _backend.flavors("paged_attention") == ("reference", "gpu")
     # No TPU kernel: every TPU choice runs the reference (the TPU path is JAX's RPA).
@@ -346,3 +383,20 @@ def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt,
     assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
     module = str(verified_triton_modules[0].module)
     assert module.count("tt.dot") == 2 and "scf.for" in module  # the key loop, two products
+
+
+def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_modules):
+    """DeepSeek's absorbed MLA decode: 16 heads over one latent kv head of 512 + 64 features,
+    values its first 512, bf16 (block widths padded to 1024 / 512)."""
+    T, Hq, N, bs, R, W = 64, 16, 64, 16, 64, 64
+    SD = jax.ShapeDtypeStruct
+    args = (SD((T, Hq, 576), jnp.bfloat16), SD((N, bs, 1, 576), jnp.bfloat16),
+            SD((R, W), jnp.int32), SD((R,), jnp.int32), SD((T,), jnp.int32), SD((T,), jnp.int32))
+
+    def f(q, kc, bt, sl, pos, row):
+        return paged_attention(q, kc, None, bt, sl, pos, row, v_head_dim=512, sm_scale=0.1,
+                               backend=GPU, interpret=False)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
+    assert str(verified_triton_modules[0].module).count("tt.dot") == 2

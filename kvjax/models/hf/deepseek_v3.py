@@ -54,6 +54,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from kvjax.models.attention import row_padded
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import routed_ffn
@@ -548,8 +549,8 @@ def _mm(x, w, spec: str | None = None):
     else:
         x = x.astype(jnp.float32)
     if spec is None:
-        return jnp.matmul(x, w, preferred_element_type=jnp.float32)
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+        return row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=jnp.float32), x)
+    return row_padded(lambda a: jnp.einsum(spec, a, w, preferred_element_type=jnp.float32), x)
 
 
 def _rms(x, w, eps):
@@ -793,7 +794,7 @@ class DeepseekV3:
             o = paged_latent_attention(
                 q_nope, q_pe, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table, ctx.seq_lens,
                 ctx.positions, ctx.token_row, softmax_scale=c.softmax_scale,
-                form=self.attention_form, fp8_scale=self.fp8_scale if fp8 else None)
+                form=self.attention_form, fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
             x = x + jnp.where(real, _out(ap, o, model_axis), 0.0)
             h = _rms(x, lp["post_norm"], c.rms_norm_eps)
             x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis), 0.0)

@@ -34,7 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.models.attention import MASK_VALUE
+from kvjax.models.attention import MASK_VALUE, attention_query
+from pallas_kernels.backend import choose as choose_backend
+from pallas_kernels.paged_attention import OP_ATTENTION
+from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 
 MLA_FORMS = ("naive", "absorbed")
 
@@ -114,14 +117,31 @@ def paged_latent_attention(
     softmax_scale: float,
     form: str,
     fp8_scale: float | None = None,
+    backend: str = "reference",
 ) -> jax.Array:
-    """Causal MLA of each token over its row's cached latent rows (pure jnp) -> ``[T, H, v]``.
+    """Causal MLA of each token over its row's cached latent rows -> float32 ``[T, H, v]``.
 
     Token ``t`` of row ``b`` sees cache position ``j`` (column ``j // block_size`` of
     ``block_table[b]``) iff ``j <= positions[t]`` and ``j < seq_lens[b]``; pad tokens
     (``token_row == R``) see nothing and get 0. An fp8 cache is read as
     ``float32(stored) * fp8_scale``.
+
+    Where ``backend`` resolves to the GPU kernel, the absorbed form runs as MQA over the latent
+    rows in :func:`pallas_kernels.paged_attention` (one kv head of ``r + pe`` features, values
+    its first ``r``; the query ``[q_lat | q_pe]`` in ``w_uk``'s dtype, as
+    ``kvjax.models.attention.attention_query`` rounds it): only each row's live blocks are read.
+    Otherwise (and for the naive form) the jnp gather over the whole block table below.
     """
+    if form == "absorbed" and choose_backend(OP_ATTENTION, backend, None).flavor == "gpu":
+        q_lat = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
+        qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
+        scale = None if fp8_scale is None else jnp.float32(fp8_scale)
+        o_lat = paged_attention_op(
+            qf, cache[:, :, None, :], None, block_table, seq_lens, positions, token_row,
+            v_head_dim=w_uk.shape[0], sm_scale=softmax_scale, k_scale=scale, v_scale=scale,
+            backend=backend)
+        return jnp.einsum("thr,rhv->thv", o_lat.astype(jnp.float32), w_uv,
+                          preferred_element_type=jnp.float32)
     T = q_nope.shape[0]
     R, W = block_table.shape
     _, bs, width = cache.shape

@@ -80,12 +80,12 @@ BUILD = jax.jit(build_step_batch, static_argnames=("num_tokens_padded", "num_log
                 compiler_options=FAST)
 
 
-def _apply(model, params, batch, pools, sizes):
+def _apply(model, params, batch, pools, sizes, backend="reference"):
     ctx = make_step_context(batch, jnp.zeros((R,), jnp.int32), None, kv_group=0)
-    return model.apply(params, ctx, pools, backend="reference", sizes=sizes)
+    return model.apply(params, ctx, pools, backend=backend, sizes=sizes)
 
 
-STEP = jax.jit(_apply, static_argnames=("model", "sizes"), donate_argnames=("pools",),
+STEP = jax.jit(_apply, static_argnames=("model", "sizes", "backend"), donate_argnames=("pools",),
                compiler_options=FAST)
 
 
@@ -264,8 +264,8 @@ def test_absorbed_equals_naive_and_nan_never_reaches_visible_rows():
 class Driver:
     """Hand-driven rows and blocks for the requests of PROMPTS, one bucket (T, R)."""
 
-    def __init__(self, model, params, kv_cache_dtype="auto", poisoned=False):
-        self.model, self.params = model, params
+    def __init__(self, model, params, kv_cache_dtype="auto", poisoned=False, backend="reference"):
+        self.model, self.params, self.backend = model, params, backend
         self.sizes = CacheSizes(num_kernel_blocks=NUM_BLOCKS, kernel_block_size=BLOCK_SIZE,
                                 num_state_slots=1, kv_cache_dtype=kv_cache_dtype)
         fill = np.nan if poisoned else 0.0
@@ -303,7 +303,7 @@ class Driver:
         sched = ScheduledBatch(idx_mapping=idx, num_scheduled_tokens=nsched,
                                num_draft_tokens=np.zeros((R,), np.int32))
         batch = BUILD(self.requests, self.tables, sched, num_tokens_padded=T, num_logits_padded=R)
-        logits, self.pools = STEP(self.model, self.params, batch, self.pools, self.sizes)
+        logits, self.pools = STEP(self.model, self.params, batch, self.pools, self.sizes, self.backend)
         logits = np.asarray(logits)
         cu, li = np.asarray(batch.cu_num_logits), np.asarray(batch.logits_indices)
         ids, qsl = np.asarray(batch.input_ids), np.asarray(batch.query_start_loc)
@@ -326,9 +326,10 @@ class Driver:
         return self
 
 
-def paged_run(ck, form="absorbed", kv_cache_dtype="auto", poisoned=False, fp8_scale=1.0):
+def paged_run(ck, form="absorbed", kv_cache_dtype="auto", poisoned=False, fp8_scale=1.0,
+              backend="reference"):
     model = ds.DeepseekV3(ck.config, attention_form=form, fp8_scale=fp8_scale)
-    return model, Driver(model, ck.params, kv_cache_dtype, poisoned).run()
+    return model, Driver(model, ck.params, kv_cache_dtype, poisoned, backend).run()
 
 
 def check_records(model, params, drv, atol, kv_cache_dtype="auto"):
@@ -389,6 +390,17 @@ def test_fp8_latent_cache(checkpoints):
     # mantissa bits). Not a max: a perturbed hidden state can flip a near-tied expert choice
     # (top-k is discontinuous), and such a row differs by O(1) from the unquantised model.
     assert 1e-4 < float(np.median(errs)) < 0.1, errs
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_absorbed_form_through_the_paged_attention_kernel(checkpoints, kv_cache_dtype):
+    """The absorbed form on the GPU kernel's path (``pallas_kernels.paged_attention`` as MQA over
+    the latent rows, live blocks only; Pallas' interpreter on the CPU), NaN-poisoned pools:
+    every row within 2e-5 of the dense oracle, as the jnp form."""
+    ck = checkpoints["lora"]
+    model, drv = paged_run(ck, kv_cache_dtype=kv_cache_dtype, poisoned=True, fp8_scale=0.3,
+                           backend="pallas_gpu")
+    check_records(model, ck.params, drv, atol=2e-5, kv_cache_dtype=kv_cache_dtype)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
