@@ -163,6 +163,30 @@ def _tile_rows(T: int, R: int, group: int, cfg: PagedAttentionConfig) -> int:
     return int(max(want, gp))
 
 
+# Shared memory one program may use (H100 / H200: 227 KiB per block; headroom for Triton's own).
+SHARED_MEMORY_BUDGET = 192 * 1024
+
+
+def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int,
+                       cfg: PagedAttentionConfig) -> tuple[int, int]:
+    """``(block_m, block_n)``: the defaults (or the config's), the defaults halved while one
+    program's tiles would not fit :data:`SHARED_MEMORY_BUDGET`: the query tile plus one K and V
+    chunk (an estimate: MLA's 576 / 512 latent rows at 16 x 128 asked Triton for 320 KiB, this
+    says 425). Wide heads get narrower tiles; the usual head sizes keep the defaults."""
+    BM = _tile_rows(T, R, G, cfg)
+    BN = cfg.gpu_block_n or (128 if BM <= 16 else 64)
+
+    def need(bm, bn):
+        return (bm * Dp + bn * (Dp + Dvp)) * itemsize
+
+    floor_m = pl.next_power_of_2(G)
+    while cfg.gpu_block_m is None and BM > max(16, floor_m) and need(BM, BN) > SHARED_MEMORY_BUDGET:
+        BM //= 2
+    while cfg.gpu_block_n is None and BN > 16 and need(BM, BN) > SHARED_MEMORY_BUDGET:
+        BN //= 2
+    return int(BM), int(BN)
+
+
 def _kv_splits(T: int, Hkv: int, max_keys: int, block_n: int, cfg: PagedAttentionConfig) -> int:
     """Programs that share one tile's keys: enough for ``cfg.gpu_min_programs`` programs
     when the call has few tokens (decode at small batch), each with >= 2 key chunks."""
@@ -195,9 +219,9 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     Dp, Dvp = max(16, pl.next_power_of_2(D)), max(16, pl.next_power_of_2(Dv))  # Triton block widths
     G = Hq // Hkv
     Gp = pl.next_power_of_2(G)
-    BM = _tile_rows(T, R, G, config)
+    cdt = _dot_dtype(q.dtype, key_cache.dtype)
+    BM, BN = _fit_shared_memory(T, R, G, Dp, Dvp, jnp.dtype(cdt).itemsize, config)
     BQ = BM // Gp  # tokens per tile
-    BN = config.gpu_block_n or (128 if BM <= 16 else 64)
     S = W * bs
     splits = _kv_splits(T, Hkv, S, BN, config)
     if not interpret:
@@ -210,7 +234,6 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         gpu_tiling.check_int32_offsets(name, shape)  # the kernel's index arithmetic is int32
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     fp8 = k_scale is not None
-    cdt = _dot_dtype(q.dtype, key_cache.dtype)
     # float32 products in IEEE float32 (Triton's default would be tf32), as the reference.
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
     # Flat views: every access is a gather of whole head rows, ``row * D + column``.

@@ -338,6 +338,21 @@ def test_head_sizes_not_powers_of_two_and_shared_latent_values(backend, D, Dv, s
     check(got, want, TOL[np.dtype(np.float32)], a)
 
 
+def test_tiles_fit_shared_memory():
+    """The usual head sizes keep the default tiles; MLA's latent rows (576 / 512 features padded
+    to 1024 / 512) get tiles that fit the budget; a config's explicit sizes are kept."""
+    from pallas_kernels.paged_attention import SHARED_MEMORY_BUDGET, _fit_shared_memory
+
+    cfg = PagedAttentionConfig()
+    assert _fit_shared_memory(64, 64, 4, 128, 128, 2, cfg) == (16, 128)  # bf16 decode
+    assert _fit_shared_memory(2048, 256, 4, 128, 128, 2, cfg) == (64, 64)  # bf16 prefill
+    assert _fit_shared_memory(64, 64, 4, 128, 128, 4, cfg) == (16, 128)  # float32 decode
+    for T in (64, 2048):
+        bm, bn = _fit_shared_memory(T, 64, 16, 1024, 512, 2, cfg)
+        assert bm >= 16 and bn >= 16 and (bm * 1024 + bn * 1536) * 2 <= SHARED_MEMORY_BUDGET
+    assert _fit_shared_memory(64, 64, 16, 1024, 512, 2, PagedAttentionConfig(gpu_block_n=128))[1] == 128
+
+
 def test_shared_values_need_v_head_dim():
     a = mixed(0)
     a["value_cache"] = None
