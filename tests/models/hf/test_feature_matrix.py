@@ -19,18 +19,27 @@ of one that rounds K/V near an fp8 boundary the other way).
   full, in part and not at all (Granite, Bamba, DeepSeek-V3; Nemotron-H's spec decoding is in
   test_hybrid_hf.py and its fp8 cache in its mesh case, through the same hybrid.py code as
   Granite's and Bamba's);
-* DeepSeek-V3 in bfloat16, preempting, lockstep and overlapped: its bf16 oracle (logits
-  within BF16_ATOL, tighter than the demo's), and float32's logits and greedy tokens up to
-  near ties;
+* bfloat16 params and KV cache, preempting, lockstep and overlapped (Granite, Bamba,
+  DeepSeek-V3; Nemotron-H's in test_hybrid_hf.py): the bf16 oracle (logits within BF16_ATOL,
+  tighter than the demo's), and float32's logits and greedy tokens up to near ties;
+* ``kv_layout="rpa"`` (Bamba, Nemotron-H; Granite's in test_hybrid_hf.py), lockstep and
+  overlapped: the dense oracle, as the flash layout;
+* sampled requests (temperature, top-k, top-p, per-request seeds) beside a greedy one, on Bamba:
+  the reference sampler's tokens from the dense oracle's rows, and the same tokens lockstep and
+  overlapped, flash and rpa;
 * DeepSeek-V3 with ``kv_layout="rpa"``: a ValueError naming the latent cache, from the Runner
   and from ``python -m kvjax demo --kv-layout rpa``, before anything compiles.
 
-Each (architecture, variant) compiles one runner, shared by the module: 8 runners of ~8 to 15 s
-of CPU each are the bulk of this file's ~130 s of CPU. Elsewhere: transformers parity of ``dense_logits``
-(test_hybrid_hf.py, test_deepseek_v3.py), Granite with the RPA layout, meshes.
+Each (architecture, variant) compiles one runner, shared by the module, which serves every
+check of it (the rpa runners share the flash runner's compiled oracle; the bf16 checks use the
+float32 runner's as float32's): 12 runners of ~8 to 15 s of CPU each are the bulk of this
+file's cost. Elsewhere: transformers parity of ``dense_logits`` (test_hybrid_hf.py,
+test_deepseek_v3.py), Granite with the RPA layout, meshes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -39,7 +48,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import redraw_weights  # noqa: E402
-from kvjax.cli.demo import check_against_reference  # noqa: E402
+from kvjax.cli.demo import check_against_reference, model_dtype, reference_tokens  # noqa: E402
 from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.models import load_pretrained  # noqa: E402
 from kvjax.runner.runner import Runner, RunnerConfig  # noqa: E402
@@ -58,12 +67,16 @@ DEEPSEEK = dict(
 # architecture -> checkpoint of conftest.CHECKPOINTS (None: DEEPSEEK, made here)
 ARCHS = {"granite": "granite_rope_moe", "bamba": "bamba", "nemotron_h": "nemotron_h", "deepseek_v3": None}
 SPEC_FP8_ARCHS = ["granite", "bamba", "deepseek_v3"]  # Nemotron-H: see the module docstring
+RPA_ARCHS = ["bamba", "nemotron_h"]  # Granite's: test_hybrid_hf.py; DeepSeek-V3's is refused
+BF16_ARCHS = ["granite", "bamba", "deepseek_v3"]  # Nemotron-H's bf16: test_hybrid_hf.py
+SAMPLED_ARCH = "bamba"  # sampled requests: flash and rpa layouts, lockstep and overlapped
 
 # variant -> (params dtype, Runner settings)
 VARIANTS = {
     "base": ("float32", dict()),
     "spec_fp8": ("float32", dict(num_speculative_tokens=2, kv_cache_dtype="fp8")),
     "bf16": ("bfloat16", dict()),
+    "rpa": ("float32", dict(kv_layout="rpa")),
 }
 
 # 9 allocatable blocks of 4 tokens; three requests of up to 20 tokens need 15: preemption, of
@@ -72,18 +85,36 @@ SIZES = dict(block_size=4, num_blocks=10, max_model_len=24, max_num_seqs=3, max_
              token_sizes=(8,), backend="reference", poison=True)
 PROMPT_LENS = (9, 9, 10, 9)  # each request reaches 19+ tokens: one dense-oracle length (24)
 MAX_TOKENS = 10
-# bf16 DeepSeek-V3: paged vs its bf16 dense oracle (0 seen on the CPU, whose reference kernels
-# do the oracle's ops; as test_hybrid_hf's bf16 bound), and vs float32 (largest |logit| ~4
-# here; up to 0.037 seen)
+# bf16 (Granite, Bamba, DeepSeek-V3; one tolerance for all three): paged vs its bf16 dense oracle
+# (the CPU's reference kernels do the oracle's ops: 0 seen but for one Granite row, 0.001, an
+# accumulation-order flip of one bf16 rounding; as test_hybrid_hf's bf16 bound), and vs float32,
+# whose gap is bf16 rounding (~2^-9 relative) of every activation and weight, so it grows with the
+# logits: DeepSeek-V3 and Bamba (largest |logit| ~4 here) up to 0.037 and 0.038 seen, Granite
+# (logits_scaling 3: |logit| <= 1.4) 0.005
 BF16_ATOL = 0.05
 BF16_VS_F32 = 0.06
 
 
-def workload(vocab: int) -> list[Request]:
+# The sampled workload (same prompts and arrivals, so it preempts too): r0 greedy beside sampled
+# rows; r1 plain sampling; r2 with top-k and top-p, each of which decides one of its tokens (its
+# draw without that filter is another token); r3 is r1 again (its prompt, parameters and seed)
+# arriving later, in another row and other batches.
+SAMPLING = (
+    dict(),
+    dict(temperature=1.0, seed=7),
+    dict(temperature=0.5, top_k=3, top_p=0.5, seed=5),
+    dict(temperature=1.0, seed=7),
+)
+
+
+def workload(vocab: int, sampled: bool = False) -> list[Request]:
     """Fresh requests (run_to_completion mutates them)."""
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, vocab, n)] for n in PROMPT_LENS]
-    return [Request(f"r{i}", p, MAX_TOKENS, arrival_step=i) for i, p in enumerate(prompts)]
+    if not sampled:
+        return [Request(f"r{i}", p, MAX_TOKENS, arrival_step=i) for i, p in enumerate(prompts)]
+    prompts[3] = list(prompts[1])
+    return [Request(f"r{i}", p, MAX_TOKENS, arrival_step=i, **SAMPLING[i]) for i, p in enumerate(prompts)]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +151,7 @@ class Served:
         self.config = RunnerConfig(model=self.model, **SIZES, **settings)
         self.runner = Runner(self.config, params=self.params, compiler_options=FAST)
         self.runner.precompile()
-        self.runs: dict[bool, dict] = {}
+        self.runs: dict[tuple[bool, bool], dict] = {}
 
     def drafter(self, tokens, k: int) -> list[int]:
         """Drafts from the dense oracle (the greedy continuation), one of them made wrong on
@@ -137,14 +168,14 @@ class Served:
             drafts[-miss] = (drafts[-miss] + 1) % self.model.vocab_size
         return drafts
 
-    def serve(self, overlap: bool) -> dict:
+    def serve(self, overlap: bool, sampled: bool = False) -> dict:
         """``{"done": {id: Request}, "preemptions", "steps", "results", "nan_count",
-        "preempted_with", "chunks", "drafts"}`` of the workload served once (lockstep or
-        overlapped)."""
-        if overlap not in self.runs:
+        "preempted_with", "chunks", "drafts"}`` of the workload (greedy or sampled) served once
+        (lockstep or overlapped)."""
+        if (overlap, sampled) not in self.runs:
             self.runner.reset()
             sched = self.config.make_scheduler(self.drafter if self.config.num_speculative_tokens else None)
-            reqs = workload(self.model.vocab_size)
+            reqs = workload(self.model.vocab_size, sampled)
             seen = {r.req_id: 0 for r in reqs}
             preempted_with = []  # per preemption: the outputs its request had generated
             chunks = [0]  # prefill chunks that left their request mid-prefill
@@ -158,11 +189,11 @@ class Served:
 
             stats = run_to_completion(sched, self.runner, arrivals=reqs, overlap=overlap, on_step=on_step)
             results, nan_count = check_against_reference(self.runner, self.config, sched.finished)
-            self.runs[overlap] = dict(
+            self.runs[overlap, sampled] = dict(
                 done={r.req_id: r for r in sched.finished}, preemptions=sched.num_preemptions, steps=stats.steps,
                 results=results, nan_count=nan_count, preempted_with=preempted_with, chunks=chunks[0],
                 drafts=(sched.num_drafts_proposed, sched.num_drafts_accepted))
-        return self.runs[overlap]
+        return self.runs[overlap, sampled]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +203,14 @@ def served(checkpoint):
 
     def get(arch: str, variant: str = "base") -> Served:
         if (arch, variant) not in cache:
-            cache[arch, variant] = Served(checkpoint(arch), variant)
+            s = cache[arch, variant] = Served(checkpoint(arch), variant)
+            base = cache.get((arch, "base"))
+            if variant == "rpa" and base is not None:
+                # The oracle does not depend on the layout: share base's, compiled already
+                # (``Runner.dense_reference``: the model's dense_logits, these params, dtype and
+                # matmul precision).
+                assert base.config == dataclasses.replace(s.config, kv_layout="flash", model=base.model)
+                s.runner.__dict__["dense_reference"] = base.runner.dense_reference
         return cache[arch, variant]
 
     return get
@@ -237,30 +275,100 @@ def test_speculative_decoding_with_fp8_kv_cache(served, arch):
     check_matches_dense(s, run)
 
 
-def test_deepseek_v3_bfloat16_through_the_runner(served, checkpoint):
-    """bf16 params and latent cache, preempting, lockstep and overlapped: every row matches the
-    bf16 dense oracle (which rounds the latent to bf16 as the cache does), within BF16_ATOL.
-    Against float32, teacher-forced on the bf16 run's tokens: ``dense_logits`` is within
-    BF16_VS_F32 of every logits row, and each token is float32's argmax or within
+@pytest.mark.parametrize("arch", BF16_ARCHS)
+def test_bfloat16_through_the_runner(served, arch):
+    """bf16 params and KV cache (DeepSeek-V3: the latent cache; the hybrids' Mamba state stays
+    in its own dtype), preempting, lockstep and overlapped: every row matches the bf16 dense
+    oracle (which rounds K/V / the latent to bf16 as the cache does), within BF16_ATOL.
+    Against float32 (the float32 runner's oracle), teacher-forced on the bf16 run's tokens:
+    within BF16_VS_F32 of every logits row, and each token is float32's argmax or within
     2 * BF16_VS_F32 of it (a near tie may go either way: 0.014 apart was seen with another
     workload; here every token is float32's argmax)."""
-    s = served("deepseek_v3", "bf16")
-    assert s.model.dtype == "bfloat16" and {p.dtype for p in s.runner.pool_specs} == {"bfloat16"}
+    s = served(arch, "bf16")
+    assert model_dtype(s.model) == "bfloat16"
+    kv_dtypes = {p.dtype for p in s.runner.pool_specs if p.kind == "kv"}
+    assert kv_dtypes == {"bfloat16"}, kv_dtypes
     run = s.serve(overlap=False)
     check_preempted_and_resumed(run)
     check_matches_dense(s, run)
     assert max(r["max_logit_error"] for r in run["results"].values()) <= BF16_ATOL, run["results"]
     check_overlap_is_lockstep(s)
-    m32, p32 = load_pretrained(checkpoint("deepseek_v3"), dtype="float32")
+    f32 = served(arch)  # its oracle: float32 params, this checkpoint; compiled for this length
+    assert model_dtype(f32.model) == "float32"
     for rid, r in run["done"].items():
         seq = r.prompt + r.output
         padded = np.zeros(s.config.max_model_len, np.int32)
         padded[: len(seq)] = seq
-        ref = np.asarray(m32.dense_logits(p32, padded))[len(r.prompt) - 1: len(seq) - 1]
+        ref = np.asarray(f32.runner.dense_reference(padded))[len(r.prompt) - 1: len(seq) - 1]
         got = np.stack(r.logits).astype(np.float32)
         assert np.abs(got - ref).max() <= BF16_VS_F32, (rid, np.abs(got - ref).max())
         gap = ref.max(-1) - ref[np.arange(len(r.output)), r.output]
         assert gap.max() <= 2 * BF16_VS_F32, (rid, gap)
+
+
+@pytest.mark.parametrize("arch", RPA_ARCHS)
+def test_rpa_layout_matches_dense(served, arch):
+    """``kv_layout="rpa"`` (one combined K/V page pool per attention layer, written by
+    write_kv_pages and read by ragged paged attention), poisoned, chunked, preempting, lockstep
+    and overlapped: every row matches the dense oracle, as the flash layout's runs do."""
+    s = served(arch, "rpa")
+    kv = [p for p in s.runner.pool_specs if p.kind == "kv"]
+    assert kv and all(p.name.endswith(".kv") for p in kv), [p.name for p in kv]
+    run = s.serve(overlap=False)
+    check_preempted_and_resumed(run)
+    check_matches_dense(s, run)
+    check_overlap_is_lockstep(s)
+
+
+def check_sampled(run: dict) -> None:
+    """The sampled workload's rows: each token the reference sampler's draw from the dense
+    oracle's row (``check_matches_dense``); here, independently of that sampler, each token lies
+    in its row's top-k / top-p set, the greedy row is the argmax, some sampled token is not
+    (sampling happened), and r3 (r1's prompt, parameters and seed) drew r1's tokens."""
+    done = run["done"]
+    for rid, params in zip(sorted(done), SAMPLING):
+        r = done[rid]
+        logits = np.stack(r.logits).astype(np.float64)
+        out = np.array(r.output)
+        if not params:
+            assert (logits.argmax(-1) == out).all(), rid
+            continue
+        scaled = logits / params["temperature"]
+        order = np.argsort(-scaled, axis=-1, kind="stable")
+        rank = np.argmax(order == out[:, None], axis=-1)  # 0: the largest
+        if params.get("top_k", 0):
+            assert (rank < params["top_k"]).all(), (rid, rank)
+        if params.get("top_p", 1.0) < 1.0:
+            probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+            probs = np.take_along_axis(probs / probs.sum(-1, keepdims=True), order, axis=-1)
+            before = np.cumsum(probs, axis=-1) - probs
+            assert (np.take_along_axis(before, rank[:, None], axis=-1)[:, 0] < params["top_p"] + 1e-6).all(), rid
+            if params.get("top_k", 0):  # each filter decides a token: dropped, it would be another
+                for off in (dict(top_k=0), dict(top_p=1.0)):
+                    other = reference_tokens(dataclasses.replace(r, **off), np.stack(r.logits))
+                    assert (other != out).any(), (rid, off)
+    sampled = [rid for rid, p in zip(sorted(done), SAMPLING) if p]
+    assert any((np.stack(done[rid].logits).argmax(-1) != done[rid].output).any() for rid in sampled)
+    assert done["r3"].output == done["r1"].output
+
+
+def test_sampled_requests_same_seed_same_tokens_across_loops_and_layouts(served):
+    """Sampled requests (temperature, top-k, top-p, per-request seeds) beside a greedy one,
+    preempted and resumed: lockstep and overlapped, flash and rpa layouts, every row matches the
+    dense oracle (the reference sampler with the request's seed and positions: the same tokens)
+    and all four runs give each request the same tokens."""
+    runs = {}
+    for variant in ("base", "rpa"):
+        s = served(SAMPLED_ARCH, variant)
+        for overlap in (False, True):
+            run = runs[variant, overlap] = s.serve(overlap=overlap, sampled=True)
+            check_preempted_and_resumed(run)
+            check_matches_dense(s, run)
+            check_sampled(run)
+    outputs = {k: {rid: r.output for rid, r in run["done"].items()} for k, run in runs.items()}
+    first = outputs["base", False]
+    for k, out in outputs.items():
+        assert out == first, (k, out, first)
 
 
 def test_deepseek_v3_rpa_layout_is_refused(checkpoint, monkeypatch, capsys):
