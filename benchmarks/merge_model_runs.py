@@ -1,0 +1,58 @@
+"""Merge several ``bench_model.py --gpu-run`` results into one ``<date>-<gpu>-model.json``.
+
+A real-size run of every preset, its transformers peers and its profiles does not fit one
+9-minute device call; each call runs part of the matrix (``--preset``, ``--decode``,
+``--prefill``, ``--peers-only``). This joins their rows (each row keeps the ``commit`` and
+``source`` it came from) and lists the parts in ``meta["parts"]``:
+
+    python benchmarks/merge_model_runs.py OUT.json PART.json [PART.json ...]
+
+``--baseline PART.json`` adds rows measured at a shorter ``max_model_len`` as
+``impl: "kvjax-short-table"`` (the attention-vs-``max_model_len`` comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("parts", nargs="+")
+    ap.add_argument("--baseline", action="append", default=[])
+    a = ap.parse_args(argv)
+    rows, parts, meta = [], [], None
+    for path, short in [(p, False) for p in a.parts] + [(p, True) for p in a.baseline]:
+        doc = json.load(open(path))
+        m = doc["meta"]
+        meta = meta or dict(m)
+        parts.append({"source": os.path.basename(path), "commit": m.get("commit"), "date": m.get("date"),
+                      "presets": m.get("presets"), "matrix": m.get("matrix"), "gpu": m.get("nvidia_smi"),
+                      "total_wall_s": m.get("total_wall_s"), "baseline": short})
+        for r in doc["rows"]:
+            r = dict(r, source=os.path.basename(path), commit=m.get("commit"))
+            if short:
+                r["impl"] = "kvjax-short-table"
+            rows.append(r)
+    meta["parts"] = parts
+    meta["presets"] = sorted({r["preset"] for r in rows})
+    meta["matrix"] = {}
+    for p in parts:  # the matrix of each preset from the part that measured its kvjax rows
+        if not p["baseline"]:
+            measured = {r["preset"] for r in rows if r["source"] == p["source"] and r["impl"] == "kvjax"}
+            for name, mx in (p["matrix"] or {}).items():
+                if name in measured:
+                    meta["matrix"].setdefault(name, mx)
+    meta["total_wall_s"] = sum(p["total_wall_s"] or 0 for p in parts)
+    meta["commit"] = ", ".join(sorted({str(p["commit"]) for p in parts}))
+    with open(a.out, "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    print(f"{a.out}: {len(rows)} rows from {len(parts)} parts")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
