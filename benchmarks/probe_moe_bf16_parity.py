@@ -80,12 +80,13 @@ def main(argv=None) -> int:
     route, apply, dense_forward = ds.route, ds.DeepseekV3.apply, ds._dense_forward
 
     def recorded_route(h, mp, cc):
-        gates = route(h, mp, cc)
+        idx, weight = route(h, mp, cc)  # [T, k] each
+        chosen = jnp.any(jax.nn.one_hot(idx, cc.n_routed_experts, dtype=jnp.int32) > 0, axis=1)
         logits = jnp.matmul(h.astype(jnp.float32), mp["router"].astype(jnp.float32))
         tag = rec["tag"]
-        jax.debug.callback(lambda lg, g: rec["calls"].append((tag, np.asarray(lg), np.asarray(g) != 0)),
-                           logits, gates)
-        return gates
+        jax.debug.callback(lambda lg, g: rec["calls"].append((tag, np.asarray(lg), np.asarray(g))),
+                           logits, chosen)
+        return idx, weight
 
     def recorded_apply(self, params, ctx, pools, **kw):
         jax.debug.callback(lambda *v: rec["calls"].append(("ctx",) + tuple(np.asarray(x) for x in v)),
@@ -141,10 +142,12 @@ def main(argv=None) -> int:
 
         def forced_route(h, mp, cc):
             scores = jax.nn.sigmoid(jnp.matmul(h.astype(jnp.float32), mp["router"].astype(jnp.float32)))
-            w = jnp.where(jnp.asarray(chosen[next(layer)]), scores, 0.0)
+            mask = jnp.asarray(chosen[next(layer)])  # bool [T, E], k experts per token
+            _, idx = jax.lax.top_k(mask.astype(jnp.float32), cc.num_experts_per_tok)
+            w = jnp.take_along_axis(scores, idx, axis=1)
             if cc.norm_topk_prob:
                 w = w / (jnp.sum(w, -1, keepdims=True) + 1e-20)
-            return w * jnp.float32(cc.routed_scaling_factor)
+            return idx.astype(jnp.int32), w * jnp.float32(cc.routed_scaling_factor)
 
         ds.route = forced_route
         try:

@@ -178,6 +178,13 @@ def serve(config: RunnerConfig, requests: list[Request], *, mesh=None, params=No
     return report, runner
 
 
+def _bucket_sizes(buckets) -> str:
+    """``"4, 16, 32 tokens; decode-only 4, 16"`` from the report's bucket dicts."""
+    mixed = [str(b["num_tokens"]) for b in buckets if not b.get("decode_only")]
+    dec = [str(b["num_tokens"]) for b in buckets if b.get("decode_only")]
+    return f"{', '.join(mixed)} tokens" + (f"; decode-only {', '.join(dec)}" if dec else "")
+
+
 def serve_report_fields(runner: Runner, config: RunnerConfig, schedulers, *, steps: int,
                         serving: float, buckets) -> dict:
     """The :class:`ServeReport` fields every run reports: parity with the dense reference,
@@ -305,7 +312,7 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=None) -> None:
         f"steps                   {report.steps}",
         f"generated tokens        {report.generated_tokens}",
         f"tokens/s                {report.tokens_per_s:.1f}",
-        f"buckets compiled        {report.executables} ({', '.join(str(b['num_tokens']) for b in report.buckets)} tokens) in {report.compile_seconds:.1f} s",
+        f"buckets compiled        {report.executables} ({_bucket_sizes(report.buckets)}) in {report.compile_seconds:.1f} s",
         f"serving-time compiles   {report.serving_compiles}",
         f"preemptions             {report.preemptions}",
         f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within "
