@@ -65,8 +65,8 @@ def _finish(y, x, D, z, mask):
 
 @_backend.register(OP_SCAN, "reference")
 def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                 D, dt_bias, z, *, softplus, null_block_id, chunk_size, config, interpret):
-    del chunk_size, config, interpret
+                 D, dt_bias, z, *, softplus, null_block_id, chunk_size, max_sequences, config, interpret):
+    del chunk_size, max_sequences, config, interpret
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
@@ -175,14 +175,15 @@ class ScanConfig:
 
 @_backend.register(OP_SCAN, "tpu", "gpu")
 def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                  D, dt_bias, z, *, softplus, null_block_id, chunk_size, config, interpret):
+                  D, dt_bias, z, *, softplus, null_block_id, chunk_size, max_sequences, config, interpret):
     del interpret
     f32 = jnp.float32
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
     L = state.shape[0]
-    Q = _chunk_len(chunk_size, T, R, config.adapt_chunk)
+    Rs = R if max_sequences is None else max(1, min(R, max_sequences))  # sequences that take chunks
+    Q = _chunk_len(chunk_size, T, Rs, config.adapt_chunk)
     if R == 0 or T == 0:
         return jnp.zeros(x.shape, x.dtype), state
     goh = jnp.arange(H) // (H // G)
@@ -193,7 +194,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     nch = jnp.where(ok, (lens + Q - 1) // Q, 0)
     cend = jnp.cumsum(nch)
     coff = cend - nch
-    NC = -(-T // Q) + R  # static bound on the number of chunks
+    NC = -(-T // Q) + Rs  # static bound on the number of chunks
     c = jnp.arange(NC)
     rc = jnp.searchsorted(cend, c, side="right", method="compare_all").astype(jnp.int32)
     c_ok = rc < R
@@ -245,7 +246,8 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
 def selective_scan_varlen(
     x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
     D=None, dt_bias=None, z=None, dt_softplus=False, null_block_id=NULL_BLOCK_ID,
-    *, chunk_size=DEFAULT_CHUNK_SIZE, config: ScanConfig = ScanConfig(), backend="auto", interpret=None,
+    *, chunk_size=DEFAULT_CHUNK_SIZE, max_sequences: int | None = None, config: ScanConfig = ScanConfig(),
+    backend="auto", interpret=None,
 ):
     """Mamba2 selective scan over a packed varlen batch, with state-pool masking.
 
@@ -284,6 +286,11 @@ def selective_scan_varlen(
     Args:
       chunk_size: most tokens per chunk of the chunked form (static); batches of many
         short requests use fewer (see ``_chunk_len``).
+      max_sequences: static: at most this many requests have tokens and a valid cache index
+        (the caller guarantees it; a Runner step: its bucket's ``prefill_rows``). The chunked
+        form sizes its chunk table ``ceil(T / Q) + max_sequences`` instead of ``+ R``, and its
+        chunks by ``T / max_sequences``. More such requests than this: their chunks past the
+        table are dropped (wrong outputs), so the bound must hold. None: ``R``.
       config: :class:`ScanConfig` of the chunked form (static).
       backend, interpret: see :mod:`pallas_kernels._backend` (``interpret`` is
         validated but unused: there is no kernel).
@@ -294,6 +301,10 @@ def selective_scan_varlen(
     choice = _backend.choose(OP_SCAN, backend, interpret)
     null_block_id = mc.check_int_arg("null_block_id", null_block_id)
     chunk_size = mc.check_int_arg("chunk_size", chunk_size)
+    if max_sequences is not None:
+        max_sequences = mc.check_int_arg("max_sequences", max_sequences)
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be None or >= 1, got {max_sequences}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("state", state)):
@@ -326,4 +337,4 @@ def selective_scan_varlen(
                                  null_block_id)
     return _backend.run(OP_SCAN, choice, x, dt, A, B, C, state, qsl, ci, his, D, dt_bias, z,
                         softplus=bool(dt_softplus), null_block_id=null_block_id,
-                        chunk_size=chunk_size, config=config)
+                        chunk_size=chunk_size, max_sequences=max_sequences, config=config)

@@ -156,6 +156,8 @@ class Staging:
       ids_per_write: new logical block ids one row's write carries (per KV group).
       zero_blocks: fresh KV blocks zeroed before the step reads them.
       zero_slots: fresh recurrent-state slots zeroed before the step reads them.
+      prefill_rows: scheduled rows still prefilling (the model's prefill path is compiled for
+        at most this many sequences, e.g. the Mamba scan's chunk table).
     """
 
     cleared_rows: int
@@ -164,6 +166,7 @@ class Staging:
     ids_per_write: int
     zero_blocks: int
     zero_slots: int
+    prefill_rows: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -181,6 +184,13 @@ class Staging:
         return not self.excess(need)
 
 
+def max_prefill_rows(max_new_requests: int) -> int:
+    """Rows one step may prefill: its admissions plus one request left mid-prefill by an earlier
+    step. The scheduler keeps to it (:meth:`kvjax.host.scheduler.Scheduler.schedule`); a step's
+    model may size its prefill path by it (:func:`bucket_staging`'s ``prefill_rows``)."""
+    return max_new_requests + 1
+
+
 def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: int,
                    max_new_requests: int, max_num_seqs: int) -> Staging:
     """The staging capacity of one step in ``bucket``: the one rule for the sizes of the
@@ -191,7 +201,8 @@ def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: i
     most ``cdiv(n, block_size)`` blocks), ``R`` block writes (only scheduled rows write),
     ``Z = 2 * R * M`` zeroed blocks, ``R * (1 + k)`` zeroed slots (a request is admitted only
     when scheduled, with ``1 + k`` slots), ``max_new_requests`` new requests and
-    ``max_num_seqs`` cleared rows (each row once).
+    ``max_num_seqs`` cleared rows (each row once), and ``min(R, max_prefill_rows(max_new_requests))``
+    prefilling rows.
 
     Raises:
       ValueError: a size is not a positive int, ``max_new_requests > max_num_seqs``, or the
@@ -212,4 +223,5 @@ def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: i
     M = cdiv(bucket.num_tokens, block_size) + 1
     R = bucket.num_reqs
     return Staging(cleared_rows=max_num_seqs, new_requests=max_new_requests, block_writes=R,
-                   ids_per_write=M, zero_blocks=2 * R * M, zero_slots=R * (1 + num_speculative_tokens))
+                   ids_per_write=M, zero_blocks=2 * R * M, zero_slots=R * (1 + num_speculative_tokens),
+                   prefill_rows=min(R, max_prefill_rows(max_new_requests)))

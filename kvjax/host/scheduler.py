@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from kvjax.host.block_pool import BlockPool, OutOfBlocksError
-from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging
+from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging, max_prefill_rows
 from kvjax.host.drafter import propose_ngram
 from kvjax.spec import KVGroupSpec
 from kvjax.state import RequestRows, step_progress
@@ -160,6 +160,7 @@ class StepPlan:
             block_writes=len(self.block_writes),
             ids_per_write=max((len(g) for _, ids, _ in self.block_writes for g in ids), default=0),
             zero_blocks=len(self.blocks_to_zero), zero_slots=len(self.slots_to_zero),
+            prefill_rows=sum(not s.req.is_decoding for s in self.scheduled),
         )
 
 
@@ -294,19 +295,21 @@ class Scheduler:
                               num_speculative_tokens=self.k, max_new_requests=self.max_new_requests,
                               max_num_seqs=self.buckets.max_num_seqs)
 
-    def _admit_and_schedule(self, step: int, budget: int, added, block_writes) -> list[ScheduledRequest]:
+    def _admit_and_schedule(self, step: int, budget: int, added, block_writes,
+                            prefill_room: int) -> list[ScheduledRequest]:
         """Admit arrived requests, oldest first, each with its first prefill chunk in this step.
 
         A request is admitted only when it is scheduled at once: its row, its ``1 + k`` state
         slots and the blocks of its chunk are free, the token budget has room, and fewer than
-        ``max_new_requests`` were admitted. The first that does not fit stops admission (first
+        ``max_new_requests`` were admitted (and fewer than ``prefill_room``: the step's prefilling
+        rows stay within :func:`~kvjax.host.buckets.max_prefill_rows`). The first that does not fit stops admission (first
         come, first served); an admission never preempts a running request. So every added row
         is a scheduled row, and the plan's staging fits its bucket (:meth:`staging`).
         """
         out: list[ScheduledRequest] = []
         slots_needed = 1 + self.k if self.slots is not None else 0
         while (budget > 0 and self.waiting and self.waiting[0].arrival_step <= step and self.rows.free_rows
-               and len(added) < self.max_new_requests):
+               and len(added) < self.max_new_requests and len(out) < prefill_room):
             req = self.waiting[0]
             n = min(len(req.tokens), budget)
             if sum(s.blocks_to_add(n, 0) for s in self.specs) > self.pool.num_free:
@@ -325,7 +328,8 @@ class Scheduler:
         """Decide the next step; ``None`` when nothing can run yet (nothing arrived).
 
         Running requests first (decode windows, then prefill chunks, oldest first), then
-        admissions into the rest of the budget unless a request was preempted in this step.
+        admissions into the rest of the budget unless a request was preempted in this step; at
+        most :func:`~kvjax.host.buckets.max_prefill_rows` rows prefill (older prefills first).
         The plan fits its bucket's :meth:`staging` (checked).
         """
         step = self.step_count
@@ -335,8 +339,11 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         # Decode windows first, then prefill chunks (oldest first).
         n_preempted = self.num_preemptions
+        prefill_room = max_prefill_rows(self.max_new_requests)  # rows this step may prefill
         for req in sorted(self.running, key=lambda r: not r.is_decoding):
             if budget <= 0 or req.row is None:  # out of budget, or preempted in this loop
+                continue
+            if not req.is_decoding and prefill_room <= 0:  # the oldest prefills go first
                 continue
             if req.is_decoding:
                 drafts = []
@@ -352,13 +359,14 @@ class Scheduler:
                 continue
             scheduled.append(ScheduledRequest(req, n, drafts))
             budget -= n
+            prefill_room -= not req.is_decoding
         if self.num_preemptions != n_preempted:
             # Preemption may have removed requests scheduled earlier in this step; nothing is
             # admitted in a step that preempts (the preempted would be re-admitted at once).
             live = {id(r) for r in self.running}
             scheduled = [s for s in scheduled if id(s.req) in live]
         else:
-            scheduled += self._admit_and_schedule(step, budget, added, block_writes)
+            scheduled += self._admit_and_schedule(step, budget, added, block_writes, prefill_room)
         if not scheduled and not added and not self._cleared:
             if self.waiting and self.waiting[0].arrival_step > step:
                 self.step_count += 1  # idle: nothing has arrived yet

@@ -228,6 +228,7 @@ def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
         dt_bias=k["dt_bias"],
         z=z.reshape(T, spec.num_heads, spec.head_dim),
         dt_softplus=k["softplus"],
+        max_sequences=ctx.max_prefill_rows,
         backend=backend,
     )
     return y, conv_state, ssm_state

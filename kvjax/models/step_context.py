@@ -35,6 +35,8 @@ class StepContext(NamedTuple):
       num_accepted_tokens: int32 ``[R]`` (1 for padded rows) or None (no speculation).
       decode_only: static: no row is prefilling (the step's bucket is decode-only, so
         ``prefill_row`` is all False and a layer may leave its prefill path out of the program).
+      max_prefill_rows: static: at most this many rows are prefilling (the bucket's staging,
+        which the host checks); None: any number up to ``R``.
     """
 
     input_ids: jax.Array
@@ -54,6 +56,7 @@ class StepContext(NamedTuple):
     state_indices: jax.Array
     num_accepted_tokens: jax.Array | None
     decode_only: bool = False
+    max_prefill_rows: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -74,13 +77,15 @@ def make_step_context(
     num_accepted_tokens: jax.Array | None = None,
     kv_group: int = 0,
     decode_only: bool = False,
+    max_prefill_rows: int | None = None,
 ) -> StepContext:
     """The layers' view of ``batch`` (every mask and index comes from :func:`build_step_batch`).
 
     ``state_indices`` / ``num_accepted_tokens``: override the batch's (callers that build the
     batch without them); padding rows get ``NULL_BLOCK_ID`` / 1 through the same padding rules
     (:mod:`kvjax.state.padding`). One state-index column means no speculation.
-    ``decode_only``: the step's bucket is decode-only (:class:`kvjax.host.buckets.Bucket`).
+    ``decode_only``: the step's bucket is decode-only (:class:`kvjax.host.buckets.Bucket`);
+    ``max_prefill_rows``: its staging's ``prefill_rows`` (:func:`kvjax.host.buckets.bucket_staging`).
     """
     R = batch.num_reqs_padded
     if not 0 <= kv_group < len(batch.block_tables):
@@ -129,4 +134,5 @@ def make_step_context(
         state_indices=si,
         num_accepted_tokens=na,
         decode_only=bool(decode_only),
+        max_prefill_rows=None if max_prefill_rows is None else int(max_prefill_rows),
     )

@@ -358,7 +358,9 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
         backend=config.backend, state_indices=inp.state_indices,
     )
     valid = batch.row_valid
-    ctx = make_step_context(batch, decode_only=bucket.decode_only)
+    staging = bucket_staging(bucket, block_size=config.block_size, num_speculative_tokens=k,
+                             max_new_requests=config.max_new_requests, max_num_seqs=config.max_num_seqs)
+    ctx = make_step_context(batch, decode_only=bucket.decode_only, max_prefill_rows=staging.prefill_rows)
     with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
         logits, pools = model.apply(params, ctx, pools, backend=config.backend, sizes=config.cache_sizes,
                                     expert_axis=expert_axis, model_axis=model_axis)

@@ -123,7 +123,10 @@ def test_staging_of_a_bucket():
     b = Bucket(num_tokens=9, num_reqs=3, num_logits=6)
     st_ = bucket_staging(b, block_size=4, num_speculative_tokens=1, max_new_requests=2, max_num_seqs=5)
     assert st_ == Staging(cleared_rows=5, new_requests=2, block_writes=3, ids_per_write=4, zero_blocks=24,
-                          zero_slots=6)
+                          zero_slots=6, prefill_rows=3)
+    # prefilling rows: the admissions plus one request left mid-prefill, at most the bucket's rows
+    assert bucket_staging(Bucket(16, 5, 5), block_size=4, num_speculative_tokens=0, max_new_requests=1,
+                          max_num_seqs=5).prefill_rows == 2
     need = Staging(cleared_rows=5, new_requests=3, block_writes=3, ids_per_write=5, zero_blocks=0, zero_slots=0)
     assert st_.excess(need) == ["new_requests: 3 > 2", "ids_per_write: 5 > 4"] and not st_.holds(need)
 
@@ -155,3 +158,27 @@ def test_ids_freed_before_they_are_handed_out_are_not_zeroed():
     assert pool.take_ids_to_zero() == a[:1]
     b = pool.allocate(2)  # reused: recorded again
     assert pool.take_ids_to_zero() == b
+
+
+def test_a_step_prefills_at_most_max_prefill_rows_oldest_first():
+    """Three running requests mid-prefill and one waiting, one admission per step: the step
+    prefills max_prefill_rows(1) = 2 rows, the two oldest, and admits nobody (the model's prefill
+    path is sized by that bound: bucket_staging's prefill_rows). Planted: the cap dropped from the
+    running loop fails here (3 prefill rows); dropped from admissions, the waiting one is admitted."""
+    from kvjax.host.buckets import max_prefill_rows
+    from kvjax.host.scheduler import Request
+
+    sched = _scheduler(block_size=4, num_blocks=64, max_model_len=64, max_num_seqs=6, k=0, budget=32,
+                       token_sizes=(32,), max_new_requests=3)
+    for name in "abc":
+        sched.add_request(Request(name, list(range(1, 11)), 4, 0))
+    first = sched.schedule()  # a, b, c admitted with their whole prompts
+    assert [s.req.req_id for s in first.scheduled] == ["a", "b", "c"]
+    for s in first.scheduled:  # as if each had been cut short: all three still prefilling
+        s.req.num_computed = 5
+    sched.max_new_requests = 1
+    sched.add_request(Request("d", [7, 8], 2, 0))
+    plan = sched.schedule()
+    assert max_prefill_rows(1) == 2
+    assert [s.req.req_id for s in plan.scheduled] == ["a", "b"] and not plan.added
+    assert plan.staging_need().prefill_rows == 2 <= sched.staging(plan.bucket).prefill_rows

@@ -764,6 +764,37 @@ def test_scan_decode_heavy_batch_adapts_chunk():
     close(np.asarray(new_state)[sorted(written)], want_state[sorted(written)])
 
 
+@pytest.mark.parametrize("chunk", [4, 128])
+def test_scan_max_sequences_bounds_the_chunk_table(chunk):
+    """A mixed step's prefill path: 8 rows, of which 2 prefill (valid slots) and the rest are
+    decode or padding rows (NULL slots, one token each). With ``max_sequences=2`` the chunked
+    form sizes its table for 2 sequences (and its chunks by T / 2); the outputs and states are
+    the oracle's, as with no bound. Planted: the table without its per-sequence term
+    (``NC = ceil(T / Q)``) fails here (5 + 9 tokens need 5 chunks of 4, the table had 4)."""
+    rng = np.random.default_rng(27)
+    c = scan_case(rng, T=16, L=10)
+    qsl = np.array([0, 1, 6, 7, 16, 16, 16, 16, 16], np.int32)  # rows 1 and 3 prefill 5 and 9 tokens
+    ci = np.array([NULL, 3, NULL, 5, NULL, NULL, NULL, NULL], np.int32)
+    his = np.array([False, True, False, False, False, False, False, False])
+    outs = {}
+    for bound in (None, 2):
+        out, st = selective_scan_varlen(
+            c["x"], c["dt"], c["A"], c["B"], c["C"], jnp.asarray(c["state"]), qsl, ci, his, D=c["D"],
+            dt_bias=c["dt_bias"], z=c["z"], dt_softplus=True, chunk_size=chunk, max_sequences=bound,
+            backend="pallas_gpu")
+        outs[bound] = (np.asarray(out), np.asarray(st))
+    want, want_state, written = oracle_scan(c["x"], c["dt"], c["A"], c["B"], c["C"], c["state"], qsl, ci,
+                                            his, c["D"], c["dt_bias"], c["z"], True)
+    assert written == {3, 5}
+    for out, st in outs.values():
+        close(out, want)
+        close(st[[3, 5]], want_state[[3, 5]])
+        assert_rows_bitwise_equal(st, c["state"], [0, 1, 2, 4, 6, 7, 8, 9])
+    with pytest.raises(ValueError, match="max_sequences"):
+        selective_scan_varlen(c["x"], c["dt"], c["A"], c["B"], c["C"], c["state"], qsl, ci, his,
+                              max_sequences=0, backend="pallas_gpu")
+
+
 def test_scan_validation_errors():
     rng = np.random.default_rng(23)
     c = scan_case(rng, T=4, L=4)
