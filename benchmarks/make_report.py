@@ -1066,6 +1066,8 @@ def model_section(results):
                 "each row names its `source` and `commit`):", ""]
         out += [f"* `{p['source']}` ({p['commit']}): {', '.join(p['presets'] or [])}"
                 + (" (the same rows at a short `max_model_len`, the attention comparison)" if p["baseline"] else "")
+                + (" (its prefill rows replace the earlier parts' of these presets: a later run on newer code)"
+                   if p.get("prefill_from") else "")
                 for p in m["parts"]] + [""]
     c0 = next((r for r in kv if r.get("copy_bw_TBps")), {})
     out += ["**Method.** " + m.get("method_short", "") + (

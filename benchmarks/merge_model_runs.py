@@ -9,6 +9,9 @@ A real-size run of every preset, its transformers peers and its profiles does no
 
 ``--baseline PART.json`` adds rows measured at a shorter ``max_model_len`` as
 ``impl: "kvjax-short-table"`` (the attention-vs-``max_model_len`` comparison).
+``--prefill-from PART.json`` takes that part's kvjax prefill rows in place of the other parts'
+kvjax prefill rows of the same presets (a later run on newer code); its other rows are kept
+under ``impl: "kvjax-prefill-run"``.
 """
 
 from __future__ import annotations
@@ -23,18 +26,27 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("parts", nargs="+")
     ap.add_argument("--baseline", action="append", default=[])
+    ap.add_argument("--prefill-from")
     a = ap.parse_args(argv)
     rows, parts, meta = [], [], None
-    for path, short in [(p, False) for p in a.parts] + [(p, True) for p in a.baseline]:
+    extra = [(p, True) for p in a.baseline] + ([(a.prefill_from, "prefill")] if a.prefill_from else [])
+    for path, short in [(p, False) for p in a.parts] + extra:
         doc = json.load(open(path))
         m = doc["meta"]
         meta = meta or dict(m)
         parts.append({"source": os.path.basename(path), "commit": m.get("commit"), "date": m.get("date"),
                       "presets": m.get("presets"), "matrix": m.get("matrix"), "gpu": m.get("nvidia_smi"),
-                      "total_wall_s": m.get("total_wall_s"), "baseline": short})
+                      "total_wall_s": m.get("total_wall_s"), "baseline": short is True,
+                      "prefill_from": short == "prefill"})
         for r in doc["rows"]:
             r = dict(r, source=os.path.basename(path), commit=m.get("commit"))
-            if short:
+            if short == "prefill":
+                if r["impl"] == "kvjax" and r["phase"] == "prefill":
+                    rows = [q for q in rows if not (q["impl"] == "kvjax" and q["phase"] == "prefill"
+                                                    and q["preset"] == r["preset"] and q["source"] != r["source"])]
+                elif r["impl"] == "kvjax":
+                    r["impl"] = "kvjax-prefill-run"
+            elif short:
                 r["impl"] = "kvjax-short-table"
             rows.append(r)
     meta["parts"] = parts
@@ -46,6 +58,12 @@ def main(argv=None) -> int:
             for name, mx in (p["matrix"] or {}).items():
                 if name in measured:
                     meta["matrix"].setdefault(name, mx)
+    for p in parts:  # prefill sizes of a --prefill-from part replace the measured presets' lists
+        if p["prefill_from"]:
+            for name, mx in (p["matrix"] or {}).items():
+                if name in meta["matrix"] and any(r["source"] == p["source"] and r["preset"] == name
+                                                  and r["impl"] == "kvjax" for r in rows):
+                    meta["matrix"][name] = dict(meta["matrix"][name], prefill=mx["prefill"])
     meta["total_wall_s"] = sum(p["total_wall_s"] or 0 for p in parts)
     meta["commit"] = ", ".join(sorted({str(p["commit"]) for p in parts}))
     with open(a.out, "w") as fh:
