@@ -98,13 +98,19 @@ def unaliased_pool_results(mlir: str, sizes) -> list[str]:
     return bad
 
 
-def _runner(case, **kw):
-    return Runner(RunnerConfig(**SIZES, **CASES[case], **kw))
+# XLA's backend optimisation level 0 halves the CPU compile; it changes LLVM code generation only:
+# the optimised HLO, copy insertion's copies included, is the same text at either level (checked
+# for hf-rpa and tiny-spec-fp8, byte for byte).
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _runner(case, compiler_options=None, **kw):
+    return Runner(RunnerConfig(**SIZES, **CASES[case], **kw), compiler_options=compiler_options)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_compiled_step_copies_no_pool(case):
-    runner = _runner(case, backend="reference")
+    runner = _runner(case, compiler_options=FAST, backend="reference")
     for bucket in runner.buckets.buckets:
         fn, args, _ = runner.jitted_step(bucket)
         with jax.default_matmul_precision(runner.config.matmul_precision):
@@ -143,7 +149,7 @@ def test_pool_copy_detectors_see_a_copy():
 
 
 def _serve(config):
-    runner = Runner(config, compiler_options={"xla_backend_optimization_level": 0})
+    runner = Runner(config, compiler_options=FAST)
     runner.precompile()
     runner.warm_up()
     sched = config.make_scheduler()

@@ -1,0 +1,40 @@
+"""Serving over a mesh, continued from test_mesh.py (split off so that the two xdist workers of
+``--dist loadfile`` share the mesh cases, each file's worker process one of two subprocesses):
+--overlap, fp8, speculative decoding and the rpa layout on meshes, the compiled-in planted bug
+(vLLM PR 39444) caught by the sanitizer, and two processes given different workloads stopping."""
+
+import pytest
+
+from test_mesh import FEATURES, PLANTED, WORKLOAD, _two_processes, run_worker
+
+
+@pytest.fixture(scope="module")
+def worker_results():
+    """The features on meshes and the compiled-in plant, in one process with 8 host devices."""
+    return run_worker(*FEATURES, "planted")
+
+
+@pytest.mark.parametrize("case", FEATURES)
+def test_mesh_features_match_the_dense_reference_with_poison(worker_results, case):
+    """--overlap, fp8, speculative decoding and the rpa layout on a mesh: every request matches the
+    dense reference, the sanitizer passes on every rank, idle ranks ran dummy steps."""
+    r = worker_results[case]
+    assert r["ok"] and r["checked"] and r["all_match"] and r["serving_compiles"] == 0, r
+    assert len(r["outputs"]) == len(WORKLOAD["requests"])
+    assert r["ranks"]["1"]["dummy_steps"] > 0, r["ranks"]
+
+
+def test_planted_mesh_bug_compiled_into_the_step_is_caught_by_the_sanitizer(worker_results):
+    """PR 39444's bug planted in the traced slot mapping (its own compile); the host-side plants
+    are in test_mesh.py."""
+    err = worker_results["planted"].get("error")
+    assert err is not None and err["invariant"] in PLANTED["planted"], worker_results["planted"]
+
+
+def test_two_processes_given_different_workloads_stop(tmp_path):
+    """Issue 25: two processes of one run given different workloads used to serve silently wrong;
+    they now agree on a fingerprint of the workload and settings first, and both stop (exit 2)."""
+    procs, outs = _two_processes(tmp_path, (("--requests", "4"), ("--requests", "5")))
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 2, out + err[-3000:]
+        assert "different workloads or settings" in err, err[-3000:]
