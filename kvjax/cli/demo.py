@@ -31,7 +31,7 @@ from kvjax.models import TinyHybridConfig
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner.mesh import DATA, MODEL, force_host_device_count
 from kvjax.runner.sampling import sample_rows
-from kvjax.runner.serving import run_to_completion
+from kvjax.runner.serving import check_same_everywhere, run_to_completion
 from kvjax.runner.memory import dense_reference_length
 from kvjax.host.scheduler import Request
 
@@ -144,6 +144,7 @@ def serve(config: RunnerConfig, requests: list[Request], *, mesh=None, params=No
     :class:`~kvjax.runner.sanitizer.SanitizerError`.
     """
     runner = runner or Runner(config, mesh=mesh, params=params, strict=strict)
+    check_same_everywhere(runner, requests)  # before compiling: a disagreement is refused at once
     runner.precompile(workers=compile_workers)
     runner.warm_up()
     scheds = {d: config.make_scheduler(drafter) for d in runner.local_ranks}
