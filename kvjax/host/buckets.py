@@ -202,7 +202,7 @@ def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: i
     ``Z = 2 * R * M`` zeroed blocks, ``R * (1 + k)`` zeroed slots (a request is admitted only
     when scheduled, with ``1 + k`` slots), ``max_new_requests`` new requests and
     ``max_num_seqs`` cleared rows (each row once), and ``min(R, max_prefill_rows(max_new_requests))``
-    prefilling rows.
+    prefilling rows, none in a decode-only bucket (compiled without the prefill path).
 
     Raises:
       ValueError: a size is not a positive int, ``max_new_requests > max_num_seqs``, or the
@@ -224,4 +224,4 @@ def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: i
     R = bucket.num_reqs
     return Staging(cleared_rows=max_num_seqs, new_requests=max_new_requests, block_writes=R,
                    ids_per_write=M, zero_blocks=2 * R * M, zero_slots=R * (1 + num_speculative_tokens),
-                   prefill_rows=min(R, max_prefill_rows(max_new_requests)))
+                   prefill_rows=0 if bucket.decode_only else min(R, max_prefill_rows(max_new_requests)))

@@ -33,10 +33,9 @@ class StepContext(NamedTuple):
       state_indices: int32 ``[R]`` or ``[R, 1 + k]`` (speculative), ``NULL_BLOCK_ID``
         for padded rows.
       num_accepted_tokens: int32 ``[R]`` (1 for padded rows) or None (no speculation).
-      decode_only: static: no row is prefilling (the step's bucket is decode-only, so
-        ``prefill_row`` is all False and a layer may leave its prefill path out of the program).
       max_prefill_rows: static: at most this many rows are prefilling (the bucket's staging,
-        which the host checks); None: any number up to ``R``.
+        which the host checks); None: any number up to ``R``. 0: a decode-only step
+        (:attr:`decode_only`).
     """
 
     input_ids: jax.Array
@@ -55,7 +54,6 @@ class StepContext(NamedTuple):
     state_slot: jax.Array
     state_indices: jax.Array
     num_accepted_tokens: jax.Array | None
-    decode_only: bool = False
     max_prefill_rows: int | None = None
 
     @property
@@ -67,6 +65,12 @@ class StepContext(NamedTuple):
         return self.seq_lens.shape[0]
 
     @property
+    def decode_only(self) -> bool:
+        """Static: no row is prefilling (a decode-only bucket), so ``prefill_row`` is all False and
+        a layer may leave its prefill path out of the program."""
+        return self.max_prefill_rows == 0
+
+    @property
     def is_speculative(self) -> bool:
         return self.state_indices.ndim == 2
 
@@ -76,7 +80,6 @@ def make_step_context(
     state_indices: jax.Array | None = None,
     num_accepted_tokens: jax.Array | None = None,
     kv_group: int = 0,
-    decode_only: bool = False,
     max_prefill_rows: int | None = None,
 ) -> StepContext:
     """The layers' view of ``batch`` (every mask and index comes from :func:`build_step_batch`).
@@ -84,8 +87,8 @@ def make_step_context(
     ``state_indices`` / ``num_accepted_tokens``: override the batch's (callers that build the
     batch without them); padding rows get ``NULL_BLOCK_ID`` / 1 through the same padding rules
     (:mod:`kvjax.state.padding`). One state-index column means no speculation.
-    ``decode_only``: the step's bucket is decode-only (:class:`kvjax.host.buckets.Bucket`);
-    ``max_prefill_rows``: its staging's ``prefill_rows`` (:func:`kvjax.host.buckets.bucket_staging`).
+    ``max_prefill_rows``: the step's bucket's staging ``prefill_rows``
+    (:func:`kvjax.host.buckets.bucket_staging`; 0 for a decode-only bucket).
     """
     R = batch.num_reqs_padded
     if not 0 <= kv_group < len(batch.block_tables):
@@ -133,6 +136,5 @@ def make_step_context(
         state_slot=si if si.ndim == 1 else si[:, 0],
         state_indices=si,
         num_accepted_tokens=na,
-        decode_only=bool(decode_only),
         max_prefill_rows=None if max_prefill_rows is None else int(max_prefill_rows),
     )

@@ -360,7 +360,7 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
     valid = batch.row_valid
     staging = bucket_staging(bucket, block_size=config.block_size, num_speculative_tokens=k,
                              max_new_requests=config.max_new_requests, max_num_seqs=config.max_num_seqs)
-    ctx = make_step_context(batch, decode_only=bucket.decode_only, max_prefill_rows=staging.prefill_rows)
+    ctx = make_step_context(batch, max_prefill_rows=staging.prefill_rows)
     with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
         logits, pools = model.apply(params, ctx, pools, backend=config.backend, sizes=config.cache_sizes,
                                     expert_axis=expert_axis, model_axis=model_axis)
@@ -603,11 +603,13 @@ class Runner:
             if not bucket.holds(plan.bucket):
                 raise ValueError(f"the plan needs bucket {plan.bucket}, which the step's {bucket} does not hold")
             sc = plan.scheduled
-            if bucket.decode_only and not all(s.req.is_decoding for s in sc):
+            need = plan.staging_need()
+            if need.prefill_rows > st.prefill_rows:  # the model's prefill path is compiled for st's
                 prefilling = [s.req.req_id for s in sc if not s.req.is_decoding]
-                raise ValueError(f"step {plan.step}: bucket {bucket} is decode-only (compiled without the "
-                                 f"prefill path) but request(s) {prefilling} are prefilling")
-            excess = st.excess(plan.staging_need())
+                kind = "decode-only (compiled without the prefill path)" if bucket.decode_only else "mixed"
+                raise ValueError(f"step {plan.step}: bucket {bucket} is {kind}, for {st.prefill_rows} "
+                                 f"prefilling rows, but request(s) {prefilling} are prefilling")
+            excess = st.excess(need)
             if excess:  # the scheduler never plans this (tests/host): a bug upstream, said plainly
                 raise RuntimeError(f"step {plan.step}'s plan exceeds bucket {bucket}'s staging: {excess}")
             cleared[: len(plan.cleared_rows)] = plan.cleared_rows

@@ -127,6 +127,9 @@ def test_staging_of_a_bucket():
     # prefilling rows: the admissions plus one request left mid-prefill, at most the bucket's rows
     assert bucket_staging(Bucket(16, 5, 5), block_size=4, num_speculative_tokens=0, max_new_requests=1,
                           max_num_seqs=5).prefill_rows == 2
+    # a decode-only bucket (compiled without the prefill path) takes none
+    assert bucket_staging(Bucket(4, 3, 3, decode_only=True), block_size=4, num_speculative_tokens=0,
+                          max_new_requests=2, max_num_seqs=5).prefill_rows == 0
     need = Staging(cleared_rows=5, new_requests=3, block_writes=3, ids_per_write=5, zero_blocks=0, zero_slots=0)
     assert st_.excess(need) == ["new_requests: 3 > 2", "ids_per_write: 5 > 4"] and not st_.holds(need)
 

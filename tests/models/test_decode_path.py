@@ -1,7 +1,7 @@
 """Decode-only steps compile no prefill path (issue 24 item 2).
 
 A step whose rows all decode runs in a decode-only bucket (:mod:`kvjax.host.buckets`), whose
-program has ``ctx.decode_only`` set: ``mamba_mixer`` then runs only its decode path
+program has ``ctx.decode_only`` (its staging takes no prefilling row): ``mamba_mixer`` then runs only its decode path
 (``causal_conv1d_update`` + ``selective_state_update``); a mixed bucket's program runs both
 paths, each over the whole batch, with no conditional. Which kernels ran is observable at run
 time: each kernel is wrapped (monkeypatched in ``kvjax.models.mamba_layer``) with a
