@@ -132,20 +132,30 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     widened first: the same products); float32 weights are a plain ``x @ w``."""
     if w.dtype == jnp.float32:
         y = x @ w
-    elif jax.default_backend() == "cpu":  # XLA:CPU has no bf16 x bf16 -> f32 dot
-        y = x.astype(w.dtype).astype(jnp.float32) @ w.astype(jnp.float32)
     else:
-        y = row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=jnp.float32), x.astype(w.dtype))
+        x, w = dot_operands(x, w)
+        y = row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=jnp.float32), x)
     return y if b is None else y + b.astype(jnp.float32)
 
 
-def row_padded(f, x: jax.Array) -> jax.Array:
-    """``f(x)`` for a product whose leading axis is the token axis; off the CPU a single token is
-    padded to two rows first and the first output row returned: XLA:GPU lowers a one-row product
-    to a column reduction at about half the memory bandwidth, two rows take its GEMM path."""
-    if x.shape[0] != 1 or jax.default_backend() == "cpu":
+def dot_operands(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x, w)`` for a product into float32 with ``w``'s precision: ``x`` cast to ``w``'s dtype; on
+    the CPU, whose XLA has no bf16 x bf16 -> f32 dot, bf16 operands widened to float32 (the same
+    products). Every matmul of the models takes its operands from here."""
+    x = x.astype(w.dtype)
+    if w.dtype != jnp.float32 and jax.default_backend() == "cpu":
+        return x.astype(jnp.float32), w.astype(jnp.float32)
+    return x, w
+
+
+def row_padded(f, x: jax.Array, axis: int = 0) -> jax.Array:
+    """``f(x)`` for a product whose ``axis`` is the row (token) axis; off the CPU a single row is
+    padded to two and the first output row returned: XLA:GPU lowers a one-row product to a
+    column reduction at about half the memory bandwidth, two rows take its GEMM path."""
+    if x.shape[axis] != 1 or jax.default_backend() == "cpu":
         return f(x)
-    return f(jnp.concatenate([x, jnp.zeros_like(x)], axis=0))[:1]
+    y = f(jnp.concatenate([x, jnp.zeros_like(x)], axis=axis))
+    return jax.lax.slice_in_dim(y, 0, 1, axis=axis)
 
 
 def attention_query(q: jax.Array, weight_dtype) -> jax.Array:

@@ -289,3 +289,33 @@ def test_expert_parallel_over_two_members_matches_one_device(ep_results, path):
     single-device result to float32 rounding."""
     assert ep_results[path]["max_err"] <= PATH_TOL, ep_results[path]["max_err"]
     assert np.max(np.abs(ep_results[path]["ref"])) > 0.1
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_row_padded_runs_one_row_as_two_off_the_cpu(monkeypatch, axis):
+    """``row_padded`` (the sparse experts' and ``linear``'s one-row products): off the CPU a
+    single row along ``axis`` runs as two (a zero row added) and the first comes back, equal to
+    the unpadded product; more rows, or the CPU, run as they are. Planted: the slice taken on
+    the wrong axis, or the zero row dropped, fails here."""
+    from kvjax.models import attention
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, 1, 4)), jnp.float32)
+    seen = []
+
+    def f(a):
+        seen.append(a.shape)
+        return a @ w
+
+    want = np.asarray(x @ w)
+    assert np.array_equal(np.asarray(attention.row_padded(f, x, axis=axis)), want) and seen == [(1, 1, 4)]
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    seen.clear()
+    got = attention.row_padded(f, x, axis=axis)
+    assert seen == [(2, 1, 4) if axis == 0 else (1, 2, 4)]
+    assert got.shape == want.shape  # a two-row product may round its last bit differently
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    seen.clear()
+    x3 = jnp.concatenate([x] * 3, axis=axis)
+    assert attention.row_padded(f, x3, axis=axis).shape == np.asarray(x3 @ w).shape and len(seen[0]) == 3

@@ -54,7 +54,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax.models.attention import row_padded
+from kvjax.models.attention import dot_operands, row_padded
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import routed_ffn
@@ -542,12 +542,7 @@ def _mm(x, w, spec: str | None = None):
     """``x @ w`` (or the einsum ``spec``) with float32 accumulation: ``x`` is cast to ``w``'s dtype
     (bf16 weights: a bf16 product into float32; XLA:CPU lacks that dot, so there both operands
     are widened first, the same products), as ``kvjax.models.attention.linear`` does."""
-    if w.dtype != jnp.float32:
-        x = x.astype(w.dtype)
-        if jax.default_backend() == "cpu":
-            x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    else:
-        x = x.astype(jnp.float32)
+    x, w = dot_operands(x, w)
     if spec is None:
         return row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=jnp.float32), x)
     return row_padded(lambda a: jnp.einsum(spec, a, w, preferred_element_type=jnp.float32), x)
