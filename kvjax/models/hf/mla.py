@@ -35,8 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.attention import MASK_VALUE, attention_query
-from pallas_kernels.backend import choose as choose_backend
-from pallas_kernels.paged_attention import OP_ATTENTION
 from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 
 MLA_FORMS = ("naive", "absorbed")
@@ -126,13 +124,13 @@ def paged_latent_attention(
     (``token_row == R``) see nothing and get 0. An fp8 cache is read as
     ``float32(stored) * fp8_scale``.
 
-    Where ``backend`` resolves to the GPU kernel, the absorbed form runs as MQA over the latent
-    rows in :func:`pallas_kernels.paged_attention` (one kv head of ``r + pe`` features, values
-    its first ``r``; the query ``[q_lat | q_pe]`` in ``w_uk``'s dtype, as
-    ``kvjax.models.attention.attention_query`` rounds it): only each row's live blocks are read.
-    Otherwise (and for the naive form) the jnp gather over the whole block table below.
+    The absorbed form runs as MQA over the latent rows in :func:`pallas_kernels.paged_attention`
+    with ``backend`` (one kv head of ``r + pe`` features, values its first ``r``; the query
+    ``[q_lat | q_pe]`` in ``w_uk``'s dtype, as ``kvjax.models.attention.attention_query`` rounds
+    it): on a GPU its kernel reads only each row's live blocks. The naive form: the jnp gather
+    over the whole block table below.
     """
-    if form == "absorbed" and choose_backend(OP_ATTENTION, backend, None).flavor == "gpu":
+    if form == "absorbed":
         q_lat = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
         qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
         scale = None if fp8_scale is None else jnp.float32(fp8_scale)
