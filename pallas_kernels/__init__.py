@@ -14,6 +14,8 @@ the updated arrays — donate them at the enclosing ``jit`` to update in place):
 ``combine_sampled_and_draft_tokens`` decode windows ``[last_sampled, drafts...]``
 ``write_kv_pages``                  K/V write into JAX's ragged-paged-attention layout
 ``ragged_paged_attention``          attention over that layout (JAX's TPU kernel / jnp)
+``paged_attention``                 attention over a paged cache, live blocks only
+``grouped_matmul``                  row tiles times their group's matrix (MoE experts)
 ==================================  =====================================================
 
 Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
@@ -41,6 +43,11 @@ from pallas_kernels.kv_write import (
 )
 from pallas_kernels.kv_pages import write_kv_pages as write_kv_pages
 from pallas_kernels.rpa import ragged_paged_attention as ragged_paged_attention
+from pallas_kernels.grouped_matmul import (
+    GroupedMatmulConfig as GroupedMatmulConfig,
+    group_tiles as group_tiles,
+    grouped_matmul as grouped_matmul,
+)
 from pallas_kernels.paged_attention import (
     PagedAttentionConfig as PagedAttentionConfig,
     paged_attention as paged_attention,
@@ -60,6 +67,7 @@ from pallas_kernels.token_combine import (
 
 __all__ = [
     "ConvConfig",
+    "GroupedMatmulConfig",
     "KVWriteConfig",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
@@ -70,6 +78,8 @@ __all__ = [
     "causal_conv1d_varlen",
     "combine_sampled_and_draft_tokens",
     "concat_and_cache_mla",
+    "group_tiles",
+    "grouped_matmul",
     "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",

@@ -4,12 +4,16 @@
 ``top_k`` experts and ``weight [T, k]`` their gate weights (for softmax routing the softmax of
 the ``top_k`` largest router logits).
 
-Applying the routed experts (:func:`apply_experts`) is one rule with two static paths, picked
-from the shapes: *dense* runs every held expert on every token as batched matmuls with the
+Applying the routed experts (:func:`apply_experts`) is one rule with three static paths:
+*grouped* (where ``backend`` resolves to the GPU kernel) sorts the ``T * k`` (token, choice)
+pairs by expert into row tiles (:func:`pallas_kernels.group_tiles`) and runs each tile against
+its expert's weights in place (:func:`pallas_kernels.grouped_matmul`): every chosen expert is
+read about once and only chosen experts are computed. Elsewhere the path is picked from the
+shapes: *dense* runs every held expert on every token as batched matmuls with the
 expert axis as the batch dimension of both operands (the ``[E, d, F]`` / ``[E, F, d]`` stacks
 are read in their stored layout: no per-step transposed copy of a stack), then picks each
 token's ``k`` outputs; *sparse* (few tokens: ``3 * T * k <= E``) gathers only the chosen
-experts' weights and runs ``T * k`` vector-matrix products. Both combine ``sum_j weight * out``
+experts' weights and runs ``T * k`` vector-matrix products. All combine ``sum_j weight * out``
 in the same order, so they agree to float32 rounding of the products.
 
 Expert parallelism: with ``expert_axis`` set (inside ``shard_map`` over a mesh
@@ -33,6 +37,9 @@ import jax.numpy as jnp
 
 from kvjax.models.attention import _dense_init, dot_operands, linear, rms_norm, row_padded
 from kvjax.models.config import TinyHybridConfig
+from pallas_kernels import backend as kernel_backend
+from pallas_kernels import group_tiles, grouped_matmul
+from pallas_kernels.grouped_matmul import OP_GROUPED_MATMUL, tile_rows_for
 
 
 def route(h: jax.Array, router: jax.Array, top_k: int) -> jax.Array:
@@ -146,7 +153,7 @@ def topk_sigmoid_grouped(logits: jax.Array, e_bias: jax.Array | None,
     return idx, w * jnp.float32(spec.routed_scaling_factor)
 
 
-PATHS = ("auto", "dense", "sparse")
+PATHS = ("auto", "dense", "sparse", "grouped")
 
 #: The sparse path gathers the chosen experts' weights (read once, written once, read again by
 #: the products: about 3 passes over ``T * k`` experts' bytes); the dense path reads the ``E``
@@ -158,8 +165,17 @@ SPARSE_BYTES_FACTOR = 3
 
 
 def sparse_pays(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether ``path="auto"`` takes the sparse path for ``tokens`` tokens (static: shapes only)."""
+    """Whether ``path="auto"`` off the GPU kernel takes the sparse path for ``tokens`` tokens
+    (static: shapes only)."""
     return SPARSE_BYTES_FACTOR * tokens * top_k <= num_experts
+
+
+def choose_path(tokens: int, top_k: int, num_experts: int, backend: str = "reference") -> str:
+    """The path ``path="auto"`` takes (static): ``"grouped"`` where ``backend`` resolves to the
+    GPU grouped-matmul kernel, else ``"sparse"`` if :func:`sparse_pays`, else ``"dense"``."""
+    if kernel_backend.choose(OP_GROUPED_MATMUL, backend, None).flavor == "gpu":
+        return "grouped"
+    return "sparse" if sparse_pays(tokens, top_k, num_experts) else "dense"
 
 
 def _bmm(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -185,9 +201,31 @@ def _expert_mlp(x, up_w, gate_w, down_w, gated: bool, act: str):
     return row_padded(mlp, x, axis=1)
 
 
+def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, backend: str):
+    """``[T, k, d]``: pair ``(t, j)``'s expert ``local[t, j]`` on ``h[t]`` (0 where not
+    ``valid``), the pairs sorted by expert into row tiles run by the grouped-matmul kernel."""
+    up_w, gate_w, down_w = (None if a is None else jnp.asarray(a) for a in (up_w, gate_w, down_w))
+    T, k = local.shape
+    El, d = up_w.shape[0], h.shape[-1]
+    P = T * k
+    TM = tile_rows_for(P, El)
+    slot, tile_group = group_tiles(jnp.where(valid, local, El).reshape(P), El, TM)
+    rows = tile_group.shape[0] * TM
+    x = jnp.zeros((rows, d), up_w.dtype).at[slot].set(
+        jnp.repeat(h.astype(up_w.dtype), k, axis=0), mode="drop", unique_indices=True)
+
+    def product(a, w):
+        return grouped_matmul(a.astype(w.dtype), w, tile_group, tile_rows=TM, backend=backend)
+
+    up = product(x, up_w)
+    a = activation(product(x, gate_w), act) * up if gated else activation(up, act)
+    y = product(a, down_w)  # [rows, d]; padding rows and unused tiles hold 0
+    return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, d)
+
+
 def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, gated: bool = True,
                   activation: str = "silu", first: jax.Array | int = 0,
-                  path: str = "auto") -> jax.Array:
+                  path: str = "auto", backend: str = "reference") -> jax.Array:
     """``y[t] = sum_j weight[t, j] * expert_{idx[t, j]}(h[t])`` over the experts held in ``w``
     (float32 ``[T, d]``), the one rule every MoE here applies its routed experts by.
 
@@ -200,9 +238,13 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
       first: global id of ``w``'s expert 0 (``axis_index * El`` under expert parallelism).
       path: ``"dense"`` (every held expert on every token: ``[El, T, d] @ [El, d, F]``, batched
         over the expert axis), ``"sparse"`` (only the chosen experts' weights are read: they are
-        gathered to ``[T * k, d, F]`` and each (token, choice) pair is one batch member) or
-        ``"auto"`` (:func:`sparse_pays`). Both sum ``weight * out`` over ``j`` in the same
+        gathered to ``[T * k, d, F]`` and each (token, choice) pair is one batch member),
+        ``"grouped"`` (the pairs sorted by expert into tiles, each tile's products read its
+        expert's weights in place: :func:`pallas_kernels.grouped_matmul` with ``backend``) or
+        ``"auto"`` (:func:`choose_path`). All sum ``weight * out`` over ``j`` in the same
         order; they differ only in the float32 accumulation order of the products.
+      backend: the grouped-matmul kernel's backend (:mod:`pallas_kernels.backend`); it also
+        decides ``"auto"``.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -212,7 +254,11 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
     valid = (local >= 0) & (local < El)
     local = jnp.where(valid, local, 0)
     gate_w = w["w_gate"] if gated else None
-    if path == "sparse" or (path == "auto" and sparse_pays(T, k, El)):
+    if path == "auto":
+        path = choose_path(T, k, El, backend)
+    if path == "grouped":
+        o = _grouped_mlp(h, local, valid, w["w_up"], gate_w, w["w_down"], gated, activation, backend)
+    elif path == "sparse":
         sel = local.reshape(T * k)
 
         def take(a):
@@ -232,32 +278,36 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
 def routed_ffn(h: jax.Array, route_fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
                w: dict, *, gated: bool = True, activation: str = "silu",
                expert_axis: str | None = None, route_input: jax.Array | None = None,
-               path: str = "auto") -> jax.Array:
+               path: str = "auto", backend: str = "reference") -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``): ``route_fn(r) -> (idx [T, k],
     weight [T, k])`` chooses on ``r = route_input`` (default ``h``), :func:`apply_experts`
     applies them. With ``expert_axis`` (see the module docstring) ``w`` holds this member's
-    ``E / S`` experts and every member's tokens are routed and applied here."""
+    ``E / S`` experts and every member's tokens are routed and applied here. ``path`` and
+    ``backend``: as :func:`apply_experts`."""
     r = h if route_input is None else route_input
     if expert_axis is None:
         idx, weight = route_fn(r)
-        return apply_experts(h, idx, weight, w, gated=gated, activation=activation, path=path)
+        return apply_experts(h, idx, weight, w, gated=gated, activation=activation, path=path,
+                             backend=backend)
     El = w["w_up"].shape[0]
     h_all = jax.lax.all_gather(h, expert_axis, tiled=True)  # [S * T, d]: every member's tokens
     r_all = h_all if route_input is None else jax.lax.all_gather(r, expert_axis, tiled=True)
     idx, weight = route_fn(r_all)
     first = jax.lax.axis_index(expert_axis) * El
     part = apply_experts(h_all, idx, weight, w, gated=gated, activation=activation, first=first,
-                         path=path)
+                         path=path, backend=backend)
     return jax.lax.psum_scatter(part, expert_axis, scatter_dimension=0, tiled=True)  # [T, d]
 
 
 def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None,
-            route_input: jax.Array | None = None, path: str = "auto") -> jax.Array:
+            route_input: jax.Array | None = None, path: str = "auto",
+            backend: str = "reference") -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``; see the module docstring for
     ``expert_axis``). ``w``: ``router [d_r, E]``, optional ``e_bias [E]`` (sigmoid routing), the
     expert stacks of :func:`apply_experts` (``E / axis size`` of them under ``expert_axis``).
     ``route_input [T, d_r]``: what the router reads when it is not ``h`` (Nemotron-H's latent
-    experts are routed on the hidden state before the latent projection)."""
+    experts are routed on the hidden state before the latent projection). ``path``, ``backend``:
+    as :func:`apply_experts`."""
 
     def route_fn(hh):
         router = w["router"]
@@ -267,7 +317,8 @@ def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None
         return topk_sigmoid_grouped(logits, w.get("e_bias"), spec)
 
     return routed_ffn(h, route_fn, w, gated=spec.gated, activation=spec.activation,
-                      expert_axis=expert_axis, route_input=route_input, path=path)
+                      expert_axis=expert_axis, route_input=route_input, path=path,
+                      backend=backend)
 
 
 def _stacked_init(key, shape, dtype=jnp.float32):
@@ -303,11 +354,12 @@ class MoELayer(nn.Module):
     def declare(self):
         """Creates the params (used by ``init``)."""
 
-    def __call__(self, x: jax.Array, token_real: jax.Array) -> jax.Array:
-        """``x [T, d]`` float32, ``token_real bool [T]`` -> ``[T, d]``."""
+    def __call__(self, x: jax.Array, token_real: jax.Array, backend: str = "reference") -> jax.Array:
+        """``x [T, d]`` float32, ``token_real bool [T]`` -> ``[T, d]``; ``backend``: the expert
+        products' (:func:`apply_experts`)."""
         c = self.config
         h = rms_norm(x, self.norm, c.rms_eps)
         spec = MoESpec(c.moe_num_experts, c.moe_top_k, c.moe_ffn_dim)
         w = {"router": self.router, "w_gate": self.w_gate, "w_up": self.w_up, "w_down": self.w_down}
-        y = moe_ffn(h, w, spec, self.expert_axis)
+        y = moe_ffn(h, w, spec, self.expert_axis, backend=backend)
         return x + jnp.where(token_real[:, None], y, 0.0)

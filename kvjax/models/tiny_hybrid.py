@@ -93,7 +93,7 @@ class TinyHybrid(nn.Module):
                     values[ia] = v
                 ia += 1
             elif kind == "moe":
-                x = layer(x, ctx.token_real)
+                x = layer(x, ctx.token_real, backend)
             else:
                 x, convs[im], ssms[im] = layer(x, ctx, convs[im], ssms[im], backend)
                 im += 1

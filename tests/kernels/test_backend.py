@@ -10,7 +10,7 @@ from pallas_kernels.backend import Choice, choose, resolve
 
 OPS = ("kv_write", "zero_blocks", "selective_state_update", "causal_conv1d_update",
        "selective_scan_varlen", "causal_conv1d_varlen", "combine_sampled_and_draft_tokens",
-       "ragged_paged_attention")
+       "ragged_paged_attention", "grouped_matmul")
 
 
 @pytest.fixture
@@ -71,8 +71,9 @@ def test_every_op_registers_a_reference_and_its_flavours():
     for op in ("kv_write", "zero_blocks"):
         assert kernel_backend.flavors(op) == ("reference", "tpu", "gpu", "mosaic_gpu"), op
     assert kernel_backend.flavors("ragged_paged_attention") == ("reference", "tpu")  # JAX's kernel
+    assert kernel_backend.flavors("grouped_matmul") == ("reference", "gpu")  # TPU: the reference
     for op in set(OPS) - {"causal_conv1d_varlen", "kv_write", "zero_blocks",
-                          "ragged_paged_attention"}:
+                          "ragged_paged_attention", "grouped_matmul"}:
         assert kernel_backend.flavors(op) == ("reference", "tpu", "gpu"), op
 
 

@@ -16,6 +16,7 @@ OPS = (
     "causal_conv1d_varlen",
     "combine_sampled_and_draft_tokens",
     "concat_and_cache_mla",
+    "grouped_matmul",
     "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",
@@ -24,7 +25,9 @@ OPS = (
     "write_kv_pages",
     "zero_blocks",
 )
-CONFIGS = ("ConvConfig", "KVWriteConfig", "PagedAttentionConfig", "SSUConfig", "ZeroBlocksConfig")
+CONFIGS = ("ConvConfig", "GroupedMatmulConfig", "KVWriteConfig", "PagedAttentionConfig", "SSUConfig",
+           "ZeroBlocksConfig")
+HELPERS = ("group_tiles",)  # public functions that are not ops
 
 
 def _calls():
@@ -47,6 +50,8 @@ def _calls():
             one((1, 1, 2), f32), one((2, 2, 2, 2), f32), np.array([1], np.int32),
             np.array([[1]], np.int32), np.array([0, 1], np.int32), np.array([1], np.int32),
             backend="reference"),
+        "grouped_matmul": lambda f: f(one((2, 2), f32), one((1, 2, 3), f32), np.array([0], np.int32),
+                                      tile_rows=2, backend="reference"),
         "paged_attention": lambda f: f(
             one((1, 1, 2), f32), one((2, 2, 1, 2), f32), one((2, 2, 1, 2), f32), np.array([[1]], np.int32),
             np.array([1], np.int32), np.array([0], np.int32), np.array([0], np.int32), backend="reference"),
@@ -72,7 +77,8 @@ def _calls():
 
 
 def test_all_lists_every_public_name():
-    assert set(pallas_kernels.__all__) == set(OPS) | set(CONFIGS) | {"NULL_BLOCK_ID", "PAD_SLOT_ID"}
+    assert set(pallas_kernels.__all__) == (set(OPS) | set(CONFIGS) | set(HELPERS)
+                                           | {"NULL_BLOCK_ID", "PAD_SLOT_ID"})
     mod = importlib.import_module("pallas_kernels")
     for name in pallas_kernels.__all__:
         assert getattr(mod, name) is not None, name

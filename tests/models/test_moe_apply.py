@@ -1,6 +1,8 @@
 """The routed-expert rule (``kvjax.models.moe.apply_experts`` / ``routed_ffn``) shared by the
-generic MoE and DeepSeek-V3: dense (all held experts, batched over the expert axis) and sparse
-(only the chosen experts' weights) paths against a per-token numpy loop, expert parallelism
+generic MoE and DeepSeek-V3: dense (all held experts, batched over the expert axis), sparse
+(only the chosen experts' weights) and grouped (pairs sorted by expert into tiles, through
+``pallas_kernels.grouped_matmul``: its GPU kernel in interpret mode and its reference) paths
+against a per-token numpy loop, expert parallelism
 over two host devices, the routing functions unchanged, and no weight-stack-sized transpose or
 copy in the compiled program."""
 
@@ -76,15 +78,16 @@ def test_dense_and_sparse_match_the_loop(gated, act, T):
     h = np.random.default_rng(T + 100).standard_normal((T, D)).astype(np.float32)
     idx, weight = _routing(T + 7, T)
     ref = loop_reference(h, idx, weight, w, gated, act)
-    outs = {p: np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w,
-                                            gated=gated, activation=act, path=p))
-            for p in ("dense", "sparse", "auto")}
+    outs = {(p, b): np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight),
+                                                 w, gated=gated, activation=act, path=p, backend=b))
+            for p, b in (("dense", "reference"), ("sparse", "reference"), ("auto", "reference"),
+                         ("grouped", "reference"), ("grouped", "pallas_gpu"), ("auto", "pallas_gpu"))}
     for p, y in outs.items():
-        np.testing.assert_allclose(y, ref, rtol=0, atol=LOOP_TOL, err_msg=p)
-    assert np.max(np.abs(outs["dense"] - outs["sparse"])) <= PATH_TOL
+        np.testing.assert_allclose(y, ref, rtol=0, atol=LOOP_TOL, err_msg=str(p))
+        assert np.max(np.abs(outs["dense", "reference"] - y)) <= PATH_TOL, p
 
 
-@pytest.mark.parametrize("path", ["dense", "sparse"])
+@pytest.mark.parametrize("path", ["dense", "sparse", "grouped"])
 def test_a_holder_applies_only_its_own_experts(path):
     """``w`` holds experts 4..7 of 8 (``first=4``): choices of 0..3 add 0; tokens 0-2 chose
     only experts another member holds (their rows are exactly 0), token 3 only held ones."""
@@ -95,20 +98,25 @@ def test_a_holder_applies_only_its_own_experts(path):
     idx, weight = _routing(6, T)
     idx[:3] = [[0, 1], [3, 2], [1, 3]]
     idx[3] = [5, 7]
+    backend = "pallas_gpu" if path == "grouped" else "reference"
     y = np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w,
-                                     gated=gated, activation=act, first=4, path=path))
+                                     gated=gated, activation=act, first=4, path=path, backend=backend))
     np.testing.assert_allclose(y, loop_reference(h, idx, weight, w, gated, act, first=4), atol=LOOP_TOL, rtol=0)
     assert np.all(y[:3] == 0)
     # the two holders' parts add up to the whole
     other = np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight),
-                                         {k: v[:4] for k, v in w_all.items()}, first=0, path=path))
+                                         {k: v[:4] for k, v in w_all.items()}, first=0, path=path,
+                                         backend=backend))
     whole = loop_reference(h, idx, weight, w_all, gated, act)
     np.testing.assert_allclose(y + other, whole, atol=LOOP_TOL, rtol=0)
 
 
-def test_auto_path_is_a_static_choice_from_shapes():
+def test_auto_path_is_a_static_choice_from_shapes_and_backend():
     assert moe.sparse_pays(1, 6, 64) and moe.sparse_pays(3, 6, 64) and not moe.sparse_pays(4, 6, 64)
     assert not moe.sparse_pays(1, 2, 4) and moe.sparse_pays(1, 2, 8)
+    assert moe.choose_path(1, 6, 64) == "sparse" and moe.choose_path(4, 6, 64) == "dense"
+    assert moe.choose_path(1, 6, 64, "pallas_gpu") == "grouped"
+    assert moe.choose_path(256, 6, 64, "pallas_tpu") == "dense"  # no TPU kernel: the reference rule
     with pytest.raises(ValueError, match="path must be one of"):
         moe.apply_experts(jnp.zeros((1, D)), jnp.zeros((1, K), jnp.int32), jnp.ones((1, K)), _weights(0),
                           path="ragged")
@@ -122,9 +130,13 @@ def test_bf16_weights_run_both_paths_alike():
     idx, weight = _routing(9, 5)
     ref = loop_reference(np.asarray(jnp.asarray(h, jnp.bfloat16), np.float32), idx, weight,
                          {k: np.asarray(v, np.float32) for k, v in w.items()}, True, "silu")
-    for p in ("dense", "sparse"):
-        y = np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path=p))
-        np.testing.assert_allclose(y, ref, atol=0.05, rtol=0.02, err_msg=p)
+    ys = {}
+    for p, b in (("dense", "reference"), ("sparse", "reference"), ("grouped", "pallas_gpu")):
+        ys[p] = np.asarray(moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w,
+                                             path=p, backend=b))
+        np.testing.assert_allclose(ys[p], ref, atol=0.05, rtol=0.02, err_msg=p)
+    # the same bf16 roundings (inputs, intermediate) on every path: only accumulation order differs
+    assert np.max(np.abs(ys["grouped"] - ys["dense"])) <= 1e-5
 
 
 # ----------------------------------------------------------------------------- routing unchanged

@@ -577,18 +577,18 @@ def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> tuple[jax.Array, jax.A
     return idx, w * jnp.float32(c.routed_scaling_factor)
 
 
-def _moe(mp, c, h, expert_axis, model_axis):
+def _moe(mp, c, h, expert_axis, model_axis, backend):
     shared = _swiglu(h, mp["shared_gate"], mp["shared_up"], mp["shared_down"])
     if model_axis is not None:
         shared = jax.lax.psum(shared, model_axis)
-    routed = routed_ffn(h, lambda r: route(r, mp, c), mp, expert_axis=expert_axis)
+    routed = routed_ffn(h, lambda r: route(r, mp, c), mp, expert_axis=expert_axis, backend=backend)
     return routed + shared
 
 
-def _mlp(lp, c, i, h, expert_axis, model_axis):
+def _mlp(lp, c, i, h, expert_axis, model_axis, backend="reference"):
     mp = lp["mlp"]
     if c.is_moe_layer(i):
-        return _moe(mp, c, h, expert_axis, model_axis)
+        return _moe(mp, c, h, expert_axis, model_axis, backend)
     y = _swiglu(h, mp["gate"], mp["up"], mp["down"])
     return y if model_axis is None else jax.lax.psum(y, model_axis)
 
@@ -792,7 +792,7 @@ class DeepseekV3:
                 form=self.attention_form, fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
             x = x + jnp.where(real, _out(ap, o, model_axis), 0.0)
             h = _rms(x, lp["post_norm"], c.rms_norm_eps)
-            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis), 0.0)
+            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend), 0.0)
         hl = _rms(x[ctx.logits_indices], params["final_norm"], c.rms_norm_eps)
         return _mm(hl, params["lm_head"]), pools
 

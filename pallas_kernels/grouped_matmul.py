@@ -1,0 +1,280 @@
+"""Grouped matmul: row tiles of one input, each multiplied by the weight matrix of its group.
+
+``grouped_matmul(x, w, tile_group, tile_rows=TM)``: ``x [NT * TM, K]`` is ``NT`` tiles of ``TM``
+rows; tile ``i`` is multiplied by ``w[tile_group[i]]`` (``w [G, K, N]``), so that
+``out[i * TM:(i + 1) * TM] = x[i * TM:(i + 1) * TM] @ w[tile_group[i]]``, float32 ``[NT * TM, N]``.
+A tile whose group is outside ``[0, G)`` reads nothing and gives 0. This is the product of a
+mixture of experts with the (token, expert) pairs sorted by expert: every expert's weights
+are read once per tile that names it, and no weight is copied
+(:func:`group_tiles` builds the tile layout; ``kvjax.models.moe`` is the caller).
+
+Contract (every implementation):
+
+* Products are ``x``'s dtype times ``w``'s dtype (one float dtype), accumulated in float32;
+  float32 operands multiply in IEEE float32. Implementations differ only in the order of the
+  float32 accumulation.
+* ``tile_group`` values outside ``[0, G)`` are the unused tiles: 0 out, no weight read (a
+  value check refuses nothing here: the tile layout marks unused tiles with ``G``).
+
+Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference):
+
+* reference (jnp): ``einsum("imk,ikn->imn")`` over the weights gathered per tile (a copy of
+  ``NT`` matrices: fine on a CPU, the reason for the kernel on a GPU).
+* GPU (Pallas Triton): grid ``(NT, cdiv(N, block_n))``. Program ``(i, j)`` reads its tile's
+  group, then accumulates ``block_k``-deep products of the tile's rows with columns
+  ``[j * block_n, (j + 1) * block_n)`` of that group's matrix, read in place through
+  ``w``'s flat view. An unused tile stores zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as _backend
+from pallas_kernels import contract as validation
+from pallas_kernels import gpu_tiling
+
+__all__ = ["GroupedMatmulConfig", "group_tiles", "grouped_matmul", "num_tiles", "tile_rows_for"]
+
+OP_GROUPED_MATMUL = "grouped_matmul"
+
+#: Tile heights :func:`tile_rows_for` picks from (Triton products need >= 16 rows).
+MIN_TILE_ROWS, MAX_TILE_ROWS = 16, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """Tuning knobs of the GPU kernel (a static argument).
+
+    Attributes:
+      gpu_block_n: output columns of a program (a power of two). None: 128, or 64 when that
+        gives fewer than ``gpu_min_programs`` programs.
+      gpu_block_k: depth of one product step (a power of two). None: 64.
+      gpu_min_programs: the program count under which ``gpu_block_n`` halves (to 32 at least).
+      gpu_num_warps: None: 4 for tiles of up to 64 rows, else 8.
+      gpu_num_stages: Triton's software pipelining of the ``K`` loop.
+    """
+
+    gpu_block_n: int | None = None
+    gpu_block_k: int | None = None
+    gpu_min_programs: int = 264
+    gpu_num_warps: int | None = None
+    gpu_num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("gpu_block_n", "gpu_block_k", "gpu_num_warps"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
+                raise ValueError(f"{name} must be a power of two or None, got {v!r}")
+        for name in ("gpu_min_programs", "gpu_num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+# --------------------------------------------------------------------------
+# The tile layout
+# --------------------------------------------------------------------------
+
+
+def tile_rows_for(rows: int, groups: int) -> int:
+    """``TM`` for ``rows`` rows over ``groups`` groups: twice the mean rows per group, as a power
+    of two in ``[16, 128]`` (one tile holds most groups' rows, so most weights are read once)."""
+    want = pl.next_power_of_2(max(1, 2 * -(-int(rows) // max(1, int(groups)))))
+    return int(min(MAX_TILE_ROWS, max(MIN_TILE_ROWS, want)))
+
+
+def num_tiles(rows: int, groups: int, tile_rows: int) -> int:
+    """The most tiles :func:`group_tiles` can fill: ``sum_g ceil(n_g / TM)`` over at most
+    ``min(rows, groups)`` non-empty groups whose sizes ``n_g`` sum to ``rows``."""
+    return max(1, (int(rows) + min(int(rows), int(groups)) * (int(tile_rows) - 1)) // int(tile_rows))
+
+
+def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int):
+    """The tile layout of rows by group: ``(slot int32 [P], tile_group int32 [NT])``.
+
+    Row ``p`` of group ``g = group_of_row[p]`` goes to position ``slot[p]`` of an
+    ``[NT * tile_rows]`` layout in which each group's rows are consecutive (in row order),
+    starting at a tile boundary; ``tile_group[i]`` is tile ``i``'s group, ``num_groups`` for
+    an unused tile. A row whose group is outside ``[0, num_groups)`` gets
+    ``slot = NT * tile_rows`` (one past the end: scatter with ``mode="drop"``, gather with a
+    fill). ``NT`` is :func:`num_tiles` (static).
+    """
+    validation.check_rank("group_of_row", group_of_row, 1)
+    P = int(np.shape(group_of_row)[0])
+    G, TM = int(num_groups), int(tile_rows)
+    NT = num_tiles(P, G, TM)
+    g = jnp.asarray(group_of_row).astype(jnp.int32)
+    onehot = (g[:, None] == jnp.arange(G, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [P, G]
+    counts = jnp.sum(onehot, axis=0)
+    rank = jnp.sum(onehot * (jnp.cumsum(onehot, axis=0) - 1), axis=1)  # row's index in its group
+    tiles = (counts + TM - 1) // TM
+    ends = jnp.cumsum(tiles)  # [G] exclusive end tile of each group
+    starts = ends - tiles
+    valid = (g >= 0) & (g < G)
+    slot = jnp.where(valid, jnp.sum(onehot * starts[None, :], axis=1) * TM + rank, NT * TM)
+    tile = jnp.arange(NT, dtype=jnp.int32)
+    tile_group = jnp.sum((ends[None, :] <= tile[:, None]).astype(jnp.int32), axis=1)  # G: unused
+    return slot.astype(jnp.int32), tile_group.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------
+# Reference (plain XLA)
+# --------------------------------------------------------------------------
+
+
+def _operands(x, w):
+    """Both operands widened to float32 (exact for bf16 / f16 products), and the precision."""
+    return x.astype(jnp.float32), w.astype(jnp.float32), jax.lax.Precision.HIGHEST
+
+
+@_backend.register(OP_GROUPED_MATMUL, "reference")
+def _reference(x, w, tile_group, *, tile_rows, config, interpret):
+    del config, interpret
+    G = w.shape[0]
+    NT = tile_group.shape[0]
+    used = (tile_group >= 0) & (tile_group < G)
+    wt = jnp.take(w, jnp.where(used, tile_group, 0), axis=0)  # [NT, K, N]
+    a, b, prec = _operands(x.reshape(NT, tile_rows, -1), wt)
+    out = jnp.einsum("imk,ikn->imn", a, b, precision=prec, preferred_element_type=jnp.float32)
+    return jnp.where(used[:, None, None], out, 0.0).reshape(NT * tile_rows, -1)
+
+
+# --------------------------------------------------------------------------
+# GPU: Pallas Triton, one program per (tile, column block)
+# --------------------------------------------------------------------------
+
+
+def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` (see :class:`GroupedMatmulConfig`)."""
+    BN = cfg.gpu_block_n
+    if BN is None:
+        BN = min(128, max(16, pl.next_power_of_2(N)))
+        while BN > 32 and NT * -(-N // BN) < cfg.gpu_min_programs:
+            BN //= 2
+    BK = cfg.gpu_block_k or min(64, max(16, pl.next_power_of_2(K)))
+    warps = cfg.gpu_num_warps or (4 if TM <= 64 else 8)
+    return int(BN), int(BK), int(warps)
+
+
+@_backend.register(OP_GROUPED_MATMUL, "gpu")
+def _gpu(x, w, tile_group, *, tile_rows, config, interpret):
+    TM = tile_rows
+    G, K, N = w.shape
+    NT = tile_group.shape[0]
+    BN, BK, warps = _blocks(NT, N, K, TM, config)
+    if not interpret and TM < 16:
+        raise NotImplementedError(f"the GPU kernel needs tile_rows >= 16 (Triton products), got {TM}")
+    for name, shape in (("x", x.shape), ("w", w.shape), ("the output", (NT * TM, N + BN))):
+        gpu_tiling.check_int32_offsets(name, shape)
+    f32 = jnp.dtype(x.dtype) == jnp.float32
+    # Interpret mode widens both operands (XLA:CPU has no bf16 x bf16 -> f32 dot); the products
+    # are exact either way.
+    prec = jax.lax.Precision.HIGHEST if (f32 or interpret) else None
+    k_even, n_even = K % BK == 0, N % BN == 0
+    Np = -(-N // BN) * BN
+    load, store = _backend.triton.load, _backend.triton.store
+
+    def kernel(group_ref, x_ref, w_ref, o_ref):
+        # group_ref i32[NT], x_ref [NT * TM * K], w_ref [G * K * N], o_ref f32[NT * TM * Np].
+        i, j = pl.program_id(0), pl.program_id(1)
+        g = group_ref[i]
+        rows = i * TM + jnp.arange(TM, dtype=jnp.int32)
+        cols = j * BN + jnp.arange(BN, dtype=jnp.int32)
+        # The output is Np = cdiv(N, BN) * BN wide: every lane stores to its own address
+        # (interpret mode writes masked lanes back), the padding columns are sliced off.
+        out_at = o_ref.at[rows[:, None] * Np + cols[None, :]]
+        col_ok = cols < N
+        if not n_even:  # masked columns read inside the matrix
+            cols = jnp.minimum(cols, N - 1)
+
+        @pl.when((g >= 0) & (g < G))
+        def _product():
+            def step(kb, acc):
+                kk = kb * BK + jnp.arange(BK, dtype=jnp.int32)
+                if k_even:
+                    a = load(x_ref.at[rows[:, None] * K + kk[None, :]])
+                    b_mask = None if n_even else jnp.broadcast_to(col_ok[None, :], (BK, BN))
+                else:
+                    k_ok = kk < K
+                    kk = jnp.minimum(kk, K - 1)
+                    a = load(x_ref.at[rows[:, None] * K + kk[None, :]],
+                             mask=jnp.broadcast_to(k_ok[None, :], (TM, BK)), other=0)
+                    b_mask = k_ok[:, None] & col_ok[None, :]
+                b_at = w_ref.at[(g * K + kk[:, None]) * N + cols[None, :]]
+                b = load(b_at) if b_mask is None else load(b_at, mask=b_mask, other=0)
+                if interpret:
+                    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+                return acc + jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+                                                 preferred_element_type=jnp.float32)
+
+            acc = jax.lax.fori_loop(0, -(-K // BK), step, jnp.zeros((TM, BN), jnp.float32))
+            store(out_at, acc)
+
+        @pl.when((g < 0) | (g >= G))
+        def _unused_tile():
+            store(out_at, jnp.zeros((TM, BN), jnp.float32))
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((NT * TM * Np,), jnp.float32),
+        grid=(NT, Np // BN),
+        compiler_params=_backend.triton.CompilerParams(num_warps=warps,
+                                                       num_stages=config.gpu_num_stages),
+        interpret=interpret,
+        name="grouped_matmul_gpu",
+    )
+    out = call(tile_group, x.reshape(-1), w.reshape(-1)).reshape(NT * TM, Np)
+    return out if n_even else out[:, :N]
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+
+def grouped_matmul(x, w, tile_group, *, tile_rows: int, backend: str = "auto",
+                   interpret: bool | None = None,
+                   config: GroupedMatmulConfig = GroupedMatmulConfig()):
+    """Each ``tile_rows``-row tile of ``x`` times its group's matrix (see the module docstring).
+
+    Args:
+      x: ``[NT * tile_rows, K]``, float32, bfloat16 or float16.
+      w: ``[G, K, N]``, ``x``'s dtype.
+      tile_group: int32 ``[NT]``: tile ``i``'s group; outside ``[0, G)``: an unused tile.
+      tile_rows: rows of a tile (static; >= 16 for the compiled GPU kernel).
+      backend, interpret: see :mod:`pallas_kernels.backend` (TPU: the reference).
+      config: :class:`GroupedMatmulConfig` (static).
+
+    Returns:
+      float32 ``[NT * tile_rows, N]``; 0 in unused tiles.
+
+    Raises:
+      ValueError: bad ranks, shapes or dtypes, or a bad ``tile_rows``.
+      NotImplementedError: the compiled GPU kernel cannot take the shapes.
+    """
+    choice = _backend.choose(OP_GROUPED_MATMUL, backend, interpret)
+    if not isinstance(config, GroupedMatmulConfig):
+        raise ValueError(f"config must be a GroupedMatmulConfig, got {config!r}")
+    if not isinstance(tile_rows, int) or isinstance(tile_rows, bool) or tile_rows < 1:
+        raise ValueError(f"tile_rows must be an int >= 1, got {tile_rows!r}")
+    validation.check_rank("x", x, 2)
+    validation.check_rank("w", w, 3)
+    validation.check_rank("tile_group", tile_group, 1)
+    validation.check_dtype("x", x, (np.float32, jnp.bfloat16, np.float16))
+    validation.check_dtype("w", w, np.dtype(x.dtype))
+    validation.check_dtype("tile_group", tile_group, np.int32)
+    NT = int(np.shape(tile_group)[0])
+    validation.check_shape("x", x, (NT * tile_rows, np.shape(w)[1]))
+    G, K, N = np.shape(w)
+    if NT == 0 or N == 0:
+        return jnp.zeros((NT * tile_rows, N), jnp.float32)
+    if G == 0 or K == 0:
+        return jnp.zeros((NT * tile_rows, N), jnp.float32)
+    return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, tile_rows=tile_rows,
+                        config=config)

@@ -1,0 +1,149 @@
+"""grouped_matmul and its tile layout: the GPU kernel (interpret mode) and the jnp reference.
+
+Operands are small integers, so every product and sum is exact in float32: both
+implementations must equal the numpy product bitwise, whatever their accumulation order.
+Unused tiles hold NaN rows and the weights no tile names are NaN: an unused tile reading
+anything, or a used tile reading the wrong group, shows as NaN or a wrong integer.
+
+Planted bugs each test was seen to fail on (then restored):
+
+* the kernel's unused-tile zero store removed: ``test_kernel_matches_numpy_exactly`` fails
+  (the interpreter leaves the output uninitialised, NaN);
+* the kernel reading group ``g - 1``'s weights: every kernel case, the round trip, and the
+  grouped cases of ``tests/models/test_moe_apply.py`` fail;
+* ``group_tiles`` starting each group at ``starts * TM + rank`` with ``starts`` off by one
+  tile: the layout test fails;
+* ``num_tiles`` one tile short: the layout test's bound fails (and the slots overflow).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvjax.testing.asserts import assert_bitwise
+from pallas_kernels import GroupedMatmulConfig, group_tiles, grouped_matmul
+from pallas_kernels.grouped_matmul import num_tiles, tile_rows_for
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _layout(groups, G, TM):
+    slot, tg = group_tiles(jnp.asarray(groups, jnp.int32), G, TM)
+    return np.asarray(slot), np.asarray(tg)
+
+
+@pytest.mark.parametrize("P,G,TM", [(6, 64, 16), (1, 4, 16), (40, 5, 4), (33, 3, 8), (7, 7, 1)])
+def test_group_tiles_layout(P, G, TM):
+    """Every valid row gets its own slot; a group's rows are consecutive, in row order, from a
+    tile boundary, in tiles naming that group; unused tiles name ``G``; rows of no group are
+    one past the end; the tile count never exceeds :func:`num_tiles`."""
+    for seed in range(4):
+        r = np.random.default_rng(seed)
+        groups = r.integers(-2, G + 2, size=P)
+        if seed == 0:
+            groups[:] = r.integers(0, G)  # all rows in one group
+        slot, tg = _layout(groups, G, TM)
+        NT = num_tiles(P, G, TM)
+        assert tg.shape == (NT,) and slot.shape == (P,)
+        valid = (groups >= 0) & (groups < G)
+        assert np.all(slot[~valid] == NT * TM)
+        assert len(set(slot[valid].tolist())) == valid.sum()
+        assert np.all((slot[valid] >= 0) & (slot[valid] < NT * TM))
+        used = set()
+        for g in range(G):
+            s = slot[valid & (groups == g)]
+            if s.size == 0:
+                continue
+            assert s[0] % TM == 0 and np.array_equal(s, s[0] + np.arange(s.size)), (g, s)
+            tiles = np.unique(s // TM)
+            assert np.all(tg[tiles] == g), (g, tiles, tg)
+            assert np.array_equal(tiles, np.arange(tiles[0], tiles[0] + -(-s.size // TM)))
+            used |= set(tiles.tolist())
+        unused = sorted(set(range(NT)) - used)
+        assert np.all(tg[unused] == G)
+        assert unused == list(range(len(used), NT)), "used tiles come first"
+
+
+def test_num_tiles_and_tile_rows_rules():
+    assert num_tiles(6, 64, 16) == 6  # one tile per pair at decode
+    assert num_tiles(1536, 64, 64) == 87 and num_tiles(12288, 64, 128) == 159
+    assert tile_rows_for(6, 64) == 16 and tile_rows_for(1536, 64) == 64
+    assert tile_rows_for(12288, 64) == 128
+
+
+def _case(seed, P, G, K, N, TM, dtype):
+    r = np.random.default_rng(seed)
+    groups = r.integers(-1, G + 1, size=P)  # some rows of no group
+    groups[0] = 1
+    slot, tg = _layout(groups, G, TM)
+    NT = tg.shape[0]
+    rows = r.integers(-3, 4, size=(P, K)).astype(np.float32)
+    x = np.full((NT * TM, K), np.nan, np.float32)  # unused rows and tiles: NaN
+    tile_used = tg < G
+    x[np.repeat(tile_used, TM)] = 0.0  # used tiles' padding rows hold 0
+    ok = slot < NT * TM
+    x[slot[ok]] = rows[ok]
+    w = r.integers(-3, 4, size=(G, K, N)).astype(np.float32)
+    named = np.zeros(G, bool)
+    named[tg[tile_used]] = True
+    w[~named] = np.nan  # groups no tile names must not be read
+    want = np.zeros((NT * TM, N), np.float32)
+    for i in np.flatnonzero(tile_used):
+        want[i * TM:(i + 1) * TM] = x[i * TM:(i + 1) * TM] @ w[tg[i]]
+    return x.astype(dtype), w.astype(dtype), tg, want, slot, rows, groups
+
+
+CASES = [  # P, G, K, N, TM: divisible blocks, ragged K and N, one pair per tile
+    (12, 4, 32, 64, 16),
+    (20, 3, 40, 33, 16),
+    (6, 8, 64, 48, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("P,G,K,N,TM", CASES)
+def test_kernel_matches_numpy_exactly(P, G, K, N, TM, dtype):
+    x, w, tg, want, *_ = _case(P + K, P, G, K, N, TM, dtype)
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(tg, jnp.int32))
+    for backend, cfg in (("reference", GroupedMatmulConfig()),
+                         ("pallas_gpu", GroupedMatmulConfig()),
+                         ("pallas_gpu", GroupedMatmulConfig(gpu_block_n=16, gpu_block_k=16))):
+        out = grouped_matmul(*args, tile_rows=TM, backend=backend, config=cfg)
+        assert out.dtype == jnp.float32
+        assert_bitwise(np.asarray(out), want, f"{backend} {cfg}")
+
+
+def test_pairs_come_back_through_the_slots():
+    """The layout's round trip: scatter rows to their slots, multiply, gather by slot."""
+    P, G, K, N, TM = 24, 5, 16, 16, 8
+    _, w, tg, _, slot, rows, groups = _case(3, P, G, K, N, TM, np.float32)
+    NT = tg.shape[0]
+    x = jnp.zeros((NT * TM, K), jnp.float32).at[slot].set(jnp.asarray(rows), mode="drop")
+    w = np.nan_to_num(w)
+    out = grouped_matmul(x, jnp.asarray(w), jnp.asarray(tg, jnp.int32), tile_rows=TM,
+                         backend="pallas_gpu")
+    y = np.asarray(jnp.take(out, jnp.asarray(slot), axis=0, mode="fill", fill_value=0))
+    for p in range(P):
+        g = groups[p]
+        assert_bitwise(y[p], rows[p] @ w[g] if 0 <= g < G else np.zeros(N, np.float32), p)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=np.ones((3, 2), np.float32)), "x must have shape"),
+    (dict(w=np.ones((1, 2, 3), BF16)), "w must have dtype"),
+    (dict(tile_group=np.array([0], np.int64)), "tile_group must have dtype"),
+    (dict(tile_rows=0), "tile_rows must be an int >= 1"),
+    (dict(config="fast"), "config must be a GroupedMatmulConfig"),
+])
+def test_bad_arguments_name_themselves(bad, match):
+    args = dict(x=np.ones((2, 2), np.float32), w=np.ones((1, 2, 3), np.float32),
+                tile_group=np.array([0], np.int32), tile_rows=2)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        grouped_matmul(args.pop("x"), args.pop("w"), args.pop("tile_group"), backend="reference",
+                       **args)
+    with pytest.raises(ValueError, match="gpu_block_n must be a power of two"):
+        GroupedMatmulConfig(gpu_block_n=48)
