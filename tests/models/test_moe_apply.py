@@ -25,10 +25,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 E, D, F, K = 8, 16, 24, 2  # stack E * D * F = 3072 elements; no activation has that size
 
-# float32 bounds (values are O(1)): both paths against the float64 loop, and against each other
-# (they differ only in the accumulation order of the products)
+# float32 bounds (values are O(1)): every path against the float64 loop, and against each other
+# (they differ only in the accumulation order of the products: up to 1.9e-6 on an H100, where
+# cuBLAS and the grouped kernel order their sums differently)
 LOOP_TOL = 2e-5
-PATH_TOL = 1e-6
+PATH_TOL = 4e-6
 
 
 def _weights(seed, E_=E, gated=True):

@@ -1,0 +1,117 @@
+"""The routed-expert paths (``kvjax.models.moe.apply_experts``) at DeepSeek-V2-Lite's shapes.
+
+MoE: 64 experts of 2048 x 1408 (SwiGLU), top-6, bf16, random routing (each token's 6 distinct
+experts uniform). Per token count T and path (``dense``, ``sparse`` where it is allowed,
+``grouped`` = :func:`pallas_kernels.grouped_matmul`): the median device time of the jitted
+``apply_experts`` over back-to-back calls, its byte floor (the distinct chosen experts' weights
+read once, at the measured copy bandwidth), its matmul floor (``6 * T * k * d * F`` flops at the
+nominal bf16 peak), and the largest difference from the dense path.
+
+Times are per call from the host (``jit`` dispatch included): at a few tokens they bound the
+device time from above; the model benchmark (``bench_model.py``) has the step's device time.
+
+``python benchmarks/bench_moe.py --out DIR`` writes ``DIR/bench_moe.json`` (rows) and logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvjax.models import moe  # noqa: E402
+
+E, D, F, K = 64, 2048, 1408, 6
+NOMINAL_BF16_TFLOPS = 989.0
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timed(fn, *args, reps=20):
+    """Median seconds of ``fn(*args)`` (compiled, back to back, each blocked on)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def copy_bandwidth():
+    """Bytes per second of a 1 GiB device copy (read + write)."""
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
+    f = jax.jit(lambda a: a + 1)
+    s = timed(f, x, reps=10)
+    return 2 * x.nbytes / s
+
+
+def bench_moe(rows, bw, tokens):
+    r = np.random.default_rng(0)
+    w = {n: jnp.asarray(r.standard_normal(s) / np.sqrt(s[1]), jnp.bfloat16)
+         for n, s in (("w_up", (E, D, F)), ("w_gate", (E, D, F)), ("w_down", (E, F, D)))}
+    expert_bytes = 3 * D * F * 2
+    for T in tokens:
+        h = jnp.asarray(r.standard_normal((T, D)), jnp.float32)
+        idx = np.stack([r.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+        weight = jnp.asarray(r.uniform(0.1, 1.0, (T, K)), jnp.float32)
+        distinct = len(np.unique(idx))
+        floor_s = distinct * expert_bytes / bw
+        mm_floor_s = 6 * T * K * D * F / (NOMINAL_BF16_TFLOPS * 1e12)
+        outs = {}
+        paths = [("dense", "reference"), ("grouped", "auto")]
+        if moe.sparse_pays(T, K, E) or T <= 16:
+            paths.insert(1, ("sparse", "reference"))
+        for path, backend in paths:
+            fn = jax.jit(lambda h, i, wt, w, p=path, b=backend: moe.apply_experts(
+                h, i, wt, w, path=p, backend=b))
+            try:
+                s = timed(fn, h, jnp.asarray(idx), weight, w)
+                outs[path] = np.asarray(fn(h, jnp.asarray(idx), weight, w))
+            except Exception as e:  # noqa: BLE001 - a failing path is a row, not the end
+                log(f"moe T={T} {path}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                rows.append({"bench": "moe", "tokens": T, "path": path, "error": str(e)[:500]})
+                continue
+            row = {"bench": "moe", "tokens": T, "path": path, "device_us": s * 1e6,
+                   "byte_floor_us": floor_s * 1e6, "matmul_floor_us": mm_floor_s * 1e6,
+                   "distinct_experts": distinct,
+                   "floor_ratio": s / max(floor_s, mm_floor_s)}
+            if "dense" in outs and path != "dense":
+                row["max_abs_diff_vs_dense"] = float(np.max(np.abs(outs[path] - outs["dense"])))
+                row["max_abs_dense"] = float(np.max(np.abs(outs["dense"])))
+            rows.append(row)
+            log(json.dumps(row))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default="1,4,16,64,256,2048,8192")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    bw = copy_bandwidth()
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0]),
+            "jax": jax.__version__, "python": platform.python_version(), "copy_bw_TBps": bw / 1e12,
+            "shapes": {"experts": E, "d": D, "F": F, "top_k": K, "dtype": "bfloat16"}}
+    log(json.dumps(meta))
+    try:
+        bench_moe(rows, bw, [int(t) for t in a.tokens.split(",") if t])
+    finally:
+        with open(os.path.join(a.out, "bench_moe.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
