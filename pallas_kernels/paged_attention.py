@@ -30,8 +30,9 @@ TPU path being JAX's ragged paged attention, :mod:`pallas_kernels.rpa`):
 
 * Values: ``value_cache`` (its own head size ``Dv``), or ``None`` with ``v_head_dim``: each
   key row's first ``v_head_dim`` features (a latent cache read as MQA, MLA's absorbed form:
-  ``kvjax.models.hf.mla``). Head sizes need not be powers of two (the GPU kernel pads its
-  blocks to one and masks the rest).
+  ``kvjax.models.hf.mla``). Head sizes need not be powers of two: the GPU kernel runs the
+  key features as at most two power-of-two blocks (576 = 512 + 64, masked where padded), and
+  where the values are the keys' first block (MLA's 512 latent features) it reads them once.
 
 * reference (jnp): gathers every block of the table for every token,
   ``[T, W * block_size]`` keys, then :func:`pallas_kernels.attention_math.masked_attention`
@@ -90,8 +91,9 @@ class PagedAttentionConfig:
         ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
         at most ``gpu_max_kv_splits``, each with two chunks of the table's width.
       gpu_max_kv_splits, gpu_min_programs: bounds of that rule.
-      gpu_num_warps, gpu_num_stages: Triton launch parameters (stages: software
-        pipelining of the key loop).
+      gpu_num_warps: Triton warps; None: 4, or 8 where the float32 accumulator tile
+        (``block_m`` x value width) passes 16K elements (MLA's 512-wide latent values).
+      gpu_num_stages: software pipelining of the key loop.
     """
 
     gpu_block_m: int | None = None
@@ -99,14 +101,14 @@ class PagedAttentionConfig:
     gpu_kv_splits: int | None = None
     gpu_max_kv_splits: int = 16
     gpu_min_programs: int = 256
-    gpu_num_warps: int = 4
+    gpu_num_warps: int | None = None
     gpu_num_stages: int = 2
 
     def __post_init__(self):
         for name in ("gpu_block_m", "gpu_block_n", "gpu_num_warps", "gpu_kv_splits",
                      "gpu_max_kv_splits"):
             v = getattr(self, name)
-            if v is None and name in ("gpu_block_m", "gpu_block_n", "gpu_kv_splits"):
+            if v is None and name in ("gpu_block_m", "gpu_block_n", "gpu_kv_splits", "gpu_num_warps"):
                 continue
             if not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v!r}")
@@ -167,12 +169,22 @@ def _tile_rows(T: int, R: int, group: int, cfg: PagedAttentionConfig) -> int:
 SHARED_MEMORY_BUDGET = 192 * 1024
 
 
+def _feature_segments(D: int) -> tuple[tuple[int, int], ...]:
+    """``((start, width), ...)``: the key features cut into at most two power-of-two blocks,
+    the largest power of two ``<= D`` then the rest padded to one (>= 16): 576 (MLA's latent
+    and rope features) is 512 + 64, not 1024; 192 is 128 + 64. A power of two is one block."""
+    head = max(16, gpu_tiling.pow2_floor(D))
+    rest = D - head
+    return ((0, head),) if rest <= 0 else ((0, head), (head, max(16, pl.next_power_of_2(rest))))
+
+
 def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int,
                        cfg: PagedAttentionConfig) -> tuple[int, int]:
     """``(block_m, block_n)``: the defaults (or the config's), the defaults halved while one
     program's tiles would not fit :data:`SHARED_MEMORY_BUDGET`: the query tile plus one K and V
-    chunk (an estimate: MLA's 576 / 512 latent rows at 16 x 128 asked Triton for 320 KiB, this
-    says 425). Wide heads get narrower tiles; the usual head sizes keep the defaults."""
+    chunk, ``Dp`` / ``Dvp`` their padded widths (``Dvp`` 0 where the values are the keys' first
+    block): an estimate (MLA's rows padded to 1024 / 512 at 16 x 128 asked Triton for 320 KiB,
+    this said 425). Wide heads get narrower tiles; the usual head sizes keep the defaults."""
     BM = _tile_rows(T, R, G, cfg)
     BN = cfg.gpu_block_n or (128 if BM <= 16 else 64)
 
@@ -216,11 +228,16 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     shared = value_cache is None  # values: the first Dv features of each key row (MLA's latent)
     Dv = v_head_dim if shared else value_cache.shape[-1]
     Vw = D if shared else Dv  # row width of the array the values are read from
-    Dp, Dvp = max(16, pl.next_power_of_2(D)), max(16, pl.next_power_of_2(Dv))  # Triton block widths
+    segs = _feature_segments(D)  # key features as power-of-two blocks (Triton block widths)
+    Dp = sum(w for _, w in segs)
+    Dvp = max(16, pl.next_power_of_2(Dv))
+    # MLA's latent values are the first key block itself: the loaded keys serve as values.
+    values_in_keys = shared and Dv == segs[0][1]
     G = Hq // Hkv
     Gp = pl.next_power_of_2(G)
     cdt = _dot_dtype(q.dtype, key_cache.dtype)
-    BM, BN = _fit_shared_memory(T, R, G, Dp, Dvp, jnp.dtype(cdt).itemsize, config)
+    BM, BN = _fit_shared_memory(T, R, G, Dp, 0 if values_in_keys else Dvp,
+                                jnp.dtype(cdt).itemsize, config)
     BQ = BM // Gp  # tokens per tile
     S = W * bs
     splits = _kv_splits(T, Hkv, S, BN, config)
@@ -256,7 +273,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         #          fp8 only: k_scale_ref / v_scale_ref f32[Hkv]
         # Outputs: out_ref [splits * lanes * Dvp]: q.dtype, or with splits > 1 float32 per
         #          split, with its running max and sum m_ref / l_ref f32[splits * lanes].
-        #          Head sizes are padded to powers of two (Dp, Dvp): padded columns read
+        #          Key features run as one or two power-of-two blocks (_feature_segments),
+        #          value features as one (Dvp): padded columns read
         #          nothing (masked, their addresses clamped into the row) and are sliced off.
         #          Lane (t, h, g) of the group padded to Gp heads: every lane of a tile has
         #          its own address (interpret mode writes masked lanes back).
@@ -270,8 +288,10 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         # Tile row m -> token i + k_of_m, query head h * G + g_of_m (lanes g >= G unused).
         k_of_m, g_of_m = jax.lax.div(m, Gp), jax.lax.rem(m, Gp)
         head_ok = g_of_m < G
-        cols_p = jnp.arange(Dp, dtype=jnp.int32)[None, :]
-        cols, col_ok = jnp.minimum(cols_p, D - 1), cols_p < D  # key / query features
+        feats = []  # per key block: (columns clamped into the row, column mask)
+        for start, width in segs:
+            cols_p = start + jnp.arange(width, dtype=jnp.int32)[None, :]
+            feats.append((jnp.minimum(cols_p, D - 1), cols_p < D))
         vcols_p = jnp.arange(Dvp, dtype=jnp.int32)[None, :]
         vcols, vcol_ok = jnp.minimum(vcols_p, Dv - 1), vcols_p < Dv  # value features
         t = i + k_of_m
@@ -310,9 +330,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
             first = jnp.minimum(sp * per_split, num_chunks)
             last = jnp.minimum(first + per_split, num_chunks)
             q_rows = t_c * Hq + h * G + jnp.minimum(g_of_m, G - 1)
-            q_mask = member[:, None] & col_ok
-            q_tile = load(q_ref.at[q_rows[:, None] * D + cols], mask=q_mask, other=0)
-            q_tile = q_tile.astype(cdt)
+            q_tiles = [load(q_ref.at[q_rows[:, None] * D + cols], mask=member[:, None] & col_ok,
+                            other=0).astype(cdt) for cols, col_ok in feats]
             score_scale = jnp.float32(scale)
             if fp8:
                 score_scale = score_scale * refs[0][h]
@@ -326,10 +345,15 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
                 bid = load(table_ref.at[base + col], mask=live, other=0)
                 ok = live & (bid >= 0) & (bid < N)  # a bad id reads nothing
                 kv_rows = (jnp.where(ok, bid, 0) * bs + jax.lax.rem(j, bs)) * Hkv + h
-                kb = read_kv(k_ref.at[kv_rows[:, None] * D + cols], ok[:, None] & col_ok)
-                vb = read_kv(v_ref.at[kv_rows[:, None] * Vw + vcols], ok[:, None] & vcol_ok)
-                s = jax.lax.dot_general(q_tile, kb, (((1,), (1,)), ((), ())), precision=prec,
-                                        preferred_element_type=jnp.float32) * score_scale
+                kbs = [read_kv(k_ref.at[kv_rows[:, None] * D + cols], ok[:, None] & col_ok)
+                       for cols, col_ok in feats]
+                if values_in_keys:
+                    vb = kbs[0]
+                else:
+                    vb = read_kv(v_ref.at[kv_rows[:, None] * Vw + vcols], ok[:, None] & vcol_ok)
+                s = sum(jax.lax.dot_general(qt, kb, (((1,), (1,)), ((), ())), precision=prec,
+                                            preferred_element_type=jnp.float32)
+                        for qt, kb in zip(q_tiles, kbs)) * score_scale
                 vis = j[None, :] < limit[:, None]
                 s = jnp.where(vis, s, MASK_VALUE)
                 m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
@@ -357,7 +381,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         out_shape=tuple(out_shape),
         grid=(T, Hkv, splits),
         compiler_params=_backend.triton.CompilerParams(
-            num_warps=config.gpu_num_warps, num_stages=config.gpu_num_stages),
+            num_warps=config.gpu_num_warps or (8 if BM * Dvp > 16384 else 4),
+            num_stages=config.gpu_num_stages),
         interpret=interpret,
         name="paged_attention_gpu",
     )

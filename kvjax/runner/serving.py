@@ -95,7 +95,8 @@ def _resolve(step: _InFlight) -> None:
             if i >= len(req.output):  # stopped at an earlier token (stop_token_ids)
                 continue
             req.output[i] = int(out.sampled[b, 0])
-            req.logits.append(out.logits[b])  # one logits row per batch row (no drafts)
+            if len(out.logits):  # one logits row per batch row (no drafts); none without logits
+                req.logits.append(out.logits[b])
             if first_stop(req, req.output[i:i + 1]) is not None:
                 # A stop token seen one step late: the request ends here; the step in flight
                 # computed one more token for it, which is dropped when it resolves.

@@ -351,6 +351,24 @@ def test_tiles_fit_shared_memory():
         bm, bn = _fit_shared_memory(T, 64, 16, 1024, 512, 2, cfg)
         assert bm >= 16 and bn >= 16 and (bm * 1024 + bn * 1536) * 2 <= SHARED_MEMORY_BUDGET
     assert _fit_shared_memory(64, 64, 16, 1024, 512, 2, PagedAttentionConfig(gpu_block_n=128))[1] == 128
+    # MLA's 576 key features as 512 + 64, the values read from the first block: default tiles
+    assert _fit_shared_memory(64, 64, 16, 576, 0, 2, cfg) == (16, 128)
+    assert _fit_shared_memory(2048, 256, 16, 576, 0, 2, cfg) == (64, 64)
+
+
+def test_feature_segments():
+    """Key features as at most two power-of-two blocks (>= 16), covering every feature."""
+    from pallas_kernels.paged_attention import _feature_segments
+
+    assert _feature_segments(576) == ((0, 512), (512, 64))
+    assert _feature_segments(192) == ((0, 128), (128, 64))
+    assert _feature_segments(128) == ((0, 128),)
+    assert _feature_segments(24) == ((0, 16), (16, 16))
+    assert _feature_segments(8) == ((0, 16),)
+    for D in range(1, 1100, 7):
+        segs = _feature_segments(D)
+        assert segs[-1][0] + segs[-1][1] >= D and len(segs) <= 2
+        assert all(w >= 16 and w & (w - 1) == 0 for _, w in segs)
 
 
 def test_shared_values_need_v_head_dim():
@@ -402,7 +420,8 @@ def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt,
 
 def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_modules):
     """DeepSeek's absorbed MLA decode: 16 heads over one latent kv head of 512 + 64 features,
-    values its first 512, bf16 (block widths padded to 1024 / 512)."""
+    values its first 512, bf16: the scores are two products (the 512 and 64 feature blocks),
+    the values one, the keys' first block."""
     T, Hq, N, bs, R, W = 64, 16, 64, 16, 64, 64
     SD = jax.ShapeDtypeStruct
     args = (SD((T, Hq, 576), jnp.bfloat16), SD((N, bs, 1, 576), jnp.bfloat16),
@@ -414,4 +433,4 @@ def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_m
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
-    assert str(verified_triton_modules[0].module).count("tt.dot") == 2
+    assert str(verified_triton_modules[0].module).count("tt.dot") == 3
