@@ -89,6 +89,30 @@ def redraw_weights(model, torch, seed: int = 0) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compiles_here(fast_compiles_module):
+    """Every test here checks what the models compute (against transformers, the dense oracle):
+    XLA compiles at optimisation level 0 (``fast_compiles`` of tests/conftest.py)."""
+
+
+@pytest.fixture(autouse=True)
+def _torch_on_one_thread():
+    """torch's CPU ops on one thread during each test here (restored after): these models are
+    tiny, and on a busy 2-core machine (two xdist workers) torch's second thread spin-waits for
+    a core (a 3-layer forward of 10 tokens: ~2 s on 2 threads, ~10 ms on one)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """``hf_checkpoint(name) -> directory`` of the saved checkpoint (made once per session)."""
