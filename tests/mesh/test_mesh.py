@@ -21,6 +21,11 @@ from kvjax.runner.mesh import force_host_device_count, parse_mesh_shape
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).with_name("mesh_worker.py")
 WORKLOAD = json.loads(WORKER.with_name("workload.json").read_text())
+# The CLI's processes compile at XLA's backend optimisation level 0, as the worker's runners do
+# (mesh_worker.FAST_COMPILE): it changes LLVM code generation only (the optimised HLO is the same,
+# tests/runner/test_in_place.py) and roughly halves each compile. The demo keeps the flag and adds
+# its host device count.
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def run_worker(*cases, timeout=900):
@@ -67,7 +72,7 @@ def run_cli_2x1(tmp_path):
     workload.write_text(json.dumps(WORKLOAD))
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS)
     proc = subprocess.run(
         [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2,model=1",
          "--workload", str(workload), *CLI_SIZES, "--json", str(out)],
@@ -147,7 +152,7 @@ def _two_processes(tmp_path, extra=((), ())):
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2", "--coordinator", f"localhost:{port}",
          "--num-processes", "2", "--process-id", str(i), *CLI_SIZES, *extra[i],

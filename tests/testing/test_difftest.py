@@ -71,7 +71,8 @@ def test_compare_arrays_reports_bits_ulps_and_the_first_difference():
     assert not ints.ok and ints.max_abs == 1 and "kvjax -1, other 0" in ints.reason
 
 
-def test_api_against_torch_passes_on_every_op():
+def test_api_against_torch_passes_on_every_op(fast_compiles):
+    """(XLA at optimisation level 0: ``fast_compiles``, tests/conftest.py.)"""
     report = dt.difftest(against="torch", cases=1, seed=3, backend="reference")
     assert report.ok, report.table()
     assert {r.op for r in report.rows} == set(sc.OPS)
@@ -150,7 +151,9 @@ def test_cli_against_torch_passes_and_writes_json(tmp_path, capsys):
 
 
 def test_cli_entry_point_in_a_fresh_process():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # XLA's backend optimisation level 0 (LLVM code generation only): about half the compile
+    flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     p = subprocess.run([sys.executable, "-m", "kvjax", "difftest", "--ops", "compute_slot_mapping",
                         "--cases", "1", "--quiet"], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=300)

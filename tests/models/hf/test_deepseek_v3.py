@@ -485,7 +485,8 @@ def test_loader_places_params_and_ignores_mtp_layers(checkpoints, tmp_path):
 
 _MESH_WORKER = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# backend optimisation level 0 for every compile (the dense oracle's too): LLVM codegen only
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax.numpy as jnp
 from kvjax.cli.demo import serve

@@ -14,13 +14,19 @@ from kvjax.cli import main as cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 SIZES = ["--requests", "3", "--max-model-len", "48", "--quiet", "--token-sizes", "8,32"]
 
 
 def _demo(args, tmp_path, env_extra=None):
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **(env_extra or {}))
+    # XLA's backend optimisation level 0 (LLVM codegen only; the optimised HLO is the same, see
+    # tests/runner/test_in_place.py) roughly halves the CLI's compiles; the demo keeps the flag
+    # and adds its host device count. torch on one thread: on a busy 2-core machine its second
+    # thread spin-waits (the --check transformers forward).
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS, OMP_NUM_THREADS="1",
+               **(env_extra or {}))
     proc = subprocess.run([sys.executable, "-m", "kvjax", "demo", *args, *SIZES, "--json", str(out)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
