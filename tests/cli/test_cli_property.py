@@ -26,6 +26,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import kvjax.runner
 from kvjax.cli import main as cli
 
+# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
+# (fast_compiles_module, tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles_module")
+
 
 class _ReachedCompile(Exception):
     pass

@@ -29,6 +29,10 @@ import kvjax.models.mamba_layer as ml
 from kvjax.host.scheduler import Request
 from kvjax.runner import Runner, RunnerConfig
 
+# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
+# (fast_compiles_module, tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles_module")
+
 TOL = 1e-5
 FAST = {"xla_backend_optimization_level": 0}
 CONFIG = RunnerConfig(block_size=4, num_blocks=20, max_model_len=32, max_num_seqs=3,

@@ -19,6 +19,10 @@ from kvjax.host.scheduler import Request
 from kvjax.cli.demo import serve
 from kvjax.cli.workload import WorkloadError, validate_workload
 
+# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
+# (fast_compiles_module, tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles_module")
+
 # Optimisation level 0 cuts the CPU compile of each step several-fold; results are checked
 # against the dense reference either way.
 FAST = {"xla_backend_optimization_level": 0}

@@ -16,6 +16,10 @@ from kvjax.runner import sanitizer
 from kvjax.runner.sanitizer import SanitizerError
 from kvjax.testing.asserts import assert_bitwise, bits
 
+# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
+# (fast_compiles_module, tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles_module")
+
 FAST = {"xla_backend_optimization_level": 0}
 # One attention and one Mamba layer, one bucket: the smallest runner that has every kind of memory.
 SMALL = RunnerConfig(model=TinyHybridConfig(layer_types=("attn", "mamba")), block_size=4, num_blocks=12,

@@ -11,6 +11,10 @@ from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner import serving
 from kvjax.runner.serving import run_to_completion
 
+# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
+# (fast_compiles_module, tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles_module")
+
 FAST = {"xla_backend_optimization_level": 0}
 # 13 allocatable blocks of 4 tokens for 5 requests of up to 22 tokens: preemptions happen,
 # so the overlapped loop must re-admit requests whose last token is still on the device.

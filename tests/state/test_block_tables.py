@@ -12,6 +12,10 @@ from jax.experimental import checkify
 import kvjax
 from kvjax import NULL_BLOCK_ID, PAD_SLOT_ID, BlockTables, KVGroupSpec, compute_slot_mapping
 
+# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
+# (fast_compiles_module, tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compiles_module")
+
 
 def numpy_slot_mapping(table, idx_mapping, qsl, positions, block_size, T):
     """Independent loop implementation of the slot-mapping rule."""
