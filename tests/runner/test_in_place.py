@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 from kvjax.host.scheduler import Request
+from kvjax.models import TinyHybridConfig
 from kvjax.models.attention import AttnSpec
 from kvjax.models.hf.hybrid import Block, HybridConfig, HybridModel
 from kvjax.models.mamba_layer import MambaSpec
@@ -168,10 +169,15 @@ def _serve(config):
     return tokens, packed, sizes
 
 
+# The packed output does not depend on the model's depth: two layers (attention, Mamba) instead of
+# the default four halve the two runners' compiles (4 buckets each).
+SMALL = TinyHybridConfig(layer_types=("attn", "mamba"))
+
+
 def test_return_logits_false_returns_token_ids_only():
-    config = RunnerConfig(**{**SIZES, "token_sizes": (4, 8)})
+    config = RunnerConfig(**{**SIZES, "token_sizes": (4, 8)}, model=SMALL)
     with_logits, shapes_on, sizes_on = _serve(config)
-    without, shapes_off, sizes_off = _serve(RunnerConfig(**{**SIZES, "token_sizes": (4, 8)},
+    without, shapes_off, sizes_off = _serve(RunnerConfig(**{**SIZES, "token_sizes": (4, 8)}, model=SMALL,
                                                          return_logits=False))
     V = config.model.vocab_size
     assert len(with_logits) == len(without) >= 4
