@@ -94,10 +94,55 @@ def bench_moe(rows, bw, tokens):
             log(json.dumps(row))
 
 
+SWEEP = [  # (block_n, block_k, num_warps, num_stages); None: the config's rule
+    (None, None, None, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (256, 64, 8, 3),
+    (128, 128, 8, 3), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3),
+]
+
+
+def sweep_grouped(rows, bw, tokens):
+    """One grouped_matmul (the gate product: [NT * TM, d] x [E, d, F]) per kernel config."""
+    from pallas_kernels import GroupedMatmulConfig, group_tiles, grouped_matmul
+    from pallas_kernels.grouped_matmul import tile_rows_for
+
+    r = np.random.default_rng(2)
+    w = jnp.asarray(r.standard_normal((E, D, F)) / np.sqrt(D), jnp.bfloat16)
+    for T in tokens:
+        P = T * K
+        groups = np.stack([r.choice(E, K, replace=False) for _ in range(T)]).reshape(P)
+        TM = tile_rows_for(P, E)
+        slot, tg = group_tiles(jnp.asarray(groups, jnp.int32), E, TM)
+        x = jnp.zeros((tg.shape[0] * TM, D), jnp.bfloat16).at[slot].set(
+            jnp.asarray(r.standard_normal((P, D)), jnp.bfloat16))
+        distinct = len(np.unique(groups))
+        floor_s = max(distinct * D * F * 2 / bw, 2 * P * D * F / (NOMINAL_BF16_TFLOPS * 1e12))
+        ref = None
+        for bn, bk, warps, stages in SWEEP:
+            cfg = GroupedMatmulConfig(gpu_block_n=bn, gpu_block_k=bk, gpu_num_warps=warps,
+                                      gpu_num_stages=stages)
+            fn = jax.jit(lambda x, w, tg, cfg=cfg: grouped_matmul(x, w, tg, tile_rows=TM, config=cfg))
+            try:
+                s = timed(fn, x, w, tg)
+                out = np.asarray(fn(x, w, tg))
+            except Exception as e:  # noqa: BLE001 - a config that fails is a row
+                rows.append({"bench": "grouped_sweep", "tokens": T, "config": [bn, bk, warps, stages],
+                             "error": str(e)[:300]})
+                log(f"sweep T={T} {bn, bk, warps, stages}: FAILED {str(e)[:200]}")
+                continue
+            ref = out if ref is None else ref
+            row = {"bench": "grouped_sweep", "tokens": T, "tile_rows": TM, "tiles": int(tg.shape[0]),
+                   "config": [bn, bk, warps, stages], "device_us": s * 1e6,
+                   "floor_us": floor_s * 1e6, "floor_ratio": s / floor_s,
+                   "max_abs_diff_vs_first": float(np.max(np.abs(out - ref)))}
+            rows.append(row)
+            log(json.dumps(row))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default="1,4,16,64,256,2048,8192")
+    ap.add_argument("--sweep", default="", help="token counts for the grouped kernel's config sweep")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -108,6 +153,7 @@ def main():
     log(json.dumps(meta))
     try:
         bench_moe(rows, bw, [int(t) for t in a.tokens.split(",") if t])
+        sweep_grouped(rows, bw, [int(t) for t in a.sweep.split(",") if t])
     finally:
         with open(os.path.join(a.out, "bench_moe.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

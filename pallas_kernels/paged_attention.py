@@ -91,8 +91,8 @@ class PagedAttentionConfig:
         ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
         at most ``gpu_max_kv_splits``, each with two chunks of the table's width.
       gpu_max_kv_splits, gpu_min_programs: bounds of that rule.
-      gpu_num_warps: Triton warps; None: 4, or 8 where the float32 accumulator tile
-        (``block_m`` x value width) passes 16K elements (MLA's 512-wide latent values).
+      gpu_num_warps: Triton warps; None: the rule of ``_fit_registers`` (4, or 8 for MLA's
+        prefill tiles).
       gpu_num_stages: software pipelining of the key loop.
     """
 
@@ -199,6 +199,22 @@ def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int,
     return int(BM), int(BN)
 
 
+#: Key-chunk elements (block_n x padded key width) one warp holds in registers, at most: MLA's
+#: 576-wide rows at 16 x 128 tiles (73K elements on 4 warps) spilled and ran about 8x slower
+#: than at 16 x 32 (H100, 2026-11-27).
+KEY_CHUNK_ELEMENTS_PER_WARP = 8192
+
+
+def _fit_registers(BM: int, BN: int, Dp: int, Dvp: int, cfg: PagedAttentionConfig) -> tuple[int, int]:
+    """``(block_n, num_warps)``: 8 warps where the float32 accumulator (``BM`` x ``Dvp``) passes
+    16K elements, else 4 (or the config's); ``block_n`` halved (unless the config sets it)
+    while a key chunk passes :data:`KEY_CHUNK_ELEMENTS_PER_WARP` per warp."""
+    warps = cfg.gpu_num_warps or (8 if BM * Dvp > 16384 else 4)
+    while cfg.gpu_block_n is None and BN > 16 and BN * Dp > KEY_CHUNK_ELEMENTS_PER_WARP * warps:
+        BN //= 2
+    return int(BN), int(warps)
+
+
 def _kv_splits(T: int, Hkv: int, max_keys: int, block_n: int, cfg: PagedAttentionConfig) -> int:
     """Programs that share one tile's keys: enough for ``cfg.gpu_min_programs`` programs
     when the call has few tokens (decode at small batch), each with >= 2 key chunks."""
@@ -238,6 +254,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     cdt = _dot_dtype(q.dtype, key_cache.dtype)
     BM, BN = _fit_shared_memory(T, R, G, Dp, 0 if values_in_keys else Dvp,
                                 jnp.dtype(cdt).itemsize, config)
+    BN, warps = _fit_registers(BM, BN, Dp, Dvp, config)
     BQ = BM // Gp  # tokens per tile
     S = W * bs
     splits = _kv_splits(T, Hkv, S, BN, config)
@@ -381,7 +398,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         out_shape=tuple(out_shape),
         grid=(T, Hkv, splits),
         compiler_params=_backend.triton.CompilerParams(
-            num_warps=config.gpu_num_warps or (8 if BM * Dvp > 16384 else 4),
+            num_warps=warps,
             num_stages=config.gpu_num_stages),
         interpret=interpret,
         name="paged_attention_gpu",

@@ -356,6 +356,19 @@ def test_tiles_fit_shared_memory():
     assert _fit_shared_memory(2048, 256, 16, 576, 0, 2, cfg) == (64, 64)
 
 
+def test_tiles_fit_registers():
+    """Key chunks stay within the per-warp register budget: MLA's decode tiles 16 x 32 on 4
+    warps (16 x 128 spilled on an H100), its prefill tiles 64 x 64 on 8; usual heads unchanged."""
+    from pallas_kernels.paged_attention import _fit_registers
+
+    cfg = PagedAttentionConfig()
+    assert _fit_registers(16, 128, 576, 512, cfg) == (32, 4)
+    assert _fit_registers(64, 64, 576, 512, cfg) == (64, 8)
+    assert _fit_registers(16, 128, 128, 128, cfg) == (128, 4)
+    assert _fit_registers(64, 64, 128, 128, cfg) == (64, 4)
+    assert _fit_registers(16, 128, 576, 512, PagedAttentionConfig(gpu_block_n=128)) == (128, 4)
+
+
 def test_feature_segments():
     """Key features as at most two power-of-two blocks (>= 16), covering every feature."""
     from pallas_kernels.paged_attention import _feature_segments
