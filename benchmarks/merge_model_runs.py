@@ -11,7 +11,9 @@ A real-size run of every preset, its transformers peers and its profiles does no
 ``impl: "kvjax-short-table"`` (the attention-vs-``max_model_len`` comparison).
 ``--prefill-from PART.json`` takes that part's kvjax prefill rows in place of the other parts'
 kvjax prefill rows of the same presets (a later run on newer code); its other rows are kept
-under ``impl: "kvjax-prefill-run"``.
+under ``impl: "kvjax-prefill-run"``. ``--replace-presets PART.json`` (repeatable) takes every row
+of the presets that part measured, kvjax and transformers, in place of the other parts' rows of
+those presets (a later run of a whole preset, its peers in the same run).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("parts", nargs="+")
     ap.add_argument("--baseline", action="append", default=[])
     ap.add_argument("--prefill-from")
+    ap.add_argument("--replace-presets", action="append", default=[])
     a = ap.parse_args(argv)
     rows, parts, meta = [], [], None
-    extra = [(p, True) for p in a.baseline] + ([(a.prefill_from, "prefill")] if a.prefill_from else [])
+    extra = ([(p, True) for p in a.baseline] + ([(a.prefill_from, "prefill")] if a.prefill_from else [])
+             + [(p, "replace") for p in a.replace_presets])
     for path, short in [(p, False) for p in a.parts] + extra:
         doc = json.load(open(path))
         m = doc["meta"]
@@ -37,7 +41,10 @@ def main(argv=None) -> int:
         parts.append({"source": os.path.basename(path), "commit": m.get("commit"), "date": m.get("date"),
                       "presets": m.get("presets"), "matrix": m.get("matrix"), "gpu": m.get("nvidia_smi"),
                       "total_wall_s": m.get("total_wall_s"), "baseline": short is True,
-                      "prefill_from": short == "prefill"})
+                      "prefill_from": short == "prefill", "replaces_presets": short == "replace"})
+        if short == "replace":
+            mine = {r["preset"] for r in doc["rows"]}
+            rows = [q for q in rows if q["preset"] not in mine]
         for r in doc["rows"]:
             r = dict(r, source=os.path.basename(path), commit=m.get("commit"))
             if short == "prefill":
@@ -46,13 +53,17 @@ def main(argv=None) -> int:
                                                     and q["preset"] == r["preset"] and q["source"] != r["source"])]
                 elif r["impl"] == "kvjax":
                     r["impl"] = "kvjax-prefill-run"
-            elif short:
+            elif short is True:
                 r["impl"] = "kvjax-short-table"
             rows.append(r)
     meta["parts"] = parts
     meta["presets"] = sorted({r["preset"] for r in rows})
     meta["matrix"] = {}
-    for p in parts:  # the matrix of each preset from the part that measured its kvjax rows
+    for p in parts:  # a replacing part's matrix first, then the part that measured the kvjax rows
+        if p["replaces_presets"]:
+            for name, mx in (p["matrix"] or {}).items():
+                meta["matrix"][name] = mx
+    for p in parts:
         if not p["baseline"]:
             measured = {r["preset"] for r in rows if r["source"] == p["source"] and r["impl"] == "kvjax"}
             for name, mx in (p["matrix"] or {}).items():
