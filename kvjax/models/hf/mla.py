@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.models.attention import MASK_VALUE, attention_query
+from kvjax.models.attention import MASK_VALUE, attention_query, dot_operands
 from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 
 MLA_FORMS = ("naive", "absorbed")
@@ -127,18 +127,20 @@ def paged_latent_attention(
     The absorbed form runs as MQA over the latent rows in :func:`pallas_kernels.paged_attention`
     with ``backend`` (one kv head of ``r + pe`` features, values its first ``r``; the query
     ``[q_lat | q_pe]`` in ``w_uk``'s dtype, as ``kvjax.models.attention.attention_query`` rounds
-    it): on a GPU its kernel reads only each row's live blocks. The naive form: the jnp gather
+    it): on a GPU its kernel reads only each row's live blocks. The absorption products take
+    their operands from ``dot_operands`` (bf16 weights: bf16 products into float32). The naive form: the jnp gather
     over the whole block table below.
     """
     if form == "absorbed":
-        q_lat = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
+        q_lat = jnp.einsum("thn,rhn->thr", *dot_operands(q_nope, w_uk),
+                           preferred_element_type=jnp.float32)
         qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
         scale = None if fp8_scale is None else jnp.float32(fp8_scale)
         o_lat = paged_attention_op(
             qf, cache[:, :, None, :], None, block_table, seq_lens, positions, token_row,
             v_head_dim=w_uk.shape[0], sm_scale=softmax_scale, k_scale=scale, v_scale=scale,
             backend=backend)
-        return jnp.einsum("thr,rhv->thv", o_lat.astype(jnp.float32), w_uv,
+        return jnp.einsum("thr,rhv->thv", *dot_operands(o_lat, w_uv),
                           preferred_element_type=jnp.float32)
     T = q_nope.shape[0]
     R, W = block_table.shape
