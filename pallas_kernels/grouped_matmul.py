@@ -3,7 +3,9 @@
 ``grouped_matmul(x, w, tile_group, tile_rows=TM)``: ``x [NT * TM, K]`` is ``NT`` tiles of ``TM``
 rows; tile ``i`` is multiplied by ``w[tile_group[i]]`` (``w [G, K, N]``), so that
 ``out[i * TM:(i + 1) * TM] = x[i * TM:(i + 1) * TM] @ w[tile_group[i]]``, float32 ``[NT * TM, N]``.
-A tile whose group is outside ``[0, G)`` reads nothing and gives 0. This is the product of a
+A tile whose group is outside ``[0, G)`` reads nothing and gives 0. With ``gate`` (``[G, K, N]``,
+same dtype) and ``activation``, the output is ``act(x @ gate[g]) * (x @ w[g])`` instead: a gated
+(SwiGLU-style) expert's first layer in one pass over ``x`` and one launch. This is the product of a
 mixture of experts with the (token, expert) pairs sorted by expert: every expert's weights
 are read once per tile that names it, and no weight is copied
 (:func:`group_tiles` builds the tile layout; ``kvjax.models.moe`` is the caller).
@@ -12,7 +14,8 @@ Contract (every implementation):
 
 * Products are ``x``'s dtype times ``w``'s dtype (one float dtype), accumulated in float32;
   float32 operands multiply in IEEE float32. Implementations differ only in the order of the
-  float32 accumulation.
+  float32 accumulation. ``activation`` is applied in float32: ``"silu"`` (``v / (1 + exp(-v))``)
+  or ``"relu2"`` (``max(v, 0) ** 2``). The output is float32, or ``out_dtype``.
 * ``tile_group`` values outside ``[0, G)`` are the unused tiles: 0 out, no weight read (a
   value check refuses nothing here: the tile layout marks unused tiles with ``G``).
 
@@ -39,9 +42,19 @@ from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
 from pallas_kernels import gpu_tiling
 
-__all__ = ["GroupedMatmulConfig", "group_tiles", "grouped_matmul", "num_tiles", "tile_rows_for"]
+__all__ = ["ACTIVATIONS", "GroupedMatmulConfig", "group_tiles", "grouped_matmul", "num_tiles", "tile_rows_for"]
 
 OP_GROUPED_MATMUL = "grouped_matmul"
+
+#: ``activation`` names of the gated form.
+ACTIVATIONS = ("silu", "relu2")
+
+
+def _activate(v, name: str):
+    """``name`` of float32 ``v`` (the one formula every implementation uses)."""
+    if name == "silu":
+        return v / (1.0 + jnp.exp(-v))
+    return jnp.square(jnp.maximum(v, 0.0))
 
 #: Tile heights :func:`tile_rows_for` picks from (Triton products need >= 16 rows).
 MIN_TILE_ROWS, MAX_TILE_ROWS = 16, 128
@@ -134,15 +147,22 @@ def _operands(x, w):
 
 
 @_backend.register(OP_GROUPED_MATMUL, "reference")
-def _reference(x, w, tile_group, *, tile_rows, config, interpret):
+def _reference(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, interpret):
     del config, interpret
     G = w.shape[0]
     NT = tile_group.shape[0]
     used = (tile_group >= 0) & (tile_group < G)
-    wt = jnp.take(w, jnp.where(used, tile_group, 0), axis=0)  # [NT, K, N]
-    a, b, prec = _operands(x.reshape(NT, tile_rows, -1), wt)
-    out = jnp.einsum("imk,ikn->imn", a, b, precision=prec, preferred_element_type=jnp.float32)
-    return jnp.where(used[:, None, None], out, 0.0).reshape(NT * tile_rows, -1)
+    pick = jnp.where(used, tile_group, 0)
+
+    def product(m):
+        a, b, prec = _operands(x.reshape(NT, tile_rows, -1), jnp.take(m, pick, axis=0))
+        return jnp.einsum("imk,ikn->imn", a, b, precision=prec, preferred_element_type=jnp.float32)
+
+    out = product(w)
+    if gate is not None:
+        out = _activate(product(gate), activation) * out
+    out = jnp.where(used[:, None, None], out, 0.0).reshape(NT * tile_rows, -1)
+    return out.astype(out_dtype)
 
 
 # --------------------------------------------------------------------------
@@ -163,7 +183,7 @@ def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig) -> tuple
 
 
 @_backend.register(OP_GROUPED_MATMUL, "gpu")
-def _gpu(x, w, tile_group, *, tile_rows, config, interpret):
+def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, interpret):
     TM = tile_rows
     G, K, N = w.shape
     NT = tile_group.shape[0]
@@ -179,9 +199,12 @@ def _gpu(x, w, tile_group, *, tile_rows, config, interpret):
     k_even, n_even = K % BK == 0, N % BN == 0
     Np = -(-N // BN) * BN
     load, store = _backend.triton.load, _backend.triton.store
+    gated = gate is not None
 
-    def kernel(group_ref, x_ref, w_ref, o_ref):
-        # group_ref i32[NT], x_ref [NT * TM * K], w_ref [G * K * N], o_ref f32[NT * TM * Np].
+    def kernel(group_ref, x_ref, w_ref, *refs):
+        # group_ref i32[NT], x_ref [NT * TM * K], w_ref (and gated: gate_ref) [G * K * N],
+        # o_ref out_dtype[NT * TM * Np].
+        gate_ref, o_ref = refs if gated else (None, refs[0])
         i, j = pl.program_id(0), pl.program_id(1)
         g = group_ref[i]
         rows = i * TM + jnp.arange(TM, dtype=jnp.int32)
@@ -195,7 +218,7 @@ def _gpu(x, w, tile_group, *, tile_rows, config, interpret):
 
         @pl.when((g >= 0) & (g < G))
         def _product():
-            def step(kb, acc):
+            def step(kb, accs):
                 kk = kb * BK + jnp.arange(BK, dtype=jnp.int32)
                 if k_even:
                     a = load(x_ref.at[rows[:, None] * K + kk[None, :]])
@@ -206,30 +229,39 @@ def _gpu(x, w, tile_group, *, tile_rows, config, interpret):
                     a = load(x_ref.at[rows[:, None] * K + kk[None, :]],
                              mask=jnp.broadcast_to(k_ok[None, :], (TM, BK)), other=0)
                     b_mask = k_ok[:, None] & col_ok[None, :]
-                b_at = w_ref.at[(g * K + kk[:, None]) * N + cols[None, :]]
-                b = load(b_at) if b_mask is None else load(b_at, mask=b_mask, other=0)
                 if interpret:
-                    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-                return acc + jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
-                                                 preferred_element_type=jnp.float32)
+                    a = a.astype(jnp.float32)
+                out = []
+                for m_ref, acc in zip((w_ref, gate_ref) if gated else (w_ref,), accs):
+                    b_at = m_ref.at[(g * K + kk[:, None]) * N + cols[None, :]]
+                    b = load(b_at) if b_mask is None else load(b_at, mask=b_mask, other=0)
+                    if interpret:
+                        b = b.astype(jnp.float32)
+                    out.append(acc + jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                                         precision=prec,
+                                                         preferred_element_type=jnp.float32))
+                return tuple(out)
 
-            acc = jax.lax.fori_loop(0, -(-K // BK), step, jnp.zeros((TM, BN), jnp.float32))
-            store(out_at, acc)
+            zero = jnp.zeros((TM, BN), jnp.float32)
+            accs = jax.lax.fori_loop(0, -(-K // BK), step, (zero, zero) if gated else (zero,))
+            out = _activate(accs[1], activation) * accs[0] if gated else accs[0]
+            store(out_at, out.astype(out_dtype))
 
         @pl.when((g < 0) | (g >= G))
         def _unused_tile():
-            store(out_at, jnp.zeros((TM, BN), jnp.float32))
+            store(out_at, jnp.zeros((TM, BN), out_dtype))
 
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((NT * TM * Np,), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((NT * TM * Np,), out_dtype),
         grid=(NT, Np // BN),
         compiler_params=_backend.triton.CompilerParams(num_warps=warps,
                                                        num_stages=config.gpu_num_stages),
         interpret=interpret,
         name="grouped_matmul_gpu",
     )
-    out = call(tile_group, x.reshape(-1), w.reshape(-1)).reshape(NT * TM, Np)
+    mats = (w.reshape(-1),) + ((gate.reshape(-1),) if gated else ())
+    out = call(tile_group, x.reshape(-1), *mats).reshape(NT * TM, Np)
     return out if n_even else out[:, :N]
 
 
@@ -238,8 +270,8 @@ def _gpu(x, w, tile_group, *, tile_rows, config, interpret):
 # --------------------------------------------------------------------------
 
 
-def grouped_matmul(x, w, tile_group, *, tile_rows: int, backend: str = "auto",
-                   interpret: bool | None = None,
+def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: str | None = None,
+                   out_dtype=jnp.float32, backend: str = "auto", interpret: bool | None = None,
                    config: GroupedMatmulConfig = GroupedMatmulConfig()):
     """Each ``tile_rows``-row tile of ``x`` times its group's matrix (see the module docstring).
 
@@ -248,11 +280,15 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, backend: str = "auto",
       w: ``[G, K, N]``, ``x``'s dtype.
       tile_group: int32 ``[NT]``: tile ``i``'s group; outside ``[0, G)``: an unused tile.
       tile_rows: rows of a tile (static; >= 16 for the compiled GPU kernel).
+      gate: optional ``[G, K, N]`` in ``w``'s dtype; with it, ``activation`` (one of
+        :data:`ACTIVATIONS`, static) is required and the output is
+        ``activation(x @ gate[g]) * (x @ w[g])``.
+      out_dtype: the output's float dtype (static; the float32 result rounded once).
       backend, interpret: see :mod:`pallas_kernels.backend` (TPU: the reference).
       config: :class:`GroupedMatmulConfig` (static).
 
     Returns:
-      float32 ``[NT * tile_rows, N]``; 0 in unused tiles.
+      ``out_dtype`` ``[NT * tile_rows, N]``; 0 in unused tiles.
 
     Raises:
       ValueError: bad ranks, shapes or dtypes, or a bad ``tile_rows``.
@@ -271,10 +307,19 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, backend: str = "auto",
     validation.check_dtype("tile_group", tile_group, np.int32)
     NT = int(np.shape(tile_group)[0])
     validation.check_shape("x", x, (NT * tile_rows, np.shape(w)[1]))
+    if gate is None:
+        if activation is not None:
+            raise ValueError(f"activation is for the gated form (gate=...), got {activation!r} without a gate")
+    else:
+        validation.check_shape("gate", gate, tuple(np.shape(w)))
+        validation.check_dtype("gate", gate, np.dtype(w.dtype))
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS} with a gate, got {activation!r}")
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise ValueError(f"out_dtype must be a float dtype, got {out_dtype!r}")
+    out_dtype = jnp.dtype(out_dtype)
     G, K, N = np.shape(w)
-    if NT == 0 or N == 0:
-        return jnp.zeros((NT * tile_rows, N), jnp.float32)
-    if G == 0 or K == 0:
-        return jnp.zeros((NT * tile_rows, N), jnp.float32)
-    return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, tile_rows=tile_rows,
-                        config=config)
+    if NT == 0 or N == 0 or G == 0 or K == 0:
+        return jnp.zeros((NT * tile_rows, N), out_dtype)
+    return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, gate, tile_rows=tile_rows,
+                        activation=activation, out_dtype=out_dtype, config=config)

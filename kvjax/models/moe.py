@@ -214,11 +214,14 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
     x = jnp.zeros((rows, d), up_w.dtype).at[slot].set(
         jnp.repeat(h.astype(up_w.dtype), k, axis=0), mode="drop", unique_indices=True)
 
-    def product(a, w):
-        return grouped_matmul(a.astype(w.dtype), w, tile_group, tile_rows=TM, backend=backend)
+    def product(a, w, **gating):
+        return grouped_matmul(a.astype(w.dtype), w, tile_group, tile_rows=TM, backend=backend,
+                              **gating)
 
-    up = product(x, up_w)
-    a = activation(product(x, gate_w), act) * up if gated else activation(up, act)
+    if gated:  # act(x @ gate) * (x @ up) in one kernel, rounded once to the weights' dtype
+        a = product(x, up_w, gate=gate_w, activation=act, out_dtype=up_w.dtype)
+    else:
+        a = activation(product(x, up_w), act)
     y = product(a, down_w)  # [rows, d]; padding rows and unused tiles hold 0
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, d)
 

@@ -13,7 +13,8 @@ Planted bugs each test was seen to fail on (then restored):
   grouped cases of ``tests/models/test_moe_apply.py`` fail;
 * ``group_tiles`` starting each group at ``starts * TM + rank`` with ``starts`` off by one
   tile: the layout test fails;
-* ``num_tiles`` one tile short: the layout test's bound fails (and the slots overflow).
+* ``num_tiles`` one tile short: the layout test's bound fails (and the slots overflow);
+* the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails.
 """
 
 from __future__ import annotations
@@ -116,6 +117,34 @@ def test_kernel_matches_numpy_exactly(P, G, K, N, TM, dtype):
         assert_bitwise(np.asarray(out), want, f"{backend} {cfg}")
 
 
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("P,G,K,N,TM", CASES[:2])
+def test_gated_form(P, G, K, N, TM, activation):
+    """``act(x @ gate[g]) * (x @ w[g])``: both flavours bitwise alike (exact integer products, the
+    same activation formula), within float32 rounding of float64 numpy, 0 in unused tiles; with
+    ``out_dtype=bfloat16`` the float32 result rounded once."""
+    x, w, tg, want_up, *_ = _case(P + K, P, G, K, N, TM, np.float32)
+    gate = np.random.default_rng(P).integers(-3, 4, size=w.shape).astype(np.float32)
+    gate[np.isnan(w)] = np.nan
+    used = np.repeat(tg < G, TM)
+    lin = np.zeros_like(want_up, dtype=np.float64)
+    for i in np.flatnonzero(tg < G):
+        lin[i * TM:(i + 1) * TM] = x[i * TM:(i + 1) * TM].astype(np.float64) @ gate[tg[i]]
+    act = lin / (1 + np.exp(-lin)) if activation == "silu" else np.square(np.maximum(lin, 0))
+    want = np.where(used[:, None], act * want_up, 0.0)
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(tg, jnp.int32))
+    outs = {b: np.asarray(grouped_matmul(*args, tile_rows=TM, gate=jnp.asarray(gate),
+                                         activation=activation, backend=b))
+            for b in ("reference", "pallas_gpu")}
+    assert_bitwise(outs["pallas_gpu"], outs["reference"], "gpu vs reference")
+    np.testing.assert_allclose(outs["reference"], want, rtol=1e-5, atol=1e-4)
+    assert np.all(outs["reference"][~used] == 0)
+    low = grouped_matmul(*args, tile_rows=TM, gate=jnp.asarray(gate), activation=activation,
+                         out_dtype=jnp.bfloat16, backend="pallas_gpu")
+    assert low.dtype == jnp.bfloat16
+    assert_bitwise(np.asarray(low), np.asarray(jnp.asarray(outs["reference"]).astype(jnp.bfloat16)), "bf16")
+
+
 def test_pairs_come_back_through_the_slots():
     """The layout's round trip: scatter rows to their slots, multiply, gather by slot."""
     P, G, K, N, TM = 24, 5, 16, 16, 8
@@ -137,6 +166,10 @@ def test_pairs_come_back_through_the_slots():
     (dict(tile_group=np.array([0], np.int64)), "tile_group must have dtype"),
     (dict(tile_rows=0), "tile_rows must be an int >= 1"),
     (dict(config="fast"), "config must be a GroupedMatmulConfig"),
+    (dict(activation="silu"), "activation is for the gated form"),
+    (dict(gate=np.ones((1, 2, 3), np.float32), activation="gelu"), "activation must be one of"),
+    (dict(gate=np.ones((1, 2, 4), np.float32), activation="silu"), "gate must have shape"),
+    (dict(out_dtype=np.int32), "out_dtype must be a float dtype"),
 ])
 def test_bad_arguments_name_themselves(bad, match):
     args = dict(x=np.ones((2, 2), np.float32), w=np.ones((1, 2, 3), np.float32),
