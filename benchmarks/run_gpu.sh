@@ -4,8 +4,9 @@
 #     bash benchmarks/run_gpu.sh OUTDIR [SECONDS] [extra bench_kernels.py arguments...]
 #
 # OUTDIR receives: env.log (GPU, versions, the kernel files' hashes, the checks' exit
-# codes), checks.log (the three gpu_check scripts, one after another in the file; they
-# run side by side, no timing depends on them), runner.json / runner.log
+# codes), checks.log (the gpu_check scripts of the KV write, Mamba, token combine and paged
+# attention, and the grouped-matmul / MoE tests compiled by pytest, one after another in the
+# file; they run side by side, no timing depends on them), runner.json / runner.log
 # (bench_runner.py --device-steps; RUNNER=0 skips it) and kernels.json / kernels.log
 # (bench_kernels.py).
 # SECONDS (default 400) bounds the whole run: bench_kernels.py gets what is left after
@@ -31,11 +32,20 @@ timeout 170 $PY benchmarks/gpu_check_mamba.py > "$out/check_mamba.log" 2>&1 &
 p2=$!
 timeout 170 $PY benchmarks/gpu_check_token_combine.py > "$out/check_token_combine.log" 2>&1 &
 p3=$!
+timeout 170 $PY benchmarks/gpu_check_paged_attention.py --out "$out" --budget-s 120 \
+  > "$out/check_paged_attention.log" 2>&1 &
+p4=$!
+timeout 170 $PY -m pytest -q -n0 -p no:cacheprovider tests/kernels/test_grouped_matmul.py \
+  tests/models/test_moe_apply.py > "$out/check_grouped_matmul.log" 2>&1 &
+p5=$!
 wait $p1; r1=$?
 wait $p2; r2=$?
 wait $p3; r3=$?
-echo "checks exit codes: kv_write=$r1 mamba=$r2 token_combine=$r3 ($((SECONDS - start)) s)" >> "$out/env.log"
-for f in check_kv_write check_mamba check_token_combine; do
+wait $p4; r4=$?
+wait $p5; r5=$?
+echo "checks exit codes: kv_write=$r1 mamba=$r2 token_combine=$r3 paged_attention=$r4" \
+  "grouped_matmul=$r5 ($((SECONDS - start)) s)" >> "$out/env.log"
+for f in check_kv_write check_mamba check_token_combine check_paged_attention check_grouped_matmul; do
   echo "===== $f.log"
   cat "$out/$f.log"
 done > "$out/checks.log"
