@@ -53,11 +53,6 @@ the numbers are a weight- and state-bound decode step, not a long-context one. W
   of them dropped); the row says which bucket they ran in and how many were timed.
 * Host time per step inside the loops is split into ``*_schedule_us``, ``*_prepare_us`` (pack
   the plan into the input buffer) and ``*_launch_us`` (enqueue), medians over the timed steps.
-* ``return_logits=False`` with ``overlap=True``: where ``run_to_completion``'s ``_resolve``
-  still indexes a logits row per sampled row (kvjax at the time of writing: IndexError on the
-  ``[0, vocab]`` logits), the warm-up finds it and both timed loops then fetch through
-  :class:`_EmptyLogitsRows` (an empty logits row per batch row, host side, a few us per step;
-  the row says ``logits_shim: true``).
 * ``--budget-s`` (default 240 with ``--preset``): wall seconds since start after which no new N
   is started (a started N runs to its end); rows print and the JSON is rewritten as each N ends.
 
@@ -68,7 +63,6 @@ Results written before the runners were merged also hold ``layout`` variants and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -173,29 +167,6 @@ def measure(n: int, steps: int) -> dict:
 # ------------------------------------------------------------------ --preset: bench_model's models
 
 
-class _EmptyLogitsRows:
-    """A :class:`PendingStep` whose fetched ``logits`` have one empty row per batch row when the
-    runner returned none (``return_logits=False`` gives ``[0, vocab]``), for a
-    ``run_to_completion(overlap=True)`` that appends ``logits[b]`` for every sampled row. Host
-    side only: the device step is unchanged. Used only if the plain run raises IndexError."""
-
-    def __init__(self, pending):
-        self._p = pending
-
-    def wait(self):
-        self._p.wait()
-
-    def fetch(self):
-        res = self._p.fetch()
-        for d, o in res.outputs.items():
-            if o.logits.shape[0] == 0:
-                res.outputs[d] = dataclasses.replace(o, logits=np.zeros((o.sampled.shape[0], 0), o.logits.dtype))
-        return res
-
-    def __getattr__(self, name):
-        return getattr(self._p, name)
-
-
 class PresetBench:
     """One Runner of a bench_model preset for every N; compiles only the buckets a run uses."""
 
@@ -223,12 +194,11 @@ class PresetBench:
         token_sizes = tuple(sorted(set(ns) | {mixed}))
         t0 = time.perf_counter()
         self.model = bench_model.build_model(preset)
-        rl = ({"return_logits": False}
-              if "return_logits" in {f.name for f in dataclasses.fields(RunnerConfig)} else {})
         self.cfg = RunnerConfig(model=self.model, block_size=B, num_blocks=num_blocks,
                                 max_model_len=self.max_model_len, max_num_seqs=maxn,
                                 max_num_batched_tokens=max(token_sizes), token_sizes=token_sizes,
-                                max_new_requests_per_step=max_new, seed=seed, **rl)
+                                max_new_requests_per_step=max_new, seed=seed,
+                                **bench_model.RETURN_LOGITS)
         mesh = make_mesh(1, 1)
         params = bench_model.device_params(self.model, seed, NamedSharding(mesh, P()))
         jax.block_until_ready(params)
@@ -237,7 +207,6 @@ class PresetBench:
         del params
         self.params_b = bench_model.count_params(self.model)["total"] / 1e9
         self.compile_s: dict = {}
-        self.shim = False
         log(f"{preset}: {getattr(self.model, 'description', type(self.model).__name__)}, "
             f"{self.params_b:.2f} B params, init {self.param_init_s:.1f} s; max_num_seqs {maxn}, "
             f"token_sizes {token_sizes}, max_new {max_new}, max_model_len {self.max_model_len}, "
@@ -301,7 +270,6 @@ class PresetBench:
             sched.add_request(q)
         t_sched, t_prep, t_launch, marks = [], [], [], []
         orig_schedule, orig_prepare, orig_launch = sched.schedule, r.prepare, r.launch
-        shim = self.shim
 
         def timed_schedule():
             t = time.perf_counter(); p = orig_schedule(); t_sched.append(time.perf_counter() - t); return p
@@ -311,7 +279,7 @@ class PresetBench:
 
         def timed_launch(p):
             t = time.perf_counter(); o = orig_launch(p); t_launch.append(time.perf_counter() - t)
-            return _EmptyLogitsRows(o) if shim else o
+            return o
 
         def on_step(step, plans):
             plan = plans[r.local_ranks[0]]
@@ -327,20 +295,10 @@ class PresetBench:
         return {"marks": marks, "total_s": total_s}
 
     def warm(self, n: int) -> None:
-        """One short served run per mode (Python paths, first executions); finds out whether
-        ``overlap=True`` needs :class:`_EmptyLogitsRows` with this kvjax."""
+        """One short served run per mode (Python paths, first executions)."""
         total = self.admit_steps[n] + 3
         self.serve(n, total, False)
-        try:
-            self.serve(n, total, True)
-        except IndexError as e:
-            if self.cfg.return_logits or self.shim:
-                raise
-            log(f"  run_to_completion(overlap=True) with return_logits=False raised IndexError ({e}): "
-                f"kvjax.runner.serving._resolve indexes logits rows the step did not return; "
-                f"timing with empty logits rows filled in on the host (logits_shim=true)")
-            self.shim = True
-            self.serve(n, total, True)
+        self.serve(n, total, True)
 
     def measure(self, n: int) -> dict:
         t_row = time.perf_counter()
@@ -394,7 +352,7 @@ class PresetBench:
             "max_new_requests_per_step": self.max_new, "max_num_seqs": self.cfg.max_num_seqs,
             "max_model_len": self.max_model_len, "num_blocks": self.cfg.num_blocks,
             "block_size": self.cfg.block_size, "return_logits": getattr(self.cfg, "return_logits", True),
-            "logits_shim": self.shim, "input_words": self.runner._input_words, "params_b": self.params_b,
+            "input_words": self.runner._input_words, "params_b": self.params_b,
             "param_init_s": self.param_init_s, "row_wall_s": time.perf_counter() - t_row,
             "memory_gb": _memory_gb(),
         })

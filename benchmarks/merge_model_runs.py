@@ -32,28 +32,30 @@ def main(argv=None) -> int:
     ap.add_argument("--replace-presets", action="append", default=[])
     a = ap.parse_args(argv)
     rows, parts, meta = [], [], None
-    extra = ([(p, True) for p in a.baseline] + ([(a.prefill_from, "prefill")] if a.prefill_from else [])
-             + [(p, "replace") for p in a.replace_presets])
-    for path, short in [(p, False) for p in a.parts] + extra:
+    # (path, mode): "part", "baseline", "prefill" (--prefill-from) or "replace" (--replace-presets)
+    inputs = ([(p, "part") for p in a.parts] + [(p, "baseline") for p in a.baseline]
+              + ([(a.prefill_from, "prefill")] if a.prefill_from else [])
+              + [(p, "replace") for p in a.replace_presets])
+    for path, mode in inputs:
         doc = json.load(open(path))
         m = doc["meta"]
         meta = meta or dict(m)
         parts.append({"source": os.path.basename(path), "commit": m.get("commit"), "date": m.get("date"),
                       "presets": m.get("presets"), "matrix": m.get("matrix"), "gpu": m.get("nvidia_smi"),
-                      "total_wall_s": m.get("total_wall_s"), "baseline": short is True,
-                      "prefill_from": short == "prefill", "replaces_presets": short == "replace"})
-        if short == "replace":
+                      "total_wall_s": m.get("total_wall_s"), "baseline": mode == "baseline",
+                      "prefill_from": mode == "prefill", "replaces_presets": mode == "replace"})
+        if mode == "replace":
             mine = {r["preset"] for r in doc["rows"]}
             rows = [q for q in rows if q["preset"] not in mine]
         for r in doc["rows"]:
             r = dict(r, source=os.path.basename(path), commit=m.get("commit"))
-            if short == "prefill":
+            if mode == "prefill":
                 if r["impl"] == "kvjax" and r["phase"] == "prefill":
                     rows = [q for q in rows if not (q["impl"] == "kvjax" and q["phase"] == "prefill"
                                                     and q["preset"] == r["preset"] and q["source"] != r["source"])]
                 elif r["impl"] == "kvjax":
                     r["impl"] = "kvjax-prefill-run"
-            elif short is True:
+            elif mode == "baseline":
                 r["impl"] = "kvjax-short-table"
             rows.append(r)
     meta["parts"] = parts

@@ -119,6 +119,13 @@ class RunnerConfig:
         """Rows staged for new requests per step: ``min(max_new_requests_per_step, max_num_seqs)``."""
         return max(1, min(self.max_new_requests_per_step, self.max_num_seqs))
 
+    def staging(self, bucket: Bucket):
+        """The staging capacity of one step in ``bucket`` under this config
+        (:func:`kvjax.host.buckets.bucket_staging`)."""
+        return bucket_staging(bucket, block_size=self.block_size,
+                              num_speculative_tokens=self.num_speculative_tokens,
+                              max_new_requests=self.max_new_requests, max_num_seqs=self.max_num_seqs)
+
     def make_scheduler(self, drafter=None):
         """A :class:`~kvjax.host.scheduler.Scheduler` sized for one data rank (optional custom drafter)."""
 
@@ -358,9 +365,7 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
         backend=config.backend, state_indices=inp.state_indices,
     )
     valid = batch.row_valid
-    staging = bucket_staging(bucket, block_size=config.block_size, num_speculative_tokens=k,
-                             max_new_requests=config.max_new_requests, max_num_seqs=config.max_num_seqs)
-    ctx = make_step_context(batch, max_prefill_rows=staging.prefill_rows)
+    ctx = make_step_context(batch, max_prefill_rows=config.staging(bucket).prefill_rows)
     with jax.named_scope("model"):  # the profile (benchmarks/profile_gpu.py) splits on this scope
         logits, pools = model.apply(params, ctx, pools, backend=config.backend, sizes=config.cache_sizes,
                                     expert_axis=expert_axis, model_axis=model_axis)
@@ -582,8 +587,7 @@ class Runner:
         c = self.config
         bucket = plan.bucket if bucket is None else bucket
         R, k = bucket.num_reqs, c.num_speculative_tokens
-        st = bucket_staging(bucket, block_size=c.block_size, num_speculative_tokens=k,
-                            max_new_requests=c.max_new_requests, max_num_seqs=c.max_num_seqs)
+        st = c.staging(bucket)
         M, Z, U = st.ids_per_write, st.zero_blocks, st.new_requests
         cleared = np.full((st.cleared_rows,), PAD_ROW_ID, np.int32)
         w_rows = np.full((st.block_writes,), PAD_ROW_ID, np.int32)

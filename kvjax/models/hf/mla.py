@@ -128,8 +128,8 @@ def paged_latent_attention(
     with ``backend`` (one kv head of ``r + pe`` features, values its first ``r``; the query
     ``[q_lat | q_pe]`` in ``w_uk``'s dtype, as ``kvjax.models.attention.attention_query`` rounds
     it): on a GPU its kernel reads only each row's live blocks. The absorption products take
-    their operands from ``dot_operands`` (bf16 weights: bf16 products into float32). The naive form: the jnp gather
-    over the whole block table below.
+    their operands from ``dot_operands`` (bf16 weights: bf16 products into float32). The naive
+    form: the jnp gather over the whole block table below.
     """
     if form == "absorbed":
         q_lat = jnp.einsum("thn,rhn->thr", *dot_operands(q_nope, w_uk),
