@@ -28,18 +28,46 @@ import jax
 import jax.numpy as jnp
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (negative floats below positive ones; -0 is 0)."""
+    b = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _largest_key(pred, rows: int) -> jax.Array:
+    """uint32 ``[rows]``: per row the largest key ``t`` with ``pred(t)`` true, for a ``pred``
+    true at 0 and monotone (true below some key, false above), built bit by bit from the top:
+    32 reductions, no sort and no loop (a step's program stays one graph on a GPU)."""
+    res = jnp.zeros((rows,), jnp.uint32)
+    for bit in range(31, -1, -1):
+        cand = res | jnp.uint32(1 << bit)
+        res = jnp.where(pred(cand[:, None]), cand, res)
+    return res
+
+
 def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``scaled [L, V]`` with everything outside each row's top-k / top-p set at ``-inf``."""
-    V = scaled.shape[-1]
-    order = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
+    """``scaled [L, V]`` with everything outside each row's top-k / top-p set at ``-inf``.
+
+    In the descending order ``o``: top-k keeps the values ``>= o[k - 1]``; top-p keeps the values
+    ``>= o[n - 1]``, ``n`` the number of leading entries whose larger ones have not yet reached
+    ``top_p`` in probability (the first always stays). Both thresholds are found by bisection
+    over the values' order keys (``o[k - 1]`` is the largest value with at least ``k`` values at
+    or above it; ``o[n - 1]`` the smallest whose strictly larger ones hold less than ``top_p``)."""
+    L, V = scaled.shape
+    keys = _order_keys(scaled)
     k = jnp.where((top_k > 0) & (top_k < V), top_k, V)
-    kth = jnp.take_along_axis(order, (k - 1)[:, None], axis=1)  # [L, 1]
-    probs = jax.nn.softmax(order, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the larger ones
-    # the last sorted entry whose larger ones have not yet reached top_p (the first always stays)
-    n_keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
-    pth = jnp.take_along_axis(order, (n_keep - 1)[:, None], axis=1)
-    return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+    kth = _largest_key(lambda t: jnp.sum(keys >= t, axis=-1) >= k, L)
+    probs = jax.nn.softmax(scaled, axis=-1)
+
+    def mass_above(t):
+        return jnp.sum(jnp.where(keys > t, probs, 0.0), axis=-1)
+
+    top = jnp.max(keys, axis=-1)
+    # the largest key whose strictly larger ones still hold >= top_p; the threshold is the next
+    reach = _largest_key(lambda t: mass_above(t) >= top_p, L)
+    cut = (top_p < 1) & (mass_above(jnp.zeros((L, 1), jnp.uint32)) >= top_p)
+    pth = jnp.where(cut, jnp.minimum(reach, top - 1) + 1, 0)
+    return jnp.where(keys >= jnp.maximum(kth, pth)[:, None], scaled, -jnp.inf)
 
 
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

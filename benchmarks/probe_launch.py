@@ -1,0 +1,244 @@
+"""Where the host spends a real-size step's launch (issue 24, item 6), on a GPU.
+
+    PYTHONPATH=. python benchmarks/probe_launch.py --preset granite-4.0-h-micro --batch 1,64 --out DIR
+
+For each decode batch and each compile-option variant of the Runner's step executable, from an
+idle device: the host time of the input ``device_put``, of the executable call and of
+``copy_to_host_async``, then the wait for the result; the back-to-back step and enqueue; and a
+profiler trace of two idle-start launches whose host-side events (CUDA driver API calls,
+XLA's annotations) are summed by name. If a launch returns only when the step has run, the
+trace names the call it waits in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+def _variants():
+    from kvjax.runner.runner import GPU_COMPILER_OPTIONS
+
+    return {
+        "runner": None,  # the Runner's own (GPU_COMPILER_OPTIONS)
+        "xla_default": {},
+        "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
+        "never_update": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "NEVER_UPDATE"},
+        "capture_never_update": {**GPU_COMPILER_OPTIONS,
+                                 "xla_gpu_command_buffer_update_mode": "CAPTURE_CMD_NEVER_UPDATE"},
+    }
+
+
+def host_events(run, n: int) -> dict:
+    """Host-side trace events of ``n`` idle-start calls of ``run()`` summed by name."""
+    import jax
+
+    d = tempfile.mkdtemp(prefix="kvjax-launch-")
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        for _ in range(n):
+            jax.block_until_ready(run())
+    files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return {"error": "no trace"}
+    doc = json.load(gzip.open(files[0]))
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    pname = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, nm in pname.items() if "GPU" in nm or "gpu" in nm}
+    by = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    long = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") in gpu:
+            continue
+        name, dur = e.get("name", ""), float(e.get("dur", 0.0))
+        b = by[name]
+        b[0] += 1
+        b[1] += dur
+        b[2] = max(b[2], dur)
+        if dur > 300:
+            long.append((float(e.get("ts", 0.0)), name, dur))
+    long.sort()
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:45]
+    return {"calls": n,
+            "top": [{"name": k[:160], "count_per_call": v[0] / n, "us_per_call": v[1] / n, "max_us": v[2]}
+                    for k, v in top],
+            "long_events": [{"ts": t, "name": nm[:160], "us": du} for t, nm, du in long[:80]]}
+
+
+def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
+    """``base``: a copy of the state every variant starts from (its first three outputs are
+    compared across variants: compile options must not change a token)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    r = bench.runner
+    plan = bench.fabricate_decode(batch, 1024)
+    keep = r.compiler_options
+    if opts is not None:
+        r.compiler_options = opts
+    t0 = time.perf_counter()
+    lowered, spec = r._lower(plan.bucket)
+    exe = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    r.compiler_options = keep
+    r.executables[plan.bucket] = (exe, spec)
+    prepared = r.prepare(plan)
+    sharding = NamedSharding(r.mesh, P("data"))
+
+    def call(buf):
+        r._rows, r._pools, out = exe(r.params, r._rows, r._pools, buf)
+        return out
+
+    r._rows, r._pools = jax.tree.map(jnp.copy, base)
+    first = []
+    for _ in range(3):
+        out = call(jax.device_put(prepared.buf, sharding))
+        first.append(jax.device_get(out))
+    put, ex, cp, wait = [], [], [], []
+    for _ in range(7):
+        jax.block_until_ready((r._rows, r._pools))
+        t0 = time.perf_counter()
+        buf = jax.device_put(prepared.buf, sharding)
+        t1 = time.perf_counter()
+        out = call(buf)
+        t2 = time.perf_counter()
+        out.copy_to_host_async()
+        t3 = time.perf_counter()
+        jax.block_until_ready(out)
+        t4 = time.perf_counter()
+        put.append((t1 - t0) * 1e6)
+        ex.append((t2 - t1) * 1e6)
+        cp.append((t3 - t2) * 1e6)
+        wait.append((t4 - t3) * 1e6)
+    buf = jax.device_put(prepared.buf, sharding)
+    jax.block_until_ready(buf)
+    groups = []
+    for _ in range(3):
+        jax.block_until_ready((r._rows, r._pools))
+        t0 = time.perf_counter()
+        for _ in range(8):
+            out = call(buf)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        groups.append(((t2 - t0) / 8 * 1e6, (t1 - t0) / 8 * 1e6))
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    row = {"tag": tag, "batch": batch, "options": opts, "compile_s": compile_s, "_first": first,
+           "idle_start": {"device_put_us": med(put), "exe_call_us": med(ex), "copy_to_host_async_us": med(cp),
+                          "wait_after_us": med(wait)},
+           "back_to_back": {"step_us": med([g[0] for g in groups]), "enqueue_us": med([g[1] for g in groups])}}
+    log(f"{tag:18s} b{batch:<4d} put {row['idle_start']['device_put_us']:8.0f}  exe {row['idle_start']['exe_call_us']:8.0f}"
+        f"  copy {row['idle_start']['copy_to_host_async_us']:6.0f}  wait {row['idle_start']['wait_after_us']:8.0f}"
+        f"  | b2b step {row['back_to_back']['step_us']:8.0f} enqueue {row['back_to_back']['enqueue_us']:8.0f}"
+        f"  (compile {compile_s:.0f} s)")
+    try:
+        row["host_trace"] = host_events(lambda: call(buf), 2)
+        conds = sum(t["us_per_call"] for t in row["host_trace"]["top"] if t["name"].startswith("cond"))
+        launch = sum(t["us_per_call"] for t in row["host_trace"]["top"] if t["name"].startswith("cuGraphLaunch"))
+        upd = sum(t["us_per_call"] for t in row["host_trace"]["top"] if t["name"] == "command_buffer::update")
+        row["host_summary"] = {"cond_us": conds, "graph_launch_us": launch, "graph_update_us": upd}
+        log(f"    host: conditionals {conds:.0f} us, cuGraphLaunch {launch:.0f} us, update {upd:.0f} us")
+        for t in row["host_trace"]["top"][:14]:
+            log(f"    {t['us_per_call']:9.0f} us/call  x{t['count_per_call']:<7.0f} max {t['max_us']:8.0f}  {t['name'][:100]}")
+    except Exception as e:  # noqa: BLE001
+        row["host_trace"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    del exe
+    r.executables.pop(plan.bucket)
+    return row
+
+
+def probe_sampling(log, rows: int = 256, vocab: int = 100_352) -> list[dict]:
+    """``sample_rows`` alone at ``[rows, vocab]`` under the Runner's options: greedy, sampled
+    (temperature 0.8) and filtered (top-p 0.9, top-k 50): the call's host time, the conditionals'
+    host time and the device time per call."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.runner.runner import GPU_COMPILER_OPTIONS
+    from kvjax.runner.sampling import sample_rows
+
+    fn = jax.jit(sample_rows, compiler_options=dict(GPU_COMPILER_OPTIONS))
+    logits = jax.random.normal(jax.random.key(0), (rows, vocab), jnp.float32)
+    full = lambda v, dt: jnp.full((rows,), v, dt)  # noqa: E731
+    out = []
+    for tag, t, k, p in (("greedy", 0.0, 0, 1.0), ("sampled", 0.8, 0, 1.0), ("filtered", 0.8, 50, 0.9)):
+        args = (logits, full(t, jnp.float32), full(k, jnp.int32), full(p, jnp.float32), full(7, jnp.int32),
+                jnp.arange(rows, dtype=jnp.int32))
+        jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
+        for _ in range(10):
+            o = fn(*args)
+        t1 = time.perf_counter()
+        jax.block_until_ready(o)
+        t2 = time.perf_counter()
+        tr = host_events(lambda: fn(*args), 2)
+        conds = sum(e["us_per_call"] for e in tr.get("top", []) if e["name"].startswith("cond"))
+        row = {"sampling": tag, "rows": rows, "vocab": vocab, "enqueue_us": (t1 - t0) / 10 * 1e6,
+               "step_us": (t2 - t0) / 10 * 1e6, "cond_host_us": conds}
+        log(f"sample_rows {tag:8s} [{rows}, {vocab}]: {row['step_us']:8.0f} us/call, enqueue {row['enqueue_us']:6.0f} us, "
+            f"conditionals on the host {conds:.0f} us")
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="granite-4.0-h-micro")
+    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--variants", default="runner,xla_default,no_command_buffer")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sampling", action="store_true", help="also time sample_rows alone (greedy / sampled / filtered)")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    from bench_model import Bench, log
+
+    batches = [int(b) for b in a.batch.split(",")]
+    bench = Bench(a.preset, {"decode": [(1024, tuple(batches))], "prefill": (), "max_model_len": 32768})
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    variants = _variants()
+    rows = []
+    if a.sampling:
+        try:
+            rows = probe_sampling(log)
+        except Exception as e:  # noqa: BLE001
+            log(f"sampling probe: {type(e).__name__}: {str(e)[:300]}")
+    for b in batches:
+        bench.fabricate_decode(b, 1024)
+        base = jax.tree.map(jnp.copy, (bench.runner._rows, bench.runner._pools))
+        ref = None
+        for v in a.variants.split(","):
+            try:
+                row = probe(bench, b, variants[v], v, log, base)
+            except Exception as e:  # noqa: BLE001 - an option this XLA lacks: the others run
+                log(f"{v} b{b}: {type(e).__name__}: {str(e)[:300]}")
+                rows.append({"tag": v, "batch": b, "error": f"{type(e).__name__}: {e}"[:500]})
+                continue
+            first = row.pop("_first")
+            if ref is None:
+                ref = (v, first)
+            row["same_outputs_as"] = ref[0]
+            row["same_outputs"] = all(np.array_equal(x, y) for x, y in zip(first, ref[1]))
+            log(f"    outputs of the first 3 steps equal to {ref[0]}'s: {row['same_outputs']}")
+            rows.append(row)
+            with open(os.path.join(a.out, "probe_launch.json"), "w") as f:
+                json.dump({"preset": a.preset, "rows": rows}, f, indent=1)
+        del base
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
