@@ -32,9 +32,10 @@ def _variants():
         "runner": None,  # the Runner's own (GPU_COMPILER_OPTIONS)
         "xla_default": {},
         "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
-        "never_update": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "NEVER_UPDATE"},
-        "capture_never_update": {**GPU_COMPILER_OPTIONS,
-                                 "xla_gpu_command_buffer_update_mode": "CAPTURE_CMD_NEVER_UPDATE"},
+        "skip_temp": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_TEMP"},
+        "skip_temp_va": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
+                         "xla_gpu_enable_command_buffer_va_remapping": True},
+        "skip_profiled": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"},
     }
 
 
@@ -87,11 +88,13 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
     keep = r.compiler_options
     if opts is not None:
         r.compiler_options = opts
-    t0 = time.perf_counter()
-    lowered, spec = r._lower(plan.bucket)
-    exe = lowered.compile()
-    compile_s = time.perf_counter() - t0
-    r.compiler_options = keep
+    try:
+        t0 = time.perf_counter()
+        lowered, spec = r._lower(plan.bucket)
+        exe = lowered.compile()
+        compile_s = time.perf_counter() - t0
+    finally:
+        r.compiler_options = keep
     r.executables[plan.bucket] = (exe, spec)
     prepared = r.prepare(plan)
     sharding = NamedSharding(r.mesh, P("data"))

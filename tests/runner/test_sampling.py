@@ -54,6 +54,52 @@ def test_frequencies_follow_the_filtered_softmax():
     np.testing.assert_allclose(freq, flat, atol=0.03)
 
 
+def _filtered_by_sorting(x, top_k, top_p):
+    """The stated rule in numpy on the sorted row, float64 probabilities."""
+    out = np.full_like(x, -np.inf)
+    V = x.shape[1]
+    for i in range(x.shape[0]):
+        o = np.sort(x[i])[::-1]
+        thr = o[(top_k[i] if 0 < top_k[i] < V else V) - 1]
+        if top_p[i] < 1:
+            p = np.exp(o.astype(np.float64) - o.max())
+            p /= p.sum()
+            before = np.cumsum(p) - p
+            thr = max(thr, o[max(int((before < top_p[i]).sum()), 1) - 1])
+        out[i] = np.where(x[i] >= thr, x[i], -np.inf)
+    return out
+
+
+def test_filter_matches_the_sorted_rule():
+    """The bisection thresholds against the rule on the sorted row: ties, signed zeros, -inf
+    entries, top_k at and past the vocabulary, top_p 1; the whole filtered rows compared."""
+    from kvjax.runner.sampling import _filtered
+
+    rng = np.random.default_rng(0)
+    for V in (2, 37, 160):
+        L = 48
+        x = (rng.normal(size=(L, V)) * rng.uniform(0.1, 5, (L, 1))).astype(np.float32)
+        x[::3] = np.round(x[::3])  # ties, and -0.0 beside 0.0
+        x[::5, : V // 3] = -np.inf
+        top_k = rng.integers(0, V + 3, L).astype(np.int32)
+        top_p = rng.uniform(0.05, 1.0, L).astype(np.float32)
+        top_p[::4] = 1.0
+        got = np.asarray(_filtered(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
+        np.testing.assert_array_equal(got, _filtered_by_sorting(x, top_k, top_p), err_msg=f"V={V}")
+
+
+def test_sampling_runs_no_sort():
+    """With a sort in its branches, XLA:GPU ran the step's sampling conditional on the host: every
+    launch then waited for the whole step to finish (``benchmarks/probe_launch.py``)."""
+    import jax
+
+    L, V = 3, 40
+    args = (jnp.zeros((L, V), jnp.float32), jnp.ones((L,), jnp.float32), jnp.full((L,), 5, jnp.int32),
+            jnp.full((L,), 0.9, jnp.float32), jnp.zeros((L,), jnp.int32), jnp.arange(L, dtype=jnp.int32))
+    text = jax.jit(sample_rows).lower(*args).as_text()
+    assert "sort" not in text
+
+
 def test_a_draft_is_kept_exactly_when_the_sample_equals_it():
     """One decode row with 2 drafts at temperature 1: draft i is accepted iff every earlier one was
     and the sample at its position equals it; the correction is the sample itself."""
