@@ -100,8 +100,7 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
     sharding = NamedSharding(r.mesh, P("data"))
 
     def call(buf):
-        r._rows, r._pools, out = exe(r.params, r._rows, r._pools, buf)
-        return out
+        return r._enqueue(plan.bucket, buf)[0]
 
     r._rows, r._pools = jax.tree.map(jnp.copy, base)
     first = []
@@ -195,12 +194,75 @@ def probe_sampling(log, rows: int = 256, vocab: int = 100_352) -> list[dict]:
     return out
 
 
+def probe_patterns(bench, batch: int, log, opts=None, tag: str = "runner") -> list[dict]:
+    """The Runner's own executable launched back to back in three patterns: the same input
+    buffer with each output kept alive until the next call returns (the serving loop's), the
+    same input with each output dropped at once, and a fresh input per call with outputs
+    dropped. Which buffers' new addresses make the command buffer update and relaunch."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    r = bench.runner
+    plan = bench.fabricate_decode(batch, 1024)
+    keep = r.compiler_options
+    if opts is not None:
+        r.compiler_options = opts
+    try:
+        lowered, spec = r._lower(plan.bucket)
+        exe = lowered.compile()
+    finally:
+        r.compiler_options = keep
+    r.executables[plan.bucket] = (exe, spec)
+    prepared = r.prepare(plan)
+    sharding = NamedSharding(r.mesh, P("data"))
+    same = jax.device_put(prepared.buf, sharding)
+    rows = []
+    for name, fresh_in, keep_out in (("same_in_keep_out", False, True), ("same_in_drop_out", False, False),
+                                    ("fresh_in_drop_out", True, False), ("fresh_in_keep_out", True, True)):
+        kept = [None]
+
+        def call():
+            buf = jax.device_put(prepared.buf, sharding) if fresh_in else same
+            out = r._enqueue(plan.bucket, buf)[0]
+            if keep_out:
+                kept[0] = out
+            return r._rows
+
+        for _ in range(4):
+            call()
+        jax.block_until_ready(r._rows)
+        enq, per = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(8):
+                call()
+            t1 = time.perf_counter()
+            jax.block_until_ready(r._rows)
+            t2 = time.perf_counter()
+            enq.append((t1 - t0) / 8 * 1e6)
+            per.append((t2 - t0) / 8 * 1e6)
+        tr = host_events(call, 3)
+        pick = lambda f: sum(t["us_per_call"] for t in tr.get("top", []) if f(t["name"]))  # noqa: E731
+        row = {"pattern": name, "options": tag, "batch": batch, "enqueue_us": statistics.median(enq),
+               "per_call_us": statistics.median(per),
+               "graph_update_us": pick(lambda n: n == "command_buffer::update"),
+               "graph_launch_us": pick(lambda n: n.startswith("cuGraphLaunch"))}
+        log(f"{tag} pattern {name:18s} b{batch:<4d} enqueue {row['enqueue_us']:7.0f} us, per call {row['per_call_us']:7.0f} us;"
+            f" traced: update {row['graph_update_us']:6.0f} us, cuGraphLaunch {row['graph_launch_us']:6.0f} us")
+        rows.append(row)
+    r.executables.pop(plan.bucket)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="granite-4.0-h-micro")
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--variants", default="runner,xla_default,no_command_buffer")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--patterns", action="store_true", help="the Runner's executable in four launch patterns")
+    ap.add_argument("--pattern-variants", default="runner", help="--patterns: compile-option variants")
     ap.add_argument("--sampling", action="store_true", help="also time sample_rows alone (greedy / sampled / filtered)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
@@ -219,7 +281,10 @@ def main(argv=None) -> int:
             rows = probe_sampling(log)
         except Exception as e:  # noqa: BLE001
             log(f"sampling probe: {type(e).__name__}: {str(e)[:300]}")
-    for b in batches:
+    for b in batches if a.patterns else ():
+        for v in a.pattern_variants.split(","):
+            rows += probe_patterns(bench, b, log, variants[v], v)
+    for b in batches if a.variants else ():
         bench.fabricate_decode(b, 1024)
         base = jax.tree.map(jnp.copy, (bench.runner._rows, bench.runner._pools))
         ref = None

@@ -254,17 +254,16 @@ def dispatch_costs(runner, prepared, steps: int) -> dict:
     it), through ``jax.jit``'s dispatch of the same function (``Runner.jitted_step``), and of
     an executable that takes the same arguments and does almost nothing (the cost of the
     arguments alone). The input buffer is placed on the devices once, outside the timing."""
-    exe, _ = runner.executables[prepared.bucket]
     fn, _, _ = runner.jitted_step(prepared.bucket)
     buf = jax.device_put(prepared.buf, NamedSharding(runner.mesh, PartitionSpec("data")))
 
     def via_compiled():
-        runner._rows, runner._pools, out = exe(runner.params, runner._rows, runner._pools, buf)
-        return out
+        return runner._enqueue(prepared.bucket, buf)[0]
 
     def via_jit():
+        runner._rows = runner._stage(runner._rows, buf)
         with jax.default_matmul_precision(runner.config.matmul_precision):
-            runner._rows, runner._pools, out = fn(runner.params, runner._rows, runner._pools, buf)
+            runner._rows, runner._pools, out = fn(runner.params, runner._rows, runner._pools)
         return out
 
     touch = jax.jit(lambda p, rows, pools, b: (rows, pools, b[:, :1] + 1), donate_argnums=(1, 2))

@@ -238,7 +238,7 @@ class StepResult:
 @dataclasses.dataclass(frozen=True)
 class PreparedStep:
     """A step packed on the host, not yet enqueued (:meth:`Runner.prepare`, :meth:`Runner.launch`):
-    ``buf`` is int32 ``[local ranks, n]`` in ``bucket``'s layout; ``labels[d]`` names rank ``d``'s step
+    ``buf`` is int32 ``[local ranks, n]``: ``bucket``'s layout, zero-padded to the runner's input area; ``labels[d]`` names rank ``d``'s step
     (the scheduler's step number, ``"dummy"`` or ``"release"``) for the sanitizer's errors."""
 
     bucket: Bucket
@@ -250,8 +250,10 @@ class PreparedStep:
 class PendingStep:
     """An enqueued step whose outputs are still on the device (JAX dispatch is asynchronous).
 
-    ``packed``: int32 ``[D, n]`` laid out by ``spec`` per rank. In checked mode ``verdicts[d]``
-    raises :class:`~kvjax.runner.sanitizer.SanitizerError` on a violation when fetched.
+    ``packed``: int32 ``[D, n]`` laid out by ``spec`` per rank (:func:`step_output_spec`);
+    ``checks``: int32 ``[D, c, w]``, the encoded memory checks (``c`` = 0 unless checked mode). In
+    checked mode ``verdicts[d]`` raises :class:`~kvjax.runner.sanitizer.SanitizerError` on a
+    violation when fetched.
     """
 
     bucket: Bucket
@@ -259,6 +261,7 @@ class PendingStep:
     spec: PackSpec
     local_ranks: tuple[int, ...]
     verdicts: Mapping[int, Callable[[np.ndarray], None]] | None = None
+    checks: jax.Array | None = None
 
     def wait(self) -> None:
         """Block until the step has run on the device (no host copy, no verdict)."""
@@ -267,12 +270,13 @@ class PendingStep:
     def fetch(self) -> StepResult:
         """Wait for the step and copy its outputs to the host (checked mode: then judge each rank)."""
         rows = _local_rows(self.packed)
+        checks = _local_rows(self.checks) if self.verdicts is not None else None
         outputs = {}
         for d in self.local_ranks:
-            sampled, num_sampled, logits, dummy, checks = unpack(rows[d], self.spec)
+            sampled, num_sampled, logits, dummy = unpack(rows[d], self.spec)
             outputs[d] = StepOutput(np.asarray(sampled), np.asarray(num_sampled), np.asarray(logits), bool(dummy))
             if self.verdicts is not None:
-                self.verdicts[d](checks)
+                self.verdicts[d](checks[d])
         return StepResult(self.bucket, outputs)
 
 
@@ -394,6 +398,18 @@ def step_fn(params, dstate: DeviceState, inp: StepInputs, *, model: Model, confi
     return new, (sampled, num_sampled, logits.astype(jnp.float32), dummy, checks)
 
 
+def step_output_spec(config: RunnerConfig, bucket: Bucket, vocab_size: int) -> PackSpec:
+    """The packed layout of a step's outputs but the checks: ``(sampled int32 [R, 1 + k],
+    num_sampled int32 [R], logits float32 [L, vocab_size] (0 rows without
+    ``config.return_logits``), dummy bool)`` for ``bucket``'s ``R`` rows and ``L`` logits rows
+    (:func:`step_fn`'s; the Runner sizes its state buffer's output area by it before tracing)."""
+    R, k = bucket.num_reqs, config.num_speculative_tokens
+    L = bucket.num_logits if config.return_logits else 0
+    S = jax.ShapeDtypeStruct
+    return spec_of((S((R, 1 + k), jnp.int32), S((R,), jnp.int32), S((L, vocab_size), jnp.float32),
+                    S((), jnp.bool_)))
+
+
 def _placed_on(params, mesh: Mesh) -> bool:
     """Every leaf of ``params`` is a ``jax.Array`` with a ``NamedSharding`` over ``mesh``."""
     leaves = jax.tree.leaves(params)
@@ -475,7 +491,7 @@ class Runner:
         self.buckets = config.bucket_spec
         self.guard = ServingGuard(strict=strict)
         self.executables: dict[Bucket, tuple[jax.stages.Compiled, PackSpec]] = {}
-        self._out_specs: dict[Bucket, PackSpec] = {}
+        self._fetches: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.pool_specs = self.shard_model.pool_specs(config.cache_sizes)
         self._pool_pspecs = {s.name: P(DATA, *s.axes) for s in self.pool_specs}
@@ -497,6 +513,7 @@ class Runner:
                                for d in self.local_ranks}
         self._rows_spec = spec_of(self._initial_rows())
         self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
+        self._output_words = max(self.output_spec(b).size for b in self.buckets.buckets)
         self._rows, self._pools = self._initial_state()
 
     # ------------------------------------------------------------ state
@@ -517,12 +534,16 @@ class Runner:
         return (self.num_ranks,) + tuple(n * self.model_size if ax == MODEL else n
                                          for n, ax in zip(spec.shape, spec.axes))
 
+    def output_spec(self, bucket: Bucket) -> PackSpec:
+        """:func:`step_output_spec` of ``bucket`` for this runner."""
+        return step_output_spec(self.config, bucket, self.model.vocab_size)
+
     def _initial_state(self):
-        """``(rows, pools)``: every rank's request rows and tables (one int32 buffer per rank, the
-        step-input area after them), and the pools, zeroed (checked mode: poisoned), made sharded
-        on the devices."""
+        """``(rows, pools)``: every rank's request rows and tables (one int32 buffer per rank; the
+        step-input area, then the step-output area after them), and the pools, zeroed (checked
+        mode: poisoned), made sharded on the devices."""
         buf, _ = pack(self._initial_rows())
-        extra = self._input_words + 1  # + 1: never a whole-buffer update
+        extra = self._input_words + self._output_words + 1  # + 1: never a whole-buffer update
         rows = np.concatenate([buf, np.zeros((extra,), np.int32)])
         rows = np.broadcast_to(rows[None], (self.num_ranks, rows.size))
         rows = global_array(NamedSharding(self.mesh, P(DATA)), rows.shape, rows)
@@ -679,48 +700,77 @@ class Runner:
 
     def jitted_step(self, bucket: Bucket):
         """``(fn, args, spec)``: ``bucket``'s jitted SPMD step (rows and pools donated), its
-        arguments (the input buffer as a ``ShapeDtypeStruct``), and one rank's input layout.
+        arguments, and one rank's input layout.
 
-        ``fn(params, rows, pools, inputs)``: ``inputs`` int32 ``[D, n]`` sharded over "data",
-        one :class:`StepInputs` buffer per rank. ``fn.lower(*args)`` under
-        ``jax.default_matmul_precision(config.matmul_precision)`` is what :meth:`precompile`
-        compiles; ``jax.export`` lowers the same ``fn`` for another platform.
+        ``fn(params, rows, pools) -> (rows, pools, checks)``: each rank's :class:`StepInputs` are
+        read from its rows buffer's input area (written there by :meth:`_stage`), its outputs
+        but the checks are written to the output area (laid out by :meth:`output_spec`,
+        read back by :meth:`_fetch`); ``checks`` int32 ``[D, c, w]``. Every buffer the step
+        reads or writes is then a donated one or the params: the same addresses at every step,
+        so on a GPU its CUDA graph is launched as recorded, never updated (a new input or output
+        address made XLA update the whole graph at each launch: ``benchmarks/probe_launch.py``).
+        ``fn.lower(*args)`` under ``jax.default_matmul_precision(config.matmul_precision)`` is
+        what :meth:`precompile` compiles; ``jax.export`` lowers the same ``fn`` for another
+        platform.
         """
         _, in_spec = pack(self.pack(None, bucket))
-        n, m = self._rows_spec.size, in_spec.size
+        n, m, area = self._rows_spec.size, in_spec.size, self._rows_spec.size + self._input_words
+        out_spec = self.output_spec(bucket)
         D, M = self.num_ranks, self.model_size
         step = functools.partial(
             step_fn, model=self.shard_model, config=self.config, bucket=bucket, pool_specs=self.pool_specs,
             expert_axis=DATA if D > 1 else None, model_axis=MODEL if M > 1 else None,
             record_checks=self._record_check_layout)
-        rows_spec, out_specs = self._rows_spec, self._out_specs
+        rows_spec = self._rows_spec
 
-        def per_rank(params, rows, pools, buf):
-            rows, buf = rows[0], buf[0]
-            # the one reader of ``buf``; everything else reads the donated rows buffer
-            rows = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(rows, buf, (n,)))
+        def per_rank(params, rows, pools):
+            rows = rows[0]
             inp = unpack(rows[n: n + m], in_spec)
             req, tables = unpack(rows[:n], rows_spec)
             new, out = step(params, DeviceState(req, tables, {k: v[0] for k, v in pools.items()}), inp)
-            out_specs[bucket] = spec_of(out)
+            *main, checks = out
+            if spec_of(tuple(main)) != out_spec:
+                raise AssertionError(f"bucket {bucket}: the step's outputs {spec_of(tuple(main))} differ from "
+                                     f"step_output_spec's {out_spec}, which sized the output area")
             rows = jax.lax.dynamic_update_slice(rows, pack_device((new.requests, new.tables)), (0,))
-            return rows[None], {k: v[None] for k, v in new.pools.items()}, pack_device(out)[None]
+            rows = jax.lax.dynamic_update_slice(rows, pack_device(tuple(main)), (area,))
+            return rows[None], {k: v[None] for k, v in new.pools.items()}, checks[None]
 
-        def sm(params, rows, pools, buf):
+        def sm(params, rows, pools):
             # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
             # replication of outputs over "model" is proved by the parity tests instead. The mesh
             # is picked at trace time: inside tpu_target.lowering, one whose device is the target.
             return jax.shard_map(per_rank, mesh=_trace_mesh(self.mesh),
-                                 in_specs=(self.param_specs, P(DATA), self._pool_pspecs, P(DATA)),
+                                 in_specs=(self.param_specs, P(DATA), self._pool_pspecs),
                                  out_specs=(P(DATA), self._pool_pspecs, P(DATA)),
-                                 check_vma=False)(params, rows, pools, buf)
+                                 check_vma=False)(params, rows, pools)
 
         named = lambda p: NamedSharding(self.mesh, p)  # noqa: E731
         fn = jax.jit(sm, donate_argnums=(1, 2), compiler_options=self.compiler_options,
                      out_shardings=(named(P(DATA)), {k: named(p) for k, p in self._pool_pspecs.items()},
                                     named(P(DATA))))
-        arg = jax.ShapeDtypeStruct((D, m), jnp.int32, sharding=named(P(DATA)))
-        return fn, (self.params, self._rows, self._pools, arg), in_spec
+        return fn, (self.params, self._rows, self._pools), in_spec
+
+    @functools.cached_property
+    def _stage(self) -> jax.stages.Compiled:
+        """``(rows, inputs) -> rows`` (rows donated): each rank's step inputs, int32 ``[D, I]``,
+        written into its rows buffer's input area (the only program that reads a fresh buffer)."""
+        n = self._rows_spec.size
+        named = NamedSharding(self.mesh, P(DATA))
+        fn = jax.jit(lambda rows, buf: jax.lax.dynamic_update_slice(rows, buf, (0, n)), donate_argnums=0,
+                     out_shardings=named)
+        arg = jax.ShapeDtypeStruct((self.num_ranks, self._input_words), jnp.int32, sharding=named)
+        return fn.lower(self._rows, arg).compile()
+
+    def _fetch(self, words: int) -> jax.stages.Compiled:
+        """``rows -> int32 [D, words]``: a copy of the first ``words`` of each rank's output area
+        (compiled once per size)."""
+        if words not in self._fetches:
+            start = self._rows_spec.size + self._input_words
+            named = NamedSharding(self.mesh, P(DATA))
+            fn = jax.jit(lambda rows: rows[:, start: start + words], out_shardings=named)
+            self._fetches[words] = fn.lower(self._rows).compile()
+        return self._fetches[words]
 
     def _lower(self, bucket: Bucket):
         fn, args, spec = self.jitted_step(bucket)
@@ -734,8 +784,10 @@ class Runner:
 
         def build(b):
             lowered, spec = self._lower(b)
+            self._fetch(self.output_spec(b).size)
             return b, (lowered.compile(), spec)
 
+        self._stage  # noqa: B018 - compiled here, not at the first launch
         if workers > 1:
             with ThreadPoolExecutor(workers) as ex:
                 built = list(ex.map(build, todo))
@@ -796,28 +848,42 @@ class Runner:
                 san.mirror = mirror
             bufs.append(pack(inputs)[0])
             labels[d] = "dummy" if plan is None else plan.step
-        return PreparedStep(bucket, np.stack(bufs), labels)
+        buf = np.zeros((len(bufs), self._input_words), np.int32)
+        for i, b in enumerate(bufs):
+            buf[i, : b.size] = b
+        return PreparedStep(bucket, buf, labels)
 
     def launch(self, prepared: PreparedStep) -> PendingStep:
         """Enqueue a :meth:`prepare`-d step and return at once (steps must be launched in the
         order prepared). The outputs' device-to-host copies are queued right behind the step."""
-        exe, spec = self.executables[prepared.bucket]
-        if prepared.buf.shape[1] != spec.size:
-            raise RuntimeError(f"step inputs do not match bucket {prepared.bucket}'s layout")
+        if prepared.buf.shape[1] != self._input_words:
+            raise RuntimeError(f"step inputs of {prepared.buf.shape[1]} words; this runner's input area holds "
+                               f"{self._input_words}")
         sharding = NamedSharding(self.mesh, P(DATA))
         if len(self.local_ranks) == self.num_ranks:
             buf = jax.device_put(prepared.buf, sharding)
         else:
             buf = jax.make_array_from_process_local_data(sharding, prepared.buf,
                                                          (self.num_ranks, prepared.buf.shape[1]))
-        with self.guard.serving():
-            self._rows, self._pools, out = exe(self.params, self._rows, self._pools, buf)
+        out, checks = self._enqueue(prepared.bucket, buf)
         out.copy_to_host_async()
         verdicts = None
         if self.sanitizers is not None:
+            checks.copy_to_host_async()
             verdicts = {d: functools.partial(self.sanitizers[d].verdict, prepared.labels[d], rank=d)
                         for d in self.local_ranks}
-        return PendingStep(prepared.bucket, out, self._out_specs[prepared.bucket], self.local_ranks, verdicts)
+        return PendingStep(prepared.bucket, out, self.output_spec(prepared.bucket), self.local_ranks, verdicts,
+                           checks)
+
+    def _enqueue(self, bucket: Bucket, buf: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Stage ``buf`` (int32 ``[D, I]`` on the mesh), run ``bucket``'s step and copy its outputs
+        out of the state buffer: ``(packed outputs [D, n], checks [D, c, w])``, still on the device."""
+        exe, _ = self.executables[bucket]
+        stage, fetch = self._stage, self._fetch(self.output_spec(bucket).size)
+        with self.guard.serving():
+            self._rows = stage(self._rows, buf)
+            self._rows, self._pools, checks = exe(self.params, self._rows, self._pools)
+            return fetch(self._rows), checks
 
     def step(self, plans: StepPlan | Mapping[int, StepPlan | None] | None, bucket: Bucket | None = None) -> StepResult:
         """:meth:`prepare`, :meth:`launch` and fetch one step."""

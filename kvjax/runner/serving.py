@@ -7,8 +7,9 @@ on arrival on the least loaded rank (:func:`kvjax.host.placement.least_loaded`);
 ranks with nothing scheduled run the dummy step in the same SPMD program. One device
 is the case ``D = 1``.
 
-Overlapped (``overlap=True``), the host schedules and packs step N+1 while the device
-runs step N, waits for N, enqueues N+1, then reads N's outputs while N+1 runs. That
+Overlapped (``overlap=True``), the host schedules, packs and enqueues step N+1 while the
+device runs step N, then reads N's outputs while N+1 runs: the device goes from N to N+1
+without waiting for the host, as long as the host's work per step is shorter than the step. That
 needs only token *counts* on the host: the device already holds every row's last
 sampled token (the token combine reads it there), a greedy step without drafts samples
 exactly one token per row that finishes its prompt or decodes, and requests finish by
@@ -210,9 +211,7 @@ def run_to_completion(scheds: Scheduler | Mapping[int, Scheduler], runner: Runne
                     out = result.outputs[d]
                     scheds[d].update(plan, out.sampled, out.num_sampled, out.logits)
         else:
-            if in_flight is not None:
-                in_flight.output.wait()
-            output = runner.launch(prepared)
+            output = runner.launch(prepared)  # queued behind the step in flight
             if in_flight is not None:  # its outputs are read while the new step runs
                 _resolve(in_flight)
             in_flight = _InFlight(step - 1, plans, output, {d: _apply_counts(scheds[d], p)

@@ -165,7 +165,7 @@ def _serve(config):
         tokens.append((out.sampled.copy(), out.num_sampled.copy()))
         packed.append(out.logits.shape)
         sched.update(plan, out.sampled, out.num_sampled, out.logits)
-    sizes = {b: spec.size for b, spec in runner._out_specs.items()}
+    sizes = {b: runner.output_spec(b).size for b in runner.executables}
     return tokens, packed, sizes
 
 

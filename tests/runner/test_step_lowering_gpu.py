@@ -51,8 +51,9 @@ def test_every_bucket_lowers_for_cuda_with_verified_triton_kernels(name, verifie
 
 
 def test_step_lowers_for_cuda_with_its_state_donated(verified_triton_modules):
-    """The rows buffer and every pool are donated (aliased to outputs), the input is read through
-    one barrier."""
+    """The rows buffer and every pool are donated (aliased to outputs), and the step reads nothing
+    else but the params: its inputs are staged into the rows buffer by another program, so on a
+    GPU every launch of the step's CUDA graph sees the same buffers."""
     config = CONFIGS["plain"]
     runner = Runner(config)
     bucket = runner.buckets.buckets[-1]
@@ -60,4 +61,4 @@ def test_step_lowers_for_cuda_with_its_state_donated(verified_triton_modules):
     text = _lower_for_cuda(fn, args, config)
     assert _triton_calls(text) >= 5
     assert text.count("tf.aliasing_output") == 1 + len(runner.pool_specs)
-    assert text.count("optimization_barrier") == 1
+    assert len(jax.tree.leaves(args)) == len(jax.tree.leaves(runner.params)) + 1 + len(runner.pool_specs)
