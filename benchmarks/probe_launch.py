@@ -75,6 +75,21 @@ def host_events(run, n: int) -> dict:
             "long_events": [{"ts": t, "name": nm[:160], "us": du} for t, nm, du in long[:80]]}
 
 
+def _install(r, bucket, opts):
+    """Compile ``bucket``'s step with compiler options ``opts`` (None: the Runner's own) and make
+    it the Runner's executable of that bucket; the Runner's options are left as they were."""
+    keep = r.compiler_options
+    if opts is not None:
+        r.compiler_options = opts
+    try:
+        lowered, spec = r._lower(bucket)
+        exe = lowered.compile()
+    finally:
+        r.compiler_options = keep
+    r.executables[bucket] = (exe, spec)
+    return exe
+
+
 def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
     """``base``: a copy of the state every variant starts from (its first three outputs are
     compared across variants: compile options must not change a token)."""
@@ -85,17 +100,9 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
 
     r = bench.runner
     plan = bench.fabricate_decode(batch, 1024)
-    keep = r.compiler_options
-    if opts is not None:
-        r.compiler_options = opts
-    try:
-        t0 = time.perf_counter()
-        lowered, spec = r._lower(plan.bucket)
-        exe = lowered.compile()
-        compile_s = time.perf_counter() - t0
-    finally:
-        r.compiler_options = keep
-    r.executables[plan.bucket] = (exe, spec)
+    t0 = time.perf_counter()
+    exe = _install(r, plan.bucket, opts)
+    compile_s = time.perf_counter() - t0
     prepared = r.prepare(plan)
     sharding = NamedSharding(r.mesh, P("data"))
 
@@ -205,15 +212,7 @@ def probe_patterns(bench, batch: int, log, opts=None, tag: str = "runner") -> li
 
     r = bench.runner
     plan = bench.fabricate_decode(batch, 1024)
-    keep = r.compiler_options
-    if opts is not None:
-        r.compiler_options = opts
-    try:
-        lowered, spec = r._lower(plan.bucket)
-        exe = lowered.compile()
-    finally:
-        r.compiler_options = keep
-    r.executables[plan.bucket] = (exe, spec)
+    _install(r, plan.bucket, opts)
     prepared = r.prepare(plan)
     sharding = NamedSharding(r.mesh, P("data"))
     same = jax.device_put(prepared.buf, sharding)

@@ -33,7 +33,9 @@ def test_runs_without_error_and_draws_a_figure(path):
     # code generation only, the optimised HLO is the same (tests/runner/test_in_place.py), each
     # compile about twice as fast; the notebooks' own parity checks still run.
     flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
-    client.execute(env={**os.environ, "XLA_FLAGS": flags})  # raises CellExecutionError on the first error cell
+    # the kernel imports kvjax from this checkout whatever the environment's install state
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    client.execute(env={**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path})  # raises CellExecutionError on the first error cell
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.get("output_type") == "error"]
     assert not errors

@@ -20,14 +20,15 @@ block tables and state indices ``NULL_BLOCK_ID``) and must write nothing. A
 model may shard params over "data" (its partitioning says so), so a step can
 hold collectives every rank joins: that is why an idle rank cannot skip a step.
 
-Arguments cross into the executable as: the params; one donated int32 buffer of
-request rows and block tables per rank (followed by an area the step copies its
-input into, so that only that copy refers to the per-step buffer); the pools;
-one int32 input buffer per rank (:class:`StepInputs` packed by
-:func:`~kvjax.runner.packing.pack`). The outputs come back as one int32 buffer
-per rank. Three entry points: :meth:`Runner.prepare` (host: pack),
-:meth:`Runner.launch` (enqueue, returns at once), :meth:`PendingStep.fetch`
-(wait, copy, judge).
+Arguments cross into the step executable as: the params; one donated int32
+buffer per rank of request rows and block tables, then an input area and an
+output area; the pools (donated). Each step's inputs (:class:`StepInputs` packed
+by :func:`~kvjax.runner.packing.pack`, one int32 buffer per rank) are written
+into the input area by a small staging program, and the outputs are copied out
+of the output area by another, so the step reads and writes the same buffers at
+every launch (on a GPU its CUDA graph runs as recorded). Three entry points:
+:meth:`Runner.prepare` (host: pack), :meth:`Runner.launch` (enqueue the three
+programs, returns at once), :meth:`PendingStep.fetch` (wait, copy, judge).
 
 All executables are compiled at start-up (:meth:`Runner.precompile`); at
 serving time nothing traces or compiles (:class:`~kvjax.runner.compile_guard.ServingGuard`).
@@ -238,7 +239,8 @@ class StepResult:
 @dataclasses.dataclass(frozen=True)
 class PreparedStep:
     """A step packed on the host, not yet enqueued (:meth:`Runner.prepare`, :meth:`Runner.launch`):
-    ``buf`` is int32 ``[local ranks, n]``: ``bucket``'s layout, zero-padded to the runner's input area; ``labels[d]`` names rank ``d``'s step
+    ``buf`` is int32 ``[local ranks, n]``: ``bucket``'s layout, zero-padded to the runner's input
+    area; ``labels[d]`` names rank ``d``'s step
     (the scheduler's step number, ``"dummy"`` or ``"release"``) for the sanitizer's errors."""
 
     bucket: Bucket
@@ -492,6 +494,7 @@ class Runner:
         self.guard = ServingGuard(strict=strict)
         self.executables: dict[Bucket, tuple[jax.stages.Compiled, PackSpec]] = {}
         self._fetches: dict[int, jax.stages.Compiled] = {}
+        self._output_specs: dict[Bucket, PackSpec] = {}
         self.compile_seconds = 0.0
         self.pool_specs = self.shard_model.pool_specs(config.cache_sizes)
         self._pool_pspecs = {s.name: P(DATA, *s.axes) for s in self.pool_specs}
@@ -536,7 +539,9 @@ class Runner:
 
     def output_spec(self, bucket: Bucket) -> PackSpec:
         """:func:`step_output_spec` of ``bucket`` for this runner."""
-        return step_output_spec(self.config, bucket, self.model.vocab_size)
+        if bucket not in self._output_specs:
+            self._output_specs[bucket] = step_output_spec(self.config, bucket, self.model.vocab_size)
+        return self._output_specs[bucket]
 
     def _initial_state(self):
         """``(rows, pools)``: every rank's request rows and tables (one int32 buffer per rank; the
@@ -707,7 +712,7 @@ class Runner:
         but the checks are written to the output area (laid out by :meth:`output_spec`,
         read back by :meth:`_fetch`); ``checks`` int32 ``[D, c, w]``. Every buffer the step
         reads or writes is then a donated one or the params: the same addresses at every step,
-        so on a GPU its CUDA graph is launched as recorded, never updated (a new input or output
+        so on a GPU its CUDA graph need not be updated between launches (a new input or output
         address made XLA update the whole graph at each launch: ``benchmarks/probe_launch.py``).
         ``fn.lower(*args)`` under ``jax.default_matmul_precision(config.matmul_precision)`` is
         what :meth:`precompile` compiles; ``jax.export`` lowers the same ``fn`` for another
