@@ -37,12 +37,14 @@ def _order_keys(x: jax.Array) -> jax.Array:
 def _largest_key(pred, rows: int) -> jax.Array:
     """uint32 ``[rows]``: per row the largest key ``t`` with ``pred(t)`` true, for a ``pred``
     true at 0 and monotone (true below some key, false above), built bit by bit from the top:
-    32 reductions, no sort and no loop (a step's program stays one graph on a GPU)."""
-    res = jnp.zeros((rows,), jnp.uint32)
-    for bit in range(31, -1, -1):
-        cand = res | jnp.uint32(1 << bit)
-        res = jnp.where(pred(cand[:, None]), cand, res)
-    return res
+    32 reductions in a loop, no sort (XLA:GPU keeps a loop, unlike a sort, inside the step's CUDA
+    graph; unrolled, the 32 steps cost seconds of compile time in every step executable)."""
+
+    def step(i, res):
+        cand = res | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(pred(cand[:, None]), cand, res)
+
+    return jax.lax.fori_loop(0, 32, step, jnp.zeros((rows,), jnp.uint32))
 
 
 def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
