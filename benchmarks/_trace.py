@@ -16,18 +16,15 @@ import tempfile
 import jax
 
 
-def trace_device(run, n: int) -> dict:
-    """Device kernels and memcpys of ``n`` calls of ``run()`` (profiler trace, CUPTI)."""
-    jax.block_until_ready(run())
+def record(body):
+    """Run ``body()`` under JAX's profiler: ``(events, process names, thread names, gpu pids)`` of
+    its perfetto trace, or None when no trace was written."""
     d = tempfile.mkdtemp(prefix="kvjax-prof-")
     with jax.profiler.trace(d, create_perfetto_trace=True):
-        out = None
-        for _ in range(n):
-            out = run()
-        jax.block_until_ready(out)
+        body()
     files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
     if not files:
-        return {"error": f"no perfetto trace under {d}"}
+        return None
     doc = json.load(gzip.open(files[0]))
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
     pname, tname = {}, {}
@@ -37,6 +34,23 @@ def trace_device(run, n: int) -> dict:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             tname[(e["pid"], e["tid"])] = e["args"].get("name", "")
     gpu_pids = {p for p, nm in pname.items() if "GPU" in nm or "gpu" in nm}
+    return events, pname, tname, gpu_pids
+
+
+def trace_device(run, n: int) -> dict:
+    """Device kernels and memcpys of ``n`` calls of ``run()`` (profiler trace, CUPTI)."""
+    jax.block_until_ready(run())
+
+    def body():
+        out = None
+        for _ in range(n):
+            out = run()
+        jax.block_until_ready(out)
+
+    got = record(body)
+    if got is None:
+        return {"error": "no perfetto trace written"}
+    events, pname, tname, gpu_pids = got
     derived = ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")
     kernels, copies = [], []
     threads = collections.Counter()

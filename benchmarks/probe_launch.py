@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -43,18 +40,16 @@ def host_events(run, n: int) -> dict:
     """Host-side trace events of ``n`` idle-start calls of ``run()`` summed by name."""
     import jax
 
-    d = tempfile.mkdtemp(prefix="kvjax-launch-")
-    with jax.profiler.trace(d, create_perfetto_trace=True):
+    from _trace import record
+
+    def body():
         for _ in range(n):
             jax.block_until_ready(run())
-    files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-    if not files:
+
+    got = record(body)
+    if got is None:
         return {"error": "no trace"}
-    doc = json.load(gzip.open(files[0]))
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    pname = {e["pid"]: e["args"].get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {p for p, nm in pname.items() if "GPU" in nm or "gpu" in nm}
+    events, _, _, gpu = got
     by = collections.defaultdict(lambda: [0, 0.0, 0.0])
     long = []
     for e in events:
