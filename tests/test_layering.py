@@ -130,3 +130,15 @@ def test_runner_names_no_model_or_layer_type():
            for i, line in enumerate(p.read_text().splitlines(), 1)
            for tok in re.findall(r"\w+", line) if tok not in allowed and named(tok)]
     assert not bad, bad
+
+
+def test_test_modules_have_unique_names():
+    """The test directories have no ``__init__.py``: pytest imports each test module by its
+    file name alone, and two modules of one name in different directories fail the whole run's
+    collection ("import file mismatch") though each directory passes on its own."""
+    seen = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name != "conftest.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, clashes
