@@ -17,7 +17,7 @@ import os
 import jax
 import numpy as np
 
-from kvjax.runner.runner import RunnerConfig
+from kvjax.runner.runner import RunnerConfig, step_output_spec
 from kvjax.state import BlockTables, RequestState
 
 GIB = 1024**3
@@ -54,7 +54,7 @@ class MemoryEstimate:
     kv_cache: int  # the model's KV pools
     states: int  # the model's recurrent-state pools
     rows_and_tables: int  # RequestState and BlockTables
-    step: int  # temporaries of the largest bucket's step, plus its input buffer
+    step: int  # temporaries of the largest bucket's step, plus its input and output areas
     dense_reference: int  # the parity oracle on the longest request
 
     #: each part and the flags that size it
@@ -117,9 +117,11 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     T = max(b.num_tokens for b in c.bucket_spec.buckets)
     S = g.table_width * g.kernel_block_size
     model_temp = m.step_temp_bytes(T, S, c.cache_sizes) if hasattr(m, "step_temp_bytes") else 0
-    # The new requests' token rows travel in the step's packed input buffer ([U, max_model_len]),
-    # and post_update may hold a second copy of the request rows.
-    step = model_temp + 4 * c.max_new_requests * c.max_model_len + _nbytes(rows)
+    # The state buffer's input area holds the new requests' token rows ([U, max_model_len]); its
+    # output area the largest bucket's outputs (with return_logits, [L, vocab] float32 logits);
+    # post_update may hold a second copy of the request rows.
+    output_area = 4 * max(step_output_spec(c, b, m.vocab_size).size for b in c.bucket_spec.buckets)
+    step = model_temp + 4 * c.max_new_requests * c.max_model_len + output_area + _nbytes(rows)
 
     # Dense reference: as the model states it (tests/runner/test_memory.py compares with XLA's
     # memory_analysis()).
