@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Issue 24's decode matrix, the short-table baseline, DeepSeek with its transformers peer and the
-# host-overlap rows, in one device call (run from the repository root):
+# Issue 24's decode matrix, the short-table baseline, DeepSeek with its transformers peer, the
+# host-overlap rows and a probe of one launch with the sampler's filtering branch (its conditional
+# must run inside the step's CUDA graph: no host-side conditional in the probe's events), in one
+# device call (run from the repository root):
 #
 #     KVJAX_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_model_matrix.sh OUTDIR
 #
@@ -21,6 +23,8 @@ part() {  # part NAME TIMEOUT COMMAND...
   echo "$name exit code $? ($((SECONDS - s)) s)" | tee -a "$out/parts.log"
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$out/parts.log" 2>&1
+part probe-sampling 75 $PY benchmarks/probe_launch.py --preset granite-4.0-h-micro --batch 1 --sampling \
+  --variants runner --out "$out/probe-sampling"
 part overlap 150 $PY benchmarks/bench_overlap.py --preset granite-4.0-h-micro --requests 16,64 --steps 30 \
   --budget-s 120 --json "$out/overlap-granite.json"
 part hybrids 200 $PY $B --gpu-run "$out/hybrids" --preset granite-4.0-h-micro --preset nemotron-h-8b \
