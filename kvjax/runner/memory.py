@@ -17,7 +17,7 @@ import os
 import jax
 import numpy as np
 
-from kvjax.runner.runner import RunnerConfig, step_output_spec
+from kvjax.runner.runner import RunnerConfig, output_area_words
 from kvjax.state import BlockTables, RequestState
 
 GIB = 1024**3
@@ -120,7 +120,7 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     # The state buffer's input area holds the new requests' token rows ([U, max_model_len]); its
     # output area the largest bucket's outputs (with return_logits, [L, vocab] float32 logits);
     # post_update may hold a second copy of the request rows.
-    output_area = 4 * max(step_output_spec(c, b, m.vocab_size).size for b in c.bucket_spec.buckets)
+    output_area = 4 * output_area_words(c, m.vocab_size)
     step = model_temp + 4 * c.max_new_requests * c.max_model_len + output_area + _nbytes(rows)
 
     # Dense reference: as the model states it (tests/runner/test_memory.py compares with XLA's

@@ -412,6 +412,12 @@ def step_output_spec(config: RunnerConfig, bucket: Bucket, vocab_size: int) -> P
                     S((), jnp.bool_)))
 
 
+def output_area_words(config: RunnerConfig, vocab_size: int) -> int:
+    """int32 words of the state buffer's output area: the largest of the buckets'
+    :func:`step_output_spec` (the Runner allocates it; the memory estimate counts it)."""
+    return max(step_output_spec(config, b, vocab_size).size for b in config.bucket_spec.buckets)
+
+
 def _placed_on(params, mesh: Mesh) -> bool:
     """Every leaf of ``params`` is a ``jax.Array`` with a ``NamedSharding`` over ``mesh``."""
     leaves = jax.tree.leaves(params)
@@ -516,7 +522,7 @@ class Runner:
                                for d in self.local_ranks}
         self._rows_spec = spec_of(self._initial_rows())
         self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
-        self._output_words = max(self.output_spec(b).size for b in self.buckets.buckets)
+        self._output_words = output_area_words(config, self.model.vocab_size)
         self._rows, self._pools = self._initial_state()
 
     # ------------------------------------------------------------ state
