@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_mesh.py --gpu-run OUTDIR     # 2+ GPUs
     PYTHONPATH=. python benchmarks/bench_mesh.py --cpu-smoke OUTDIR   # 2 fake CPU devices, tiny presets
 
-Three parts, in this order, each writing its rows as it finishes (``OUTDIR/rows.jsonl``, then
+Five parts, each writing its rows as it finishes (``OUTDIR/rows.jsonl``, then
 ``OUTDIR/<date>-<gpu>-mesh.json``):
 
 1. ``tp_decode``: the Granite-4.0-H-Micro-like hybrid (``bench_model``'s preset, real widths,
@@ -18,11 +18,19 @@ Three parts, in this order, each writing its rows as it finishes (``OUTDIR/rows.
    requests with staggered arrivals: each run's parity with the dense reference, and the tokens of
    the two runs compared request by request. ``--overlap`` on the mesh: its serving rate beside
    the lockstep one (the same executables).
-3. ``dp_mla``: the DeepSeek-V2-Lite-like MLA + MoE model (real widths, ``--layers`` layers, the
+3. ``dp_mla``: the DeepSeek-V2-Lite-like MLA + MoE model (real widths, ``--mla-layers`` layers, the
    first dense) with ``data=N`` (routed experts over "data", idle ranks running the dummy step),
    checked mode (``poison``: every rank's null block, freed blocks and idle state checked bitwise
    by the sanitizer each step), against one GPU: parity, per-rank real / dummy step counts, tokens
    compared.
+4. ``dp_decode``: that model's compiled decode step over a 1k context with N / 64 / 256 requests
+   on one GPU and split evenly over ``data=N`` (each rank compiled for its own share), with the
+   byte floor per GPU (the dense weights, which every rank holds, 1/N of the experts the batch
+   touches, and the rank's own KV).
+5. ``tp_overlap_gap``: the hybrid at ``--overlap-layers`` (default all 40) served by
+   ``bench_overlap``'s steady-decode measurement at 16 and 64 requests on one GPU and on
+   ``model=N``: the device step alone, the served step lockstep and with ``--overlap``, and the
+   GPU's idle gap between overlapped steps.
 
 Bf16 throughout. Token equality between one GPU and the mesh is reported, not asserted: tensor
 parallelism sums partial products in another order, so a greedy near-tie can flip in bf16 (each
@@ -142,6 +150,74 @@ def tp_decode(model, hp, n: int, emit, *, preset: str, batches, context: int, ce
         _free()
 
 
+def dp_decode(model, hp, n: int, emit, *, preset: str, batches, context: int, ceil: dict) -> None:
+    """The decode step of ``batches`` (global) requests on one GPU and split evenly over ``data=n``
+    (routed experts over "data"), each mesh compiled for its own per-rank batch."""
+    import bench_model as bm
+
+    from kvjax.runner.mesh import make_mesh
+
+    info = bm.count_params(model)
+    for m in (1, n):
+        per_rank = tuple(b // m for b in batches)
+        matrix = {"decode": [(context, per_rank)], "prefill": ()}
+        t0 = time.perf_counter()
+        bench = bm.Bench(preset, matrix, model=model, mesh=make_mesh(m, 1), params=hp)
+        bench.compile_all()
+        log(f"[dp_decode] data={m}: runner + {len(bench.compile_s)} compiles in {time.perf_counter() - t0:.1f} s")
+        for b in batches:
+            try:
+                plans = bench.fabricate_decode_ranks(b, context)
+                t = bench.time_plan(plans)
+                # per GPU: every dense weight (replicated), its 1/m of the experts the global batch
+                # touches, its own requests' KV
+                fl = bm.floors(dict(info, routed=info["routed"] / m), model, phase="decode", batch=b // m,
+                               context=context, tokens=b, bw=ceil["copy_bw_Bps"], tflops=bm.NOMINAL_BF16_TFLOPS)
+                bucket = next(iter(plans.values())).bucket
+                row = {"part": "dp_decode", "preset": preset, "mesh": f"data={m},model=1", "gpus": m,
+                       "phase": "decode", "batch": b, "batch_per_gpu": b // m, "context": context,
+                       "device_us": t["device_us"], "host_us": t["host_us"],
+                       "byte_floor_us_per_gpu": fl["byte_floor_us"],
+                       "floor_ratio": t["device_us"] / fl["byte_floor_us"],
+                       "tokens_per_s": b / t["device_us"] * 1e6, "compile_s": bench.compile_s.get(bucket),
+                       "memory_gb_dev0": bench.memory_gb()}
+                emit(row)
+                log(f"  data={m} b={b:4d} ({b // m}/GPU): {t['device_us']:9.1f} us (floor/GPU "
+                    f"{fl['byte_floor_us']:8.1f} us, {row['floor_ratio']:.1f}x), {row['tokens_per_s']:.0f} tok/s")
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                emit({"part": "dp_decode", "preset": preset, "gpus": m, "batch": b,
+                      "note": f"failed: {type(e).__name__}: {e}"[:400]})
+        del bench
+        _free()
+
+
+def tp_overlap_gap(model, hp, n: int, emit, *, preset: str, requests, steps: int) -> None:
+    """``bench_overlap``'s steady-decode measurement (``PresetBench.measure``: the device step
+    alone, then served lockstep and with ``--overlap``) on one GPU and on ``model=n``: the GPU's
+    idle gap between overlapped steps."""
+    import bench_overlap as bo
+
+    from kvjax.runner.mesh import make_mesh
+
+    for m in (1, n):
+        pb = bo.PresetBench(preset, list(requests), prompt_len=16, steps=steps, skip=3, max_new=None, seed=0,
+                            workers=4, model=model, mesh=make_mesh(1, m), params=hp)
+        for r in requests:
+            try:
+                row = pb.measure(r)
+                emit({"part": "tp_overlap_gap", "mesh": f"data=1,model={m}", "gpus": m, **row})
+                log(f"[tp_overlap_gap] model={m} N={r}: device {row['device_us']:.0f} us, overlap "
+                    f"{row['overlap_us']:.0f} us/step, gap {100 * row['gap_fraction']:.1f}% (lockstep gap "
+                    f"{100 * row['lockstep_gap_fraction']:.1f}%)")
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                emit({"part": "tp_overlap_gap", "mesh": f"data=1,model={m}", "gpus": m, "requests": r,
+                      "note": f"failed: {type(e).__name__}: {e}"[:400]})
+        del pb
+        _free()
+
+
 def workload(vocab: int, n: int = 8, seed: int = 0):
     """``n`` requests, staggered arrivals, mixed prompt lengths; every third sampled (seeded)."""
     import numpy as np
@@ -185,6 +261,7 @@ def _summary(report) -> dict:
             "serving_compiles": report.serving_compiles, "compile_seconds": report.compile_seconds,
             "preemptions": report.preemptions, "checked": report.checked,
             "ranks": {str(d): {k: v for k, v in r.items()} for d, r in report.ranks.items()},
+            "near_tie_rows": sum(r.get("near_tie_rows", 0) for r in report.requests.values()),
             "max_logit_err": max((r.get("max_logit_error", 0.0) or 0.0 for r in report.requests.values()), default=None)}
 
 
@@ -231,7 +308,7 @@ def dp_mla(model, hp, n: int, emit, *, preset: str) -> None:
 
 
 def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float, parts,
-        dtype: str = "bfloat16") -> int:
+        dtype: str = "bfloat16", overlap_layers: int = 40) -> int:
     import bench_model as bm
     import jax
     import jax.numpy as jnp
@@ -255,7 +332,7 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
     ceil = bm.measure_ceilings(jax, jnp)
     hybrid = "tiny" if cpu else "granite-4.0-h-micro"
     mla = "tiny-mla" if cpu else "deepseek-v2-lite"
-    batches = (1, 4) if cpu else DECODE_BATCHES
+    batches = (1, 4) if cpu else DECODE_BATCHES  # dp_decode: the first is the rank count (one request each)
     context = 24 if cpu else DECODE_CONTEXT
     status = 0
     for part in parts:
@@ -264,21 +341,29 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
             emit({"part": part, "note": "not run: budget spent"})
             continue
         try:
-            if part in ("tp_decode", "tp_parity"):
-                cfg = bm.hf_config(hybrid) if cpu else truncated(hybrid, layers)
+            if part in ("tp_decode", "tp_parity", "tp_overlap_gap"):
+                keep = overlap_layers if part == "tp_overlap_gap" else layers
+                cfg = bm.hf_config(hybrid) if cpu else truncated(hybrid, keep)
                 model = build(cfg, dtype)
                 hp = host_params(model)
                 log(f"[{part}] {model.description} ({cfg['num_hidden_layers']} layers)")
                 if part == "tp_decode":
                     tp_decode(model, hp, n, emit, preset=hybrid, batches=batches, context=context, ceil=ceil)
+                elif part == "tp_overlap_gap":
+                    tp_overlap_gap(model, hp, n, emit, preset=hybrid, requests=(4, 8) if cpu else (16, 64),
+                                   steps=8 if cpu else 30)
                 else:
                     tp_parity(model, hp, n, emit, preset=hybrid)
-            elif part == "dp_mla":
+            elif part in ("dp_mla", "dp_decode"):
                 cfg = bm.hf_config(mla) if cpu else truncated(mla, mla_layers)
                 model = build(cfg, dtype)
                 hp = host_params(model)
-                log(f"[dp_mla] {model.description} ({cfg['num_hidden_layers']} layers)")
-                dp_mla(model, hp, n, emit, preset=mla)
+                log(f"[{part}] {model.description} ({cfg['num_hidden_layers']} layers)")
+                if part == "dp_mla":
+                    dp_mla(model, hp, n, emit, preset=mla)
+                else:
+                    dp_decode(model, hp, n, emit, preset=mla, batches=(n,) + batches[1:], context=context,
+                              ceil=ceil)
             _free()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
@@ -286,7 +371,7 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
             status = 1
     meta = {"date": datetime.date.today().isoformat(), "devices": [str(d) for d in jax.devices()],
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": layers,
-            "mla_layers": mla_layers, "dtype": dtype, "copy_bw_TBps": ceil["copy_bw_Bps"] / 1e12,
+            "mla_layers": mla_layers, "overlap_layers": overlap_layers, "dtype": dtype, "copy_bw_TBps": ceil["copy_bw_Bps"] / 1e12,
             "wall_s": time.perf_counter() - t_start}
     kind = "cpu" if cpu else jax.devices()[0].device_kind.lower().replace(" ", "-")
     out = os.path.join(outdir, f"{meta['date']}-{kind}-x{len(jax.devices())}-mesh.json")
@@ -303,8 +388,9 @@ def main(argv=None) -> int:
     g.add_argument("--cpu-smoke", metavar="OUTDIR")
     ap.add_argument("--layers", type=int, default=4, help="hybrid layers kept (real widths)")
     ap.add_argument("--mla-layers", type=int, default=3, help="MLA + MoE layers kept (the first dense)")
+    ap.add_argument("--overlap-layers", type=int, default=40, help="tp_overlap_gap: hybrid layers kept (40: all)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no part after this")
-    ap.add_argument("--parts", default="tp_parity,dp_mla,tp_decode")
+    ap.add_argument("--parts", default="tp_parity,dp_mla,tp_decode,dp_decode,tp_overlap_gap")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = ap.parse_args(argv)
     cpu = args.cpu_smoke is not None
@@ -312,7 +398,8 @@ def main(argv=None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     return run(args.cpu_smoke or args.gpu_run, cpu=cpu, layers=args.layers, mla_layers=args.mla_layers,
-               budget_s=args.budget_s, parts=args.parts.split(","), dtype=args.dtype)
+               budget_s=args.budget_s, parts=args.parts.split(","), dtype=args.dtype,
+               overlap_layers=args.overlap_layers)
 
 
 if __name__ == "__main__":

@@ -510,15 +510,15 @@ class Bench:
         self.compile_wall_s = time.perf_counter() - t0
 
     # -- state fabrication
-    def _rows(self):
+    def _rows(self, rank: int = 0):
         from kvjax.runner.packing import unpack
         from kvjax.runner.runner import _local_rows
 
         r = self.runner
-        rows = _local_rows(r._rows)[0]
+        rows = _local_rows(r._rows)[rank]
         return unpack(rows[: r._rows_spec.size], r._rows_spec)
 
-    def _put_rows(self, req, tables):
+    def _put_rows(self, req, tables, rank: int = 0):
         from kvjax.runner.mesh import global_array
         from kvjax.runner.packing import pack
 
@@ -526,16 +526,26 @@ class Bench:
         buf, spec = pack(self.jax.device_get((req, tables)))
         assert spec == r._rows_spec
         rows = np.array(self.jax.device_get(r._rows))
-        rows[0, : buf.size] = buf
-        rows[0, buf.size:] = 0
+        rows[rank, : buf.size] = buf
+        rows[rank, buf.size:] = 0
         r._rows = global_array(r._rows.sharding, rows.shape, rows)
 
-    def fabricate_decode(self, batch: int, context: int):
-        """Rows 0..batch-1 decoding with ``context`` tokens cached; their blocks and slots."""
+    def fabricate_decode_ranks(self, batch: int, context: int) -> dict:
+        """``batch`` decoding requests split evenly over every data rank (``batch`` a multiple of
+        the rank count): ``{rank: plan}`` for :meth:`time_plan` (the Runner's ``prepare`` takes one
+        plan per rank)."""
+        D = self.runner.num_ranks
+        if batch % D:
+            raise ValueError(f"batch must be a multiple of the {D} data ranks, got {batch}")
+        return {d: self.fabricate_decode(batch // D, context, rank=d) for d in range(D)}
+
+    def fabricate_decode(self, batch: int, context: int, rank: int = 0):
+        """Rank ``rank``'s rows 0..batch-1 decoding with ``context`` tokens cached; their blocks and
+        slots (each rank has its own pools, so every rank uses the same ids)."""
         np = self.np
         from kvjax.host.scheduler import Request, ScheduledRequest, StepPlan
 
-        req, tables = self._rows()
+        req, tables = self._rows(rank)
         req = self.jax.tree.map(np.array, req)
         tabs = [np.array(t) for t in tables.tables]
         nblk = np.array(tables.num_blocks)
@@ -567,7 +577,7 @@ class Bench:
             q.state_slots = [1 + i] if self.model.uses_state else []
             reqs.append(q)
         tables = tables.replace(tables=tuple(tabs), num_blocks=nblk)
-        self._put_rows(req, tables)
+        self._put_rows(req, tables, rank)
         bucket = self.runner.buckets.choose(batch, batch, decode_only=True)
         plan = StepPlan(step=0, bucket=bucket, scheduled=[ScheduledRequest(q, 1, []) for q in reqs], added=[],
                         cleared_rows=[], block_writes=[], blocks_to_zero=[], slots_to_zero=[], freed_blocks=[],

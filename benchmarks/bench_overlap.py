@@ -171,7 +171,10 @@ class PresetBench:
     """One Runner of a bench_model preset for every N; compiles only the buckets a run uses."""
 
     def __init__(self, preset: str, ns: list[int], *, prompt_len: int, steps: int, skip: int,
-                 max_new: int | None, seed: int, workers: int):
+                 max_new: int | None, seed: int, workers: int, model=None, mesh=None, params=None):
+        """``model``: default built from ``preset``; ``mesh``: the Runner's (default 1x1; one data
+        rank: the dry run plans with one scheduler); ``params``: host params the Runner lays out
+        and shards (default: random ones drawn replicated on the devices, a 1x1 mesh only)."""
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
@@ -193,15 +196,18 @@ class PresetBench:
         mixed = max_new * prompt_len + maxn
         token_sizes = tuple(sorted(set(ns) | {mixed}))
         t0 = time.perf_counter()
-        self.model = bench_model.build_model(preset)
+        self.model = bench_model.build_model(preset) if model is None else model
         self.cfg = RunnerConfig(model=self.model, block_size=B, num_blocks=num_blocks,
                                 max_model_len=self.max_model_len, max_num_seqs=maxn,
                                 max_num_batched_tokens=max(token_sizes), token_sizes=token_sizes,
                                 max_new_requests_per_step=max_new, seed=seed,
                                 **bench_model.RETURN_LOGITS)
-        mesh = make_mesh(1, 1)
-        params = bench_model.device_params(self.model, seed, NamedSharding(mesh, P()))
-        jax.block_until_ready(params)
+        mesh = make_mesh(1, 1) if mesh is None else mesh
+        if mesh.shape["data"] != 1:
+            raise ValueError(f"mesh must have one data rank (the dry run plans for one), got {dict(mesh.shape)}")
+        if params is None:
+            params = bench_model.device_params(self.model, seed, NamedSharding(mesh, P()))
+            jax.block_until_ready(params)
         self.param_init_s = time.perf_counter() - t0
         self.runner = Runner(self.cfg, mesh=mesh, params=params)
         del params

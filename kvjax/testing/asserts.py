@@ -1,4 +1,5 @@
-"""Assertions for kernel and state tests: whole arrays, bit for bit, and TPU race checks."""
+"""Assertions for kernel and state tests: whole arrays, bit for bit, TPU race checks, and the
+near-tie rule for greedy tokens checked against a reference's logits."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def assert_bitwise(actual, expected, name: str = "array") -> None:
         raise AssertionError(
             f"{name}: {len(diff)} elements differ, first at {i}: got {a[i]:#x}, expected {e[i]:#x}"
         )
+
+
+def greedy_match(ref_logits: np.ndarray, out: np.ndarray, tie) -> np.ndarray:
+    """Per row, bool: greedy token ``out[i]`` is the reference row's argmax or within a near tie
+    of it (the reference's logit of ``out[i]`` at most ``tie`` below the row's max; ``tie`` a
+    number or one per row)."""
+    rows = np.arange(len(out))
+    return ref_logits.max(-1) - ref_logits[rows, out] <= tie
 
 
 def races_found() -> bool | None:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import transformers
 
+from kvjax.testing.asserts import greedy_match
+
 #: Max abs logits difference by what kvjax computes in: float32 differs from transformers only
 #: in op order (~1e-6 seen); bfloat16 weights and activations round every product (about 2**-8
 #: relative); an fp8 KV cache (kv_cache_dtype fp8) rounds K/V, which transformers does not.
@@ -68,10 +70,8 @@ def check_requests(model_dir: str, finished, *, dtype: str = "float32", kv_cache
             ok = want == out
             ties = 0
         else:
-            top = ref.argmax(-1)
-            gap = ref[np.arange(len(out)), top] - ref[np.arange(len(out)), out]
-            ok = (top == out) | (gap <= tie)
-            ties = int(((top != out) & (gap <= tie)).sum())
+            ok = greedy_match(ref, out, tie)
+            ties = int((ok & (ref.argmax(-1) != out)).sum())
         got = np.stack(req.logits) if req.logits else np.zeros_like(ref)
         err = float(np.abs(got - ref).max()) if got.shape == ref.shape and got.size else float("inf")
         results[req.req_id] = {"tokens_match": bool(ok.all()), "near_ties": ties, "max_logit_error": err,

@@ -199,3 +199,40 @@ def test_quiet_prints_nothing_but_the_summary(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--requests", "2"])
     assert "estimated memory" in capsys.readouterr().err  # and without --quiet it is there
+
+
+def _check_one(ref_row: np.ndarray, served_row: np.ndarray, token: int, temperature: float = 0.0) -> dict:
+    """check_against_reference of one request whose one output row is ``served_row`` / ``token``,
+    against a dense reference whose row is ``ref_row``."""
+    config = RunnerConfig()
+    V = config.model.vocab_size
+
+    class FakeRunner:
+        @staticmethod
+        def dense_reference(tokens):
+            out = np.zeros((tokens.shape[0], V), np.float32)
+            out[2] = ref_row  # the row before the output token (prompt of 3)
+            return out
+
+    done = Request("a", [1, 2, 3], 1, temperature=temperature, seed=1)
+    done.output, done.logits = [token], [served_row.astype(np.float32)]
+    results, _ = check_against_reference(FakeRunner(), config, [done])
+    return results["a"]
+
+
+def test_a_greedy_near_tie_matches_only_within_twice_the_rows_logits_error():
+    """A greedy flip between two logits closer than twice the served row's error is a near tie
+    (bf16 serving: tokens flipped on one of six requests with logits within 0.015); the same flip
+    with exact logits, or a token far below the max, is a mismatch."""
+    V = RunnerConfig().model.vocab_size
+    ref = np.linspace(0.0, 0.5, V, dtype=np.float32)
+    ref[5], ref[7] = 1.0, 1.0 - 4e-5
+    served = ref.copy()
+    served[5], served[7] = 1.0 - 4e-5, 1.0  # every logit within 4e-5 <= atol, argmax flipped to 7
+    flip = _check_one(ref, served, 7)
+    assert flip["matches_reference"] and flip["near_tie_rows"] == 1, flip
+    assert _check_one(ref, served, 5)["matches_reference"]  # the reference's own argmax
+    exact = _check_one(ref, ref, 7)  # logits exact: nothing can have flipped the argmax
+    assert not exact["matches_reference"] and exact["near_tie_rows"] == 0, exact
+    far = _check_one(ref, served, 0)  # 1.0 below the max
+    assert not far["matches_reference"], far
