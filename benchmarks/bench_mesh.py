@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_mesh.py --gpu-run OUTDIR     # 2+ GPUs
     PYTHONPATH=. python benchmarks/bench_mesh.py --cpu-smoke OUTDIR   # 2 fake CPU devices, tiny presets
 
-Five parts, each writing its rows as it finishes (``OUTDIR/rows.jsonl``, then
+Six parts, each writing its rows as it finishes (``OUTDIR/rows.jsonl``, then
 ``OUTDIR/<date>-<gpu>-mesh.json``):
 
 1. ``tp_decode``: the Granite-4.0-H-Micro-like hybrid (``bench_model``'s preset, real widths,
@@ -22,7 +22,10 @@ Five parts, each writing its rows as it finishes (``OUTDIR/rows.jsonl``, then
    first dense) with ``data=N`` (routed experts over "data", idle ranks running the dummy step),
    checked mode (``poison``: every rank's null block, freed blocks and idle state checked bitwise
    by the sanitizer each step), against one GPU: parity, per-rank real / dummy step counts, tokens
-   compared.
+   compared. ``dp_mla_f32``: the same in float32, where the dense reference is exact: a bf16
+   MoE's reference misses by a logit wherever a token's top-k expert set flips between the two
+   paths' roundings (``benchmarks/probe_moe_bf16_parity.py``), so the float32 run is the parity
+   check of the expert-parallel path.
 4. ``dp_decode``: that model's compiled decode step over a 1k context with N / 64 / 256 requests
    on one GPU and split evenly over ``data=N`` (each rank compiled for its own share), with the
    byte floor per GPU (the dense weights, which every rank holds, 1/N of the experts the batch
@@ -290,15 +293,17 @@ def tp_parity(model, hp, n: int, emit, *, preset: str) -> None:
     _free()
 
 
-def dp_mla(model, hp, n: int, emit, *, preset: str) -> None:
+def dp_mla(model, hp, n: int, emit, *, preset: str, part: str = "dp_mla") -> None:
+    from kvjax.cli.demo import model_dtype
+
     reqs = workload(model.vocab_size, n=6, seed=1)
     one, r1, s1 = serve_on(model, hp, 1, 1, reqs, poison=True)
     del r1
     _free()
     dp, rd, sd = serve_on(model, hp, n, 1, reqs, poison=True)
-    emit({"part": "dp_mla", "preset": preset, "mesh": f"data={n},model=1", "one_gpu": _summary(one),
-          f"data={n}": _summary(dp), "compare": _compare(one, dp), "wall_s": [s1, sd]})
-    log(f"[dp_mla] one GPU parity {one.all_match}, data={n} parity {dp.all_match} checked {dp.checked}, "
+    emit({"part": part, "preset": preset, "mesh": f"data={n},model=1", "dtype": model_dtype(model),
+          "one_gpu": _summary(one), f"data={n}": _summary(dp), "compare": _compare(one, dp), "wall_s": [s1, sd]})
+    log(f"[{part}] one GPU parity {one.all_match}, data={n} parity {dp.all_match} checked {dp.checked}, "
         f"ranks {dp.ranks}, same tokens {_compare(one, dp)}")
     del rd
     _free()
@@ -308,11 +313,16 @@ def dp_mla(model, hp, n: int, emit, *, preset: str) -> None:
 
 
 def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float, parts,
-        dtype: str = "bfloat16", overlap_layers: int = 40) -> int:
+        dtype: str = "bfloat16", overlap_layers: int = 40, collectives_in_graph: bool = False) -> int:
     import bench_model as bm
     import jax
     import jax.numpy as jnp
 
+    if collectives_in_graph:  # an experiment: NCCL collectives captured in the step's CUDA graph
+        from kvjax.runner import runner as runner_mod
+
+        opt = runner_mod.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"]
+        runner_mod.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"] = opt + ",COLLECTIVES"
     os.makedirs(outdir, exist_ok=True)
     t_start = time.perf_counter()
     n = len(jax.devices())
@@ -354,13 +364,13 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
                                    steps=8 if cpu else 30)
                 else:
                     tp_parity(model, hp, n, emit, preset=hybrid)
-            elif part in ("dp_mla", "dp_decode"):
+            elif part in ("dp_mla", "dp_mla_f32", "dp_decode"):
                 cfg = bm.hf_config(mla) if cpu else truncated(mla, mla_layers)
-                model = build(cfg, dtype)
+                model = build(cfg, "float32" if part == "dp_mla_f32" else dtype)
                 hp = host_params(model)
                 log(f"[{part}] {model.description} ({cfg['num_hidden_layers']} layers)")
-                if part == "dp_mla":
-                    dp_mla(model, hp, n, emit, preset=mla)
+                if part in ("dp_mla", "dp_mla_f32"):
+                    dp_mla(model, hp, n, emit, preset=mla, part=part)
                 else:
                     dp_decode(model, hp, n, emit, preset=mla, batches=(n,) + batches[1:], context=context,
                               ceil=ceil)
@@ -371,7 +381,8 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
             status = 1
     meta = {"date": datetime.date.today().isoformat(), "devices": [str(d) for d in jax.devices()],
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": layers,
-            "mla_layers": mla_layers, "overlap_layers": overlap_layers, "dtype": dtype, "copy_bw_TBps": ceil["copy_bw_Bps"] / 1e12,
+            "mla_layers": mla_layers, "overlap_layers": overlap_layers, "dtype": dtype,
+            "collectives_in_graph": collectives_in_graph, "copy_bw_TBps": ceil["copy_bw_Bps"] / 1e12,
             "wall_s": time.perf_counter() - t_start}
     kind = "cpu" if cpu else jax.devices()[0].device_kind.lower().replace(" ", "-")
     out = os.path.join(outdir, f"{meta['date']}-{kind}-x{len(jax.devices())}-mesh.json")
@@ -390,8 +401,10 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-layers", type=int, default=3, help="MLA + MoE layers kept (the first dense)")
     ap.add_argument("--overlap-layers", type=int, default=40, help="tp_overlap_gap: hybrid layers kept (40: all)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no part after this")
-    ap.add_argument("--parts", default="tp_parity,dp_mla,tp_decode,dp_decode,tp_overlap_gap")
+    ap.add_argument("--parts", default="tp_parity,dp_mla,dp_mla_f32,tp_decode,dp_decode,tp_overlap_gap")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--collectives-in-graph", action="store_true",
+                    help="add COLLECTIVES to the Runner's xla_gpu_enable_command_buffer (an experiment)")
     args = ap.parse_args(argv)
     cpu = args.cpu_smoke is not None
     if cpu:
@@ -399,7 +412,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     return run(args.cpu_smoke or args.gpu_run, cpu=cpu, layers=args.layers, mla_layers=args.mla_layers,
                budget_s=args.budget_s, parts=args.parts.split(","), dtype=args.dtype,
-               overlap_layers=args.overlap_layers)
+               overlap_layers=args.overlap_layers, collectives_in_graph=args.collectives_in_graph)
 
 
 if __name__ == "__main__":
