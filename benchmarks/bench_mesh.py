@@ -313,16 +313,11 @@ def dp_mla(model, hp, n: int, emit, *, preset: str, part: str = "dp_mla") -> Non
 
 
 def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float, parts,
-        dtype: str = "bfloat16", overlap_layers: int = 40, collectives_in_graph: bool = False) -> int:
+        dtype: str = "bfloat16", overlap_layers: int = 40) -> int:
     import bench_model as bm
     import jax
     import jax.numpy as jnp
 
-    if collectives_in_graph:  # an experiment: NCCL collectives captured in the step's CUDA graph
-        from kvjax.runner import runner as runner_mod
-
-        opt = runner_mod.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"]
-        runner_mod.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"] = opt + ",COLLECTIVES"
     os.makedirs(outdir, exist_ok=True)
     t_start = time.perf_counter()
     n = len(jax.devices())
@@ -382,7 +377,7 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
     meta = {"date": datetime.date.today().isoformat(), "devices": [str(d) for d in jax.devices()],
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": layers,
             "mla_layers": mla_layers, "overlap_layers": overlap_layers, "dtype": dtype,
-            "collectives_in_graph": collectives_in_graph, "copy_bw_TBps": ceil["copy_bw_Bps"] / 1e12,
+            "copy_bw_TBps": ceil["copy_bw_Bps"] / 1e12,
             "wall_s": time.perf_counter() - t_start}
     kind = "cpu" if cpu else jax.devices()[0].device_kind.lower().replace(" ", "-")
     out = os.path.join(outdir, f"{meta['date']}-{kind}-x{len(jax.devices())}-mesh.json")
@@ -403,8 +398,6 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no part after this")
     ap.add_argument("--parts", default="tp_parity,dp_mla,dp_mla_f32,tp_decode,dp_decode,tp_overlap_gap")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--collectives-in-graph", action="store_true",
-                    help="add COLLECTIVES to the Runner's xla_gpu_enable_command_buffer (an experiment)")
     args = ap.parse_args(argv)
     cpu = args.cpu_smoke is not None
     if cpu:
@@ -412,7 +405,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     return run(args.cpu_smoke or args.gpu_run, cpu=cpu, layers=args.layers, mla_layers=args.mla_layers,
                budget_s=args.budget_s, parts=args.parts.split(","), dtype=args.dtype,
-               overlap_layers=args.overlap_layers, collectives_in_graph=args.collectives_in_graph)
+               overlap_layers=args.overlap_layers)
 
 
 if __name__ == "__main__":
