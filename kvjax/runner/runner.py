@@ -446,11 +446,11 @@ def _state_arrays(state: DeviceState):
 
 
 # XLA options of the step executables on a GPU: command buffers (CUDA graphs) also around
-# custom calls (the Pallas kernels), while loops, conditionals and a mesh's collectives, from a
-# single command up, so that a step runs as one graph rather than ~150 separate kernel launches
-# (figures in BENCHMARKS.md). Pass ``compiler_options={}`` to the Runner for XLA's defaults.
+# custom calls (the Pallas kernels), while loops and conditionals, from a single command up,
+# so that a step runs as one graph rather than ~150 separate kernel launches (figures in
+# BENCHMARKS.md). Pass ``compiler_options={}`` to the Runner for XLA's defaults.
 GPU_COMPILER_OPTIONS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,COLLECTIVES",
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,
 }
 
