@@ -117,79 +117,46 @@ def _free():
 # ------------------------------------------------------------------------------------ parts
 
 
-def tp_decode(model, hp, n: int, emit, *, preset: str, batches, context: int, ceil: dict) -> None:
+def mesh_decode(part: str, model, hp, n: int, emit, *, preset: str, batches, context: int, ceil: dict) -> None:
+    """The compiled decode step of ``batches`` requests on one GPU and on ``n``: ``tp_decode``
+    over ``model=n`` (every rank all the requests; per-GPU floor: one GPU's / n), ``dp_decode``
+    split evenly over ``data=n`` (each mesh compiled for its own per-rank batch; per-GPU floor: the
+    dense weights, which every rank holds, 1/n of the experts the batch touches, the rank's own KV)."""
     import bench_model as bm
 
     from kvjax.runner.mesh import make_mesh
 
+    dp = part == "dp_decode"
     info = bm.count_params(model)
-    matrix = {"decode": [(context, tuple(batches))], "prefill": ()}
     for m in (1, n):
+        per_rank = {b: b // m if dp else b for b in batches}
+        name = f"data={m},model=1" if dp else f"data=1,model={m}"
+        matrix = {"decode": [(context, tuple(per_rank.values()))], "prefill": ()}
         t0 = time.perf_counter()
-        bench = bm.Bench(preset, matrix, model=model, mesh=make_mesh(1, m), params=hp)
+        bench = bm.Bench(preset, matrix, model=model, mesh=make_mesh(m, 1) if dp else make_mesh(1, m), params=hp)
         bench.compile_all()
-        log(f"[tp_decode] model={m}: runner + {len(bench.compile_s)} compiles in {time.perf_counter() - t0:.1f} s")
+        log(f"[{part}] {name}: runner + {len(bench.compile_s)} compiles in {time.perf_counter() - t0:.1f} s")
         for b in batches:
             try:
-                plan = bench.fabricate_decode(b, context)
-                t = bench.time_plan(plan)
-                fl = bm.floors(info, model, phase="decode", batch=b, context=context, tokens=b,
-                               bw=ceil["copy_bw_Bps"], tflops=bm.NOMINAL_BF16_TFLOPS)
-                per_gpu = fl["byte_floor_us"] / m
-                row = {"part": "tp_decode", "preset": preset, "mesh": f"data=1,model={m}", "gpus": m,
-                       "phase": "decode", "batch": b, "context": context, "device_us": t["device_us"],
-                       "host_us": t["host_us"], "byte_floor_us_one_gpu": fl["byte_floor_us"],
-                       "byte_floor_us_per_gpu": per_gpu, "floor_ratio": t["device_us"] / per_gpu,
-                       "tokens_per_s": b / t["device_us"] * 1e6, "compile_s": bench.compile_s.get(plan.bucket),
-                       "memory_gb_dev0": bench.memory_gb()}
+                plans = bench.fabricate_decode_ranks(b, context) if dp else {0: bench.fabricate_decode(b, context)}
+                t = bench.time_plan(plans)
+                fl = bm.floors(dict(info, routed=info["routed"] / m) if dp else info, model, phase="decode",
+                               batch=per_rank[b], context=context, tokens=b, bw=ceil["copy_bw_Bps"],
+                               tflops=bm.NOMINAL_BF16_TFLOPS)
+                per_gpu = fl["byte_floor_us"] if dp else fl["byte_floor_us"] / m
+                row = {"part": part, "preset": preset, "mesh": name, "gpus": m, "phase": "decode", "batch": b,
+                       "batch_per_gpu": per_rank[b], "context": context, "device_us": t["device_us"],
+                       "host_us": t["host_us"], "byte_floor_us_per_gpu": per_gpu,
+                       "floor_ratio": t["device_us"] / per_gpu, "tokens_per_s": b / t["device_us"] * 1e6,
+                       "compile_s": bench.compile_s.get(plans[0].bucket), "memory_gb_dev0": bench.memory_gb()}
+                if not dp:
+                    row["byte_floor_us_one_gpu"] = fl["byte_floor_us"]
                 emit(row)
-                log(f"  model={m} b={b:4d}: {t['device_us']:9.1f} us (floor/GPU {per_gpu:8.1f} us, "
+                log(f"  {name} b={b:4d} ({per_rank[b]}/GPU): {t['device_us']:9.1f} us (floor/GPU {per_gpu:8.1f} us, "
                     f"{row['floor_ratio']:.1f}x), {row['tokens_per_s']:.0f} tok/s")
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                emit({"part": "tp_decode", "preset": preset, "gpus": m, "batch": b,
-                      "note": f"failed: {type(e).__name__}: {e}"[:400]})
-        del bench
-        _free()
-
-
-def dp_decode(model, hp, n: int, emit, *, preset: str, batches, context: int, ceil: dict) -> None:
-    """The decode step of ``batches`` (global) requests on one GPU and split evenly over ``data=n``
-    (routed experts over "data"), each mesh compiled for its own per-rank batch."""
-    import bench_model as bm
-
-    from kvjax.runner.mesh import make_mesh
-
-    info = bm.count_params(model)
-    for m in (1, n):
-        per_rank = tuple(b // m for b in batches)
-        matrix = {"decode": [(context, per_rank)], "prefill": ()}
-        t0 = time.perf_counter()
-        bench = bm.Bench(preset, matrix, model=model, mesh=make_mesh(m, 1), params=hp)
-        bench.compile_all()
-        log(f"[dp_decode] data={m}: runner + {len(bench.compile_s)} compiles in {time.perf_counter() - t0:.1f} s")
-        for b in batches:
-            try:
-                plans = bench.fabricate_decode_ranks(b, context)
-                t = bench.time_plan(plans)
-                # per GPU: every dense weight (replicated), its 1/m of the experts the global batch
-                # touches, its own requests' KV
-                fl = bm.floors(dict(info, routed=info["routed"] / m), model, phase="decode", batch=b // m,
-                               context=context, tokens=b, bw=ceil["copy_bw_Bps"], tflops=bm.NOMINAL_BF16_TFLOPS)
-                bucket = next(iter(plans.values())).bucket
-                row = {"part": "dp_decode", "preset": preset, "mesh": f"data={m},model=1", "gpus": m,
-                       "phase": "decode", "batch": b, "batch_per_gpu": b // m, "context": context,
-                       "device_us": t["device_us"], "host_us": t["host_us"],
-                       "byte_floor_us_per_gpu": fl["byte_floor_us"],
-                       "floor_ratio": t["device_us"] / fl["byte_floor_us"],
-                       "tokens_per_s": b / t["device_us"] * 1e6, "compile_s": bench.compile_s.get(bucket),
-                       "memory_gb_dev0": bench.memory_gb()}
-                emit(row)
-                log(f"  data={m} b={b:4d} ({b // m}/GPU): {t['device_us']:9.1f} us (floor/GPU "
-                    f"{fl['byte_floor_us']:8.1f} us, {row['floor_ratio']:.1f}x), {row['tokens_per_s']:.0f} tok/s")
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                emit({"part": "dp_decode", "preset": preset, "gpus": m, "batch": b,
+                emit({"part": part, "preset": preset, "gpus": m, "batch": b,
                       "note": f"failed: {type(e).__name__}: {e}"[:400]})
         del bench
         _free()
@@ -353,7 +320,7 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
                 hp = host_params(model)
                 log(f"[{part}] {model.description} ({cfg['num_hidden_layers']} layers)")
                 if part == "tp_decode":
-                    tp_decode(model, hp, n, emit, preset=hybrid, batches=batches, context=context, ceil=ceil)
+                    mesh_decode(part, model, hp, n, emit, preset=hybrid, batches=batches, context=context, ceil=ceil)
                 elif part == "tp_overlap_gap":
                     tp_overlap_gap(model, hp, n, emit, preset=hybrid, requests=(4, 8) if cpu else (16, 64),
                                    steps=8 if cpu else 30)
@@ -367,8 +334,8 @@ def run(outdir: str, *, cpu: bool, layers: int, mla_layers: int, budget_s: float
                 if part in ("dp_mla", "dp_mla_f32"):
                     dp_mla(model, hp, n, emit, preset=mla, part=part)
                 else:
-                    dp_decode(model, hp, n, emit, preset=mla, batches=(n,) + batches[1:], context=context,
-                              ceil=ceil)
+                    mesh_decode(part, model, hp, n, emit, preset=mla, batches=(n,) + batches[1:], context=context,
+                                ceil=ceil)
             _free()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()

@@ -990,6 +990,19 @@ def _mesh_serve_row(name, s):
             f"{ranks} |")
 
 
+def _speedup_table(rows) -> list[str]:
+    """A mesh decode table: per GPU count and batch (per GPU), the step, its per-GPU floor and the
+    speed-up against the one-GPU row of the same batch."""
+    one = {r["batch"]: r for r in rows if r["gpus"] == 1}
+    out = ["| GPUs | batch (per GPU) | step (us) | byte floor per GPU (us) | ratio | tokens/s | speed-up vs 1 GPU |",
+           "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["gpus"], r["batch"])):
+        sp = one[r["batch"]]["device_us"] / r["device_us"] if r["batch"] in one else float("nan")
+        out.append(f"| {r['gpus']} | {r['batch']} ({r.get('batch_per_gpu', r['batch'])}) | {r['device_us']:,.0f} | "
+                   f"{r['byte_floor_us_per_gpu']:,.0f} | {r['floor_ratio']:.1f}x | {r['tokens_per_s']:,.0f} | {sp:.2f}x |")
+    return out + [""]
+
+
 def mesh_section(results):
     """Issue 27: ``benchmarks/bench_mesh.py`` runs over several GPUs (the newest date's ``*-mesh.json``)."""
     docs, coll = _mesh_docs(results)
@@ -1014,31 +1027,17 @@ def mesh_section(results):
         by.setdefault(r["part"], []).append(r)
     dec = [r for r in by.get("tp_decode", []) if r.get("device_us")]
     if dec:
-        one = {r["batch"]: r for r in dec if r["gpus"] == 1}
         out += ["**Tensor parallelism** (`data=1, model=N`, Granite-like): the compiled decode step over a "
                 f"{dec[0]['context']}-token context, back to back, one GPU and N GPUs in the same process. The "
-                "per-GPU floor is the one-GPU byte floor / N (optimistic: embeddings and norms are replicated).", "",
-                "| GPUs | batch | step (us) | byte floor per GPU (us) | ratio | tokens/s | speed-up vs 1 GPU |",
-                "|---|---|---|---|---|---|---|"]
-        for r in sorted(dec, key=lambda r: (r["gpus"], r["batch"])):
-            sp = one[r["batch"]]["device_us"] / r["device_us"] if r["batch"] in one else float("nan")
-            out.append(f"| {r['gpus']} | {r['batch']} | {r['device_us']:,.0f} | {r['byte_floor_us_per_gpu']:,.0f} | "
-                       f"{r['floor_ratio']:.1f}x | {r['tokens_per_s']:,.0f} | {sp:.2f}x |")
-        out.append("")
+                "per-GPU floor is the one-GPU byte floor / N (optimistic: embeddings and norms are replicated).", ""]
+        out += _speedup_table(dec)
     dd = [r for r in by.get("dp_decode", []) if r.get("device_us")]
     if dd:
-        one = {r["batch"]: r for r in dd if r["gpus"] == 1}
         out += ["**Data parallelism** (`data=N`, DeepSeek-like, routed experts over \"data\"): the decode step of "
                 "the same requests on one GPU and split evenly over N (each mesh compiled for its own per-rank "
                 "batch). The per-GPU floor: the dense weights (every rank holds them), 1/N of the experts the "
-                "whole batch touches, the rank's own KV.", "",
-                "| GPUs | batch (per GPU) | step (us) | byte floor per GPU (us) | ratio | tokens/s | speed-up vs 1 GPU |",
-                "|---|---|---|---|---|---|---|"]
-        for r in sorted(dd, key=lambda r: (r["gpus"], r["batch"])):
-            sp = one[r["batch"]]["device_us"] / r["device_us"] if r["batch"] in one else float("nan")
-            out.append(f"| {r['gpus']} | {r['batch']} ({r['batch_per_gpu']}) | {r['device_us']:,.0f} | "
-                       f"{r['byte_floor_us_per_gpu']:,.0f} | {r['floor_ratio']:.1f}x | {r['tokens_per_s']:,.0f} | {sp:.2f}x |")
-        out.append("")
+                "whole batch touches, the rank's own KV.", ""]
+        out += _speedup_table(dd)
     serve = [(len(next(iter(d["meta"]["runs"].values()))["devices"]), r) for _, d in docs for r in d["rows"]
              if r["part"] in ("tp_parity", "tp_overlap", "dp_mla", "dp_mla_f32") and "compare" in r]
     if serve:
