@@ -317,6 +317,11 @@ def _row_errors(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(d), np.inf, d).max(axis=-1) if d.size else np.zeros(d.shape[:1])
 
 
+def _tokens_note(report: ServeReport) -> str:
+    ties = sum(r.get("near_tie_rows", 0) for r in report.requests.values())
+    return "tokens identical" if not ties else f"tokens identical but {ties} greedy near ties"
+
+
 def print_summary(report: ServeReport, config: RunnerConfig, out=None) -> None:
     """The demo's summary lines, to ``out`` (default: the current ``sys.stdout``)."""
     out = sys.stdout if out is None else out
@@ -330,7 +335,7 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=None) -> None:
         f"buckets compiled        {report.executables} ({_bucket_sizes(report.buckets)}) in {report.compile_seconds:.1f} s",
         f"serving-time compiles   {report.serving_compiles}",
         f"preemptions             {report.preemptions}",
-        f"parity with reference   {n_ok}/{len(report.requests)} requests (tokens identical, logits within "
+        f"parity with reference   {n_ok}/{len(report.requests)} requests ({_tokens_note(report)}, logits within "
         f"{logits_tolerance(config.kv_cache_dtype, model_dtype(config.model)):g}{_rounding_note(report, config)})",
         f"NaN count               {report.nan_count}",
     ]

@@ -236,3 +236,9 @@ def test_a_greedy_near_tie_matches_only_within_twice_the_rows_logits_error():
     assert not exact["matches_reference"] and exact["near_tie_rows"] == 0, exact
     far = _check_one(ref, served, 0)  # 1.0 below the max
     assert not far["matches_reference"], far
+    from types import SimpleNamespace
+
+    from kvjax.cli.demo import _tokens_note
+
+    assert _tokens_note(SimpleNamespace(requests={"a": flip, "b": exact})) == "tokens identical but 1 greedy near ties"
+    assert _tokens_note(SimpleNamespace(requests={"b": exact})) == "tokens identical"
