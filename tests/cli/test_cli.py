@@ -3,12 +3,13 @@ the JSON report carries its settings, progress writes no carriage returns into l
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import kvjax.cli.main as cli
-from kvjax.cli.demo import ServeReport, check_against_reference, run_settings
+from kvjax.cli.demo import ServeReport, _tokens_note, check_against_reference, run_settings
 from kvjax.host.scheduler import Request
 from kvjax.runner import RunnerConfig
 from kvjax.testing import vllm as oracle
@@ -236,9 +237,5 @@ def test_a_greedy_near_tie_matches_only_within_twice_the_rows_logits_error():
     assert not exact["matches_reference"] and exact["near_tie_rows"] == 0, exact
     far = _check_one(ref, served, 0)  # 1.0 below the max
     assert not far["matches_reference"], far
-    from types import SimpleNamespace
-
-    from kvjax.cli.demo import _tokens_note
-
     assert _tokens_note(SimpleNamespace(requests={"a": flip, "b": exact})) == "tokens identical but 1 greedy near ties"
     assert _tokens_note(SimpleNamespace(requests={"b": exact})) == "tokens identical"
