@@ -170,15 +170,15 @@ def _serve(config):
 
 
 # The packed output does not depend on the model's depth: two layers (attention, Mamba) instead of
-# the default four halve the two runners' compiles (4 buckets each).
+# the default four halve the two runners' compiles; nor on the number of token sizes: one (8), whose
+# decode-only and mixed buckets are both served (2 buckets each).
 SMALL = TinyHybridConfig(layer_types=("attn", "mamba"))
 
 
 def test_return_logits_false_returns_token_ids_only():
-    config = RunnerConfig(**{**SIZES, "token_sizes": (4, 8)}, model=SMALL)
+    config = RunnerConfig(**SIZES, model=SMALL)
     with_logits, shapes_on, sizes_on = _serve(config)
-    without, shapes_off, sizes_off = _serve(RunnerConfig(**{**SIZES, "token_sizes": (4, 8)}, model=SMALL,
-                                                         return_logits=False))
+    without, shapes_off, sizes_off = _serve(RunnerConfig(**SIZES, model=SMALL, return_logits=False))
     V = config.model.vocab_size
     assert len(with_logits) == len(without) >= 4
     for (s1, n1), (s2, n2) in zip(with_logits, without):

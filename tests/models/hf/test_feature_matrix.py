@@ -12,7 +12,9 @@ request's tokens are its argmax and every logits row is within the tolerance of 
 parity check (``kvjax.cli.demo.check_against_reference``; with an fp8 cache, of the oracle or
 of one that rounds K/V near an fp8 boundary the other way).
 
-* preemption, lockstep (every architecture);
+* preemption, lockstep (every architecture), and the same run's greedy tokens are
+  transformers' greedy ``generate`` token for token (every architecture; Bamba's float32 runner
+  is only here, test_hybrid_hf.py serves the other hybrid cases against transformers);
 * ``overlap=True``: bitwise the lockstep tokens and logits, and the dense oracle (every
   architecture; the same preemptions, so re-admissions happen with the loop overlapped);
 * speculative decoding (2 drafts) with an fp8 KV cache, preempting too: drafts accepted in
@@ -244,6 +246,28 @@ def test_preempted_requests_resume_and_match_dense(served, arch):
     run = s.serve(overlap=False)
     check_preempted_and_resumed(run)
     check_matches_dense(s, run)
+
+
+def hf_greedy(hf, prompt, n) -> list[int]:
+    """transformers' greedy ``generate`` of ``n`` tokens (no early stop)."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_tokens_are_transformers_generate(served, checkpoint, arch):
+    """The lockstep run's greedy tokens (chunked prefill, poisoned pools, requests preempted and
+    resumed by recompute) are transformers' greedy ``generate`` of each prompt, token for token
+    (no near-tie allowance here). The float32 runner of the module, no compile of its own."""
+    s = served(arch)
+    run = s.serve(overlap=False)
+    assert run["preemptions"] > 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(arch), dtype="float32").eval()
+    for req in workload(s.model.vocab_size):  # the prompts as submitted
+        assert run["done"][req.req_id].output == hf_greedy(hf, req.prompt, MAX_TOKENS), (arch, req.req_id)
 
 
 def check_overlap_is_lockstep(s: Served) -> None:
