@@ -3,7 +3,8 @@
 Start-up compiles every bucket ahead of time; serving then runs the schedulers
 and the runner step by step with no compile (strict mode), and the run ends
 with each request checked against the dense reference (one request, no cache,
-no padding, full recompute): identical greedy tokens and logits within
+no padding, full recompute): the reference's tokens (a greedy one may differ from its argmax
+only by a near tie within twice that position's logits error) and logits within
 ``LOGITS_ATOL`` at every generated position (with an fp8 KV cache: of the reference or of one
 that rounds K/V near an fp8 rounding boundary the other way, :mod:`kvjax.testing.fp8_rounding`).
 
@@ -241,8 +242,8 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
 
     A request matches when every generated position has logits within :func:`logits_tolerance`
     and the reference's token: for a greedy position its argmax, or a near tie within twice that
-    position's logits error (``near_tie_rows`` counts them). With an fp8 cache (float32 model) a position may instead match one
-    of the reference's fp8 rounding variants (:class:`kvjax.testing.fp8_rounding.RoundingVariants`),
+    position's logits error (``near_tie_rows`` counts them). With an fp8 cache (float32 model) a
+    position may instead match one of the reference's fp8 rounding variants (:class:`kvjax.testing.fp8_rounding.RoundingVariants`),
     tried only for requests whose rows do not all match the reference itself.
     ``max_logit_error``: the largest difference from the reference; ``fp8_rounding_rows``: the
     positions matched by a rounding variant instead, ``max_logit_error_vs_match`` the largest
