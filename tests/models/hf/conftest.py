@@ -89,6 +89,15 @@ def redraw_weights(model, torch, seed: int = 0) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
+def hf_greedy(hf, prompt, n, torch) -> list[int]:
+    """transformers' greedy ``generate`` of ``n`` tokens after ``prompt`` (no early stop)."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _fast_compiles_here(fast_compiles_module):
     """Every test here checks what the models compute (against transformers, the dense oracle):

@@ -49,7 +49,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import redraw_weights  # noqa: E402
+from conftest import hf_greedy, redraw_weights  # noqa: E402
 from kvjax.cli.demo import check_against_reference, model_dtype, reference_tokens  # noqa: E402
 from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.models import load_pretrained  # noqa: E402
@@ -248,15 +248,6 @@ def test_preempted_requests_resume_and_match_dense(served, arch):
     check_matches_dense(s, run)
 
 
-def hf_greedy(hf, prompt, n) -> list[int]:
-    """transformers' greedy ``generate`` of ``n`` tokens (no early stop)."""
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_tokens_are_transformers_generate(served, checkpoint, arch):
     """The lockstep run's greedy tokens (chunked prefill, poisoned pools, requests preempted and
@@ -267,7 +258,7 @@ def test_greedy_tokens_are_transformers_generate(served, checkpoint, arch):
     assert run["preemptions"] > 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(arch), dtype="float32").eval()
     for req in workload(s.model.vocab_size):  # the prompts as submitted
-        assert run["done"][req.req_id].output == hf_greedy(hf, req.prompt, MAX_TOKENS), (arch, req.req_id)
+        assert run["done"][req.req_id].output == hf_greedy(hf, req.prompt, MAX_TOKENS, torch), (arch, req.req_id)
 
 
 def check_overlap_is_lockstep(s: Served) -> None:

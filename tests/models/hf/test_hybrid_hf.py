@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import CHECKPOINTS  # noqa: E402
+from conftest import CHECKPOINTS, hf_greedy  # noqa: E402
 from kvjax.cli.demo import serve  # noqa: E402
 from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.models import load_pretrained  # noqa: E402
@@ -45,14 +45,6 @@ def test_dense_logits_match_transformers(name, hf_checkpoint, hf_model):
     err, scale = np.abs(got - ref).max(), np.abs(ref).max()
     assert scale > 1.0, "logits near zero would make the comparison meaningless"
     assert err <= RTOL * scale, f"{name}: max |kvjax - transformers| = {err} (largest logit {scale})"
-
-
-def hf_greedy(hf, prompt, n) -> list[int]:
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 PROMPTS = [
@@ -95,7 +87,7 @@ def test_runner_serves_token_for_token_with_transformers(case, hf_checkpoint, hf
     if dtype == "float32":
         hf = hf_model(name)
         for i, p in enumerate(PROMPTS):
-            assert report.requests[f"r{i}"]["output"] == hf_greedy(hf, p, n_new), (case, i)
+            assert report.requests[f"r{i}"]["output"] == hf_greedy(hf, p, n_new, torch), (case, i)
 
 
 def test_bfloat16_params_and_dense_logits(hf_checkpoint):
