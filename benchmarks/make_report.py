@@ -970,17 +970,21 @@ def model_targets(doc):
 
 
 def _mesh_docs(results):
-    """The newest date's ``*-mesh.json`` runs (``bench_mesh.py``), fewest GPUs first, and that
-    date's ``*-mesh-collectives.json`` (or None)."""
-    paths = sorted(p for p in glob.glob(os.path.join(results, "*-mesh.json")))
+    """The newest date's ``*-mesh.json`` runs (``bench_mesh.py``, one ``meta["runs"]`` each) as
+    ``(path, doc, GPU count)``, fewest GPUs first, and that date's ``*-mesh-collectives.json`` (or
+    None)."""
+    paths = sorted(glob.glob(os.path.join(results, "*-mesh.json")))
     if not paths:
         return [], None
     date = max(os.path.basename(p)[:10] for p in paths)
-    docs = [(p, load(p)) for p in paths if os.path.basename(p).startswith(date)]
-    docs.sort(key=lambda pd: len(next(iter(pd[1]["meta"]["runs"].values()))["devices"]) if "runs" in pd[1]["meta"]
-              else len(pd[1]["meta"]["devices"]))
-    coll = [p for p in glob.glob(os.path.join(results, f"{date}-*-mesh-collectives.json"))]
-    return docs, (load(sorted(coll)[-1]) if coll else None)
+    docs = []
+    for p in paths:
+        doc = load(p) if os.path.basename(p).startswith(date) else None
+        if doc is not None and "runs" in doc["meta"]:
+            docs.append((p, doc, len(next(iter(doc["meta"]["runs"].values()))["devices"])))
+    docs.sort(key=lambda d: d[2])
+    coll = sorted(glob.glob(os.path.join(results, f"{date}-*-mesh-collectives.json")))
+    return docs, (load(coll[-1]) if coll else None)
 
 
 def _mesh_serve_row(name, s):
@@ -1006,17 +1010,17 @@ def _speedup_table(rows) -> list[str]:
 def mesh_section(results):
     """Issue 27: ``benchmarks/bench_mesh.py`` runs over several GPUs (the newest date's ``*-mesh.json``)."""
     docs, coll = _mesh_docs(results)
-    if not docs or "runs" not in docs[0][1]["meta"]:
+    if not docs:
         return ""
     first = next(iter(docs[0][1]["meta"]["runs"].values()))
-    sizes = sorted({len(next(iter(d["meta"]["runs"].values()))["devices"]) for _, d in docs})
+    sizes = sorted({n for _, _, n in docs})
     out = [f"## Issue 27: real-width models over {' and '.join(map(str, sizes))} GPUs ({first['device_kind']})", "",
            f"JAX {first['jax']}, {first['date']}, bfloat16 unless a row says float32. Real widths, fewer layers "
            f"(device time): the Granite-4.0-H-Micro-like hybrid with {first['layers']} of its 40 layers (3 Mamba2 "
            f"+ 1 attention, dense MLPs, vocabulary 100,352; all 40 for the overlap rows) and the "
            f"DeepSeek-V2-Lite-like MLA + MoE model with {first['mla_layers']} of its 27 layers (the first dense, "
            f"then 64 routed experts top-6 + 2 shared, vocabulary 102,400). Random seeded weights. Runs:", ""]
-    for path, d in docs:
+    for path, d, _ in docs:
         m = d["meta"]
         out.append(f"* `{os.path.relpath(path, ROOT)}` and its `.log` ({m['machine']}, code {m['code']}): "
                    + "; ".join(f"`{c}`" for c in m["command"]) + (f". {m['note']}" if m.get("note") else ""))
@@ -1038,7 +1042,7 @@ def mesh_section(results):
                 "batch). The per-GPU floor: the dense weights (every rank holds them), 1/N of the experts the "
                 "whole batch touches, the rank's own KV.", ""]
         out += _speedup_table(dd)
-    serve = [(len(next(iter(d["meta"]["runs"].values()))["devices"]), r) for _, d in docs for r in d["rows"]
+    serve = [(n, r) for _, d, n in docs for r in d["rows"]
              if r["part"] in ("tp_parity", "tp_overlap", "dp_mla", "dp_mla_f32") and "compare" in r]
     if serve:
         out += ["**Serving end to end** (`kvjax.cli.demo.serve`: scheduler, packing, the Runner's step, sampling "
@@ -1065,7 +1069,7 @@ def mesh_section(results):
                 "expert gap as small as 0.0005). The same model in float32 (`dp_mla_f32`), where the reference is "
                 "exact, is at parity on one GPU, on `data=2` and on `data=4` (max logit error 1.5e-5), with the "
                 "same tokens as one GPU in 6 of 6 requests: the expert-parallel path's check.", ""]
-    gap = [(len(next(iter(d["meta"]["runs"].values()))["devices"]), r) for _, d in docs for r in d["rows"]
+    gap = [(n, r) for _, d, n in docs for r in d["rows"]
            if r["part"] == "tp_overlap_gap" and r.get("device_us")]
     if gap:
         out += ["**Host overlap on the mesh** (`bench_overlap.PresetBench.measure` on the 40-layer Granite-like "
@@ -1091,8 +1095,7 @@ def mesh_section(results):
             out.append(f"| {k} | {cells(k, 'model=1')} | {cells(k, 'model=2')} |")
         out += ["", f"Verdict: {coll['meta']['verdict']}. Parity held with it (tp_parity 8 of 8, dp_mla_f32 on "
                 "`data=2` 6 of 6).", ""]
-    for path, d in docs:
-        n = len(next(iter(d["meta"]["runs"].values()))["devices"])
+    for _, d, n in docs:
         for r in d["rows"]:
             if r.get("note"):
                 out.append(f"- {n} GPUs, {r['part']}: {r['note']}")

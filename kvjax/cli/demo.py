@@ -228,13 +228,16 @@ def reference_tokens(req: Request, ref_logits: np.ndarray) -> np.ndarray:
                                   full(req.seed, jnp.int32), positions))
 
 
-def _tokens_match(req: Request, ref_logits: np.ndarray, out: np.ndarray, row_err: np.ndarray) -> np.ndarray:
-    """Per output row: a sampled token is what the sampler draws from the reference's row; a greedy
-    one is the reference's argmax or a near tie within ``2 * row_err`` (with every logit within
-    ``row_err`` of the reference's, the served argmax can only be such a token)."""
+def _tokens_match(req: Request, ref_logits: np.ndarray, out: np.ndarray,
+                  row_err: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per output row ``(ok, near_tie)``: a sampled token is what the sampler draws from the
+    reference's row; a greedy one is the reference's argmax or a near tie within ``2 * row_err``
+    (with every logit within ``row_err`` of the reference's, the served argmax can only be such a
+    token)."""
     if req.temperature == 0:
         return greedy_match(ref_logits, out, 2 * row_err)
-    return reference_tokens(req, ref_logits) == out
+    ok = reference_tokens(req, ref_logits) == out
+    return ok, np.zeros_like(ok)
 
 
 def check_against_reference(runner: Runner, config: RunnerConfig, finished: list[Request]):
@@ -243,8 +246,9 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
     A request matches when every generated position has logits within :func:`logits_tolerance`
     and the reference's token: for a greedy position its argmax, or a near tie within twice that
     position's logits error (``near_tie_rows`` counts them). With an fp8 cache (float32 model) a
-    position may instead match one of the reference's fp8 rounding variants (:class:`kvjax.testing.fp8_rounding.RoundingVariants`),
-    tried only for requests whose rows do not all match the reference itself.
+    position may instead match one of the reference's fp8 rounding variants
+    (:class:`kvjax.testing.fp8_rounding.RoundingVariants`), tried only for requests whose rows do
+    not all match the reference itself.
     ``max_logit_error``: the largest difference from the reference; ``fp8_rounding_rows``: the
     positions matched by a rounding variant instead, ``max_logit_error_vs_match`` the largest
     difference from whichever reference each position matched (as ``max_logit_error`` when
@@ -268,9 +272,9 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
         rounding_rows, ties, err, matched_err, ok = 0, 0, float("inf"), float("inf"), False
         if got.shape == ref.shape:
             row_err = _row_errors(ref, got)
-            row_ok = (row_err <= atol) & _tokens_match(r, ref, out, row_err)
-            if r.temperature == 0:
-                ties = int((row_ok & (ref.argmax(-1) != out)).sum())
+            tok_ok, near = _tokens_match(r, ref, out, row_err)
+            row_ok = (row_err <= atol) & tok_ok
+            ties = int((row_ok & near).sum())
             err = float(row_err.max()) if row_err.size else 0.0
             if not row_ok.all() and uses_rounding_variants(config.kv_cache_dtype, dtype):
                 if variants is None:
@@ -279,7 +283,7 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
                 for logits in variants(toks):
                     cand = logits[rows]
                     cand_err = _row_errors(cand, got)
-                    cand_ok = (cand_err <= atol) & _tokens_match(r, cand, out, cand_err)
+                    cand_ok = (cand_err <= atol) & _tokens_match(r, cand, out, cand_err)[0]
                     row_err = np.where(cand_ok & ~before, np.minimum(row_err, cand_err), row_err)
                     row_ok |= cand_ok
                     if row_ok.all():

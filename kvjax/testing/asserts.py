@@ -39,12 +39,13 @@ def assert_bitwise(actual, expected, name: str = "array") -> None:
         )
 
 
-def greedy_match(ref_logits: np.ndarray, out: np.ndarray, tie) -> np.ndarray:
-    """Per row, bool: greedy token ``out[i]`` is the reference row's argmax or within a near tie
-    of it (the reference's logit of ``out[i]`` at most ``tie`` below the row's max; ``tie`` a
-    number or one per row)."""
+def greedy_match(ref_logits: np.ndarray, out: np.ndarray, tie) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, bools ``(ok, near_tie)``: greedy token ``out[i]`` is the reference row's argmax or
+    within a near tie of it (the reference's logit of ``out[i]`` at most ``tie`` below the row's
+    max; ``tie`` a number or one per row); ``near_tie``: ok, and not the argmax."""
     rows = np.arange(len(out))
-    return ref_logits.max(-1) - ref_logits[rows, out] <= tie
+    ok = ref_logits.max(-1) - ref_logits[rows, out] <= tie
+    return ok, ok & (ref_logits.argmax(-1) != out)
 
 
 def races_found() -> bool | None:
