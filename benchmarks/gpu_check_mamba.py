@@ -330,13 +330,41 @@ def prefill_cases(rng, big):
                                        dt_softplus=True, backend="reference")
         o2, s2 = selective_scan_varlen(*args, jnp.asarray(state), qsl, ci, his, D=D,
                                        dt_softplus=True, backend="pallas_gpu")
+        o3, s3 = selective_scan_varlen(*args, jnp.asarray(state), qsl, ci, his, D=D,
+                                       dt_softplus=True, backend="pallas_tpu")  # the jnp chunked form
+        ok3, e3 = close(o2, o3, 1e-4)
+        require(ok3, f"kernel and jnp chunked form differ ({e3:.2e})")
         require(np.isfinite(np.asarray(o2)).all(), "non-finite output")
         require(not np.asarray(o2)[qsl[1]:qsl[2]].any() and not np.asarray(o2)[T - 5:].any(),
                 "null-row / pad outputs not zero")
         ok, e = close(o2, o1, 1e-4)
         require(ok, f"out differs ({e:.2e})")
         e2 = check_state(s2, s1, state, {2, 3, 5, 6}, 1e-4)
-        return f"out err {e:.1e}, state err {e2:.1e}"
+        return f"out err {e:.1e}, state err {e2:.1e}, vs jnp chunked {e3:.1e}"
+
+    @case("scan kernel, bf16 products: the jnp chunked form's rounding, near the token scan")
+    def _():
+        Tb, Hb, Pb, Nb = (1000, 8, 64, 128) if big else (40, 2, 4, 8)
+        x, dt = f32(rng, Tb, Hb, Pb), f32(rng, Tb, Hb, scale=0.5)
+        A = -np.exp(f32(rng, Hb, scale=0.5))
+        B, C = f32(rng, Tb, 1, Nb), f32(rng, Tb, 1, Nb)
+        z = f32(rng, Tb, Hb, Pb)
+        state = f32(rng, L, Hb, Pb, Nb)
+        qsl = np.array([0, 300, 310, Tb - 7], np.int32) if big else np.array([0, 10, 12, Tb - 3], np.int32)
+        ci = np.array([3, 5, 6], np.int32)
+        his = np.array([True, False, True])
+        kw = dict(D=f32(rng, Hb), z=z, dt_softplus=True)
+        run = lambda be, dd: selective_scan_varlen(x, dt, A, B, C, jnp.asarray(state), qsl, ci, his,
+                                                  backend=be, dot_dtype=dd, **kw)
+        o1, s1 = run("reference", None)
+        o2, s2 = run("pallas_gpu", jnp.bfloat16)
+        o3, s3 = run("pallas_tpu", jnp.bfloat16)
+        ok, e = close(o2, o3, 2e-3)
+        require(ok, f"kernel and jnp chunked form differ ({e:.2e})")
+        ok, e_out = close(o2, o1, 3e-2)
+        require(ok, f"bf16 products too far from the token scan ({e_out:.2e})")
+        e_state = check_state(s2, s1, state, {3, 5, 6}, 3e-2)
+        return f"kernel vs jnp {e:.1e}; vs token scan: out {e_out:.1e}, state {e_state:.1e}"
 
     @case("conv varlen vs numpy (fresh NaN slot, null row, pad)")
     def _():
@@ -416,13 +444,32 @@ def timings(rng, interp):
     qsl = jnp.asarray(np.concatenate([[0], cuts, [T]]).astype(np.int32))
     ci = jnp.arange(1, R + 1, dtype=jnp.int32)
     his = jnp.ones((R,), bool)
-    for backend, chunk in (("reference", 64), ("pallas_gpu", 64), ("pallas_gpu", 128), ("pallas_gpu", 256)):
+    for backend, chunk in (("reference", 64), ("pallas_tpu", 128), ("pallas_gpu", 64), ("pallas_gpu", 128),
+                           ("pallas_gpu", 256)):
         fn = jax.jit(lambda s, be=backend, ch=chunk: selective_scan_varlen(
             xs, dts, A, B, C, s, qsl, ci, his, dt_softplus=True, chunk_size=ch, backend=be),
             donate_argnums=0)
         us = bench(fn, jnp.asarray(st), n=5)
-        name = "token scan" if backend == "reference" else f"chunked Q={chunk}"
+        name = {"reference": "token scan", "pallas_tpu": f"jnp chunked Q={chunk}"}.get(backend, f"kernel Q={chunk}")
         print(f"TIME prefill scan T={T} R={R} H={Hs} P={Ps} N={Ns} {name}: {us / 1e3:.2f} ms", flush=True)
+    # one request's prefill at the real presets' shapes (Granite-4.0-H-Micro: 64 heads, 1 group;
+    # Nemotron-H-8B: 128 heads, 8 groups), float32 and bf16 products
+    for label, T, Hs, G in (("granite", 8192, 64, 1), ("granite", 2048, 64, 1), ("nemotron", 8192, 128, 8)):
+        xs, dts = jnp.asarray(f32(rng, T, Hs, 64)), jnp.asarray(f32(rng, T, Hs, scale=0.5))
+        zs = jnp.asarray(f32(rng, T, Hs, 64))
+        A = jnp.asarray(-np.exp(f32(rng, Hs, scale=0.5)))
+        B, C = jnp.asarray(f32(rng, T, G, 128)), jnp.asarray(f32(rng, T, G, 128))
+        Dv = jnp.asarray(f32(rng, Hs))
+        st = f32(rng, 4, Hs, 64, 128)
+        qsl, ci, his = jnp.array([0, T], jnp.int32), jnp.array([1], jnp.int32), jnp.zeros((1,), bool)
+        for backend, dd in (("pallas_tpu", None), ("pallas_tpu", jnp.bfloat16), ("pallas_gpu", None),
+                            ("pallas_gpu", jnp.bfloat16)):
+            fn = jax.jit(lambda s, be=backend, dd=dd: selective_scan_varlen(
+                xs, dts, A, B, C, s, qsl, ci, his, D=Dv, z=zs, dt_softplus=True, dot_dtype=dd,
+                backend=be), donate_argnums=0)
+            us = bench(fn, jnp.asarray(st), n=5)
+            name = ("jnp chunked" if backend == "pallas_tpu" else "kernel") + (" bf16" if dd else " f32")
+            print(f"TIME prefill scan {label} T={T} H={Hs} G={G} {name}: {us / 1e3:.2f} ms", flush=True)
 
 
 def main() -> int:

@@ -8,10 +8,23 @@ Two jnp implementations with identical semantics:
 
 * ``_scan_tokens`` (``backend="reference"``): a ``lax.scan`` over tokens; obviously
   correct, the oracle.
-* ``_scan_chunked`` (every other backend): the SSD chunked form used by vLLM's
-  ``mamba_chunk_scan_combined_varlen``: requests are cut into chunks of
-  ``chunk_size`` tokens that never span two requests; inside a chunk the scan is a
-  masked ``[Q, Q]`` matrix product, between chunks an associative scan over chunk states.
+* ``_scan_chunked`` (``backend="pallas_tpu"`` and the GPU's fallback): the SSD chunked
+  form used by vLLM's ``mamba_chunk_scan_combined_varlen``, in jnp: requests are cut into
+  chunks of ``chunk_size`` tokens that never span two requests; inside a chunk the scan is
+  a masked ``[Q, Q]`` matrix product, between chunks an associative scan over chunk states.
+
+And one Pallas GPU kernel pair of the same chunked form (``_scan_gpu``, the ``"gpu"``
+flavour): the chunk table is built in jnp (``[chunks]``-sized), then
+
+* ``chunk_states`` (grid: heads x blocks of the head dim) walks each head's chunks in
+  order: a chunk's own state ``(x * decay-to-end * dt)^T @ B`` as one product, the state
+  entering it (its request's initial state at a first chunk, else the previous chunk's
+  leaving state: a select, so a NaN cannot cross requests), and each request's final
+  state written in place into the pool;
+* ``chunk_outputs`` (grid: chunks x heads x row blocks) computes a chunk's outputs,
+  ``(L o C B^T o dt) @ x + exp(cum) * C @ s_in^T + D x``, gated by ``z``, straight from
+  the packed token arrays into the packed output: no ``[chunks, Q, ...]`` copies, no
+  transposes, no per-head copies of ``B`` and ``C``.
 """
 
 from __future__ import annotations
@@ -20,12 +33,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels import contract as validation
 from pallas_kernels.contract import NULL_BLOCK_ID
 from pallas_kernels import _backend
 from pallas_kernels import mamba_common as mc
 from pallas_kernels._xla import scatter_set
+from pallas_kernels import gpu_tiling
 
 __all__ = ["selective_scan_varlen", "DEFAULT_CHUNK_SIZE"]
 
@@ -65,8 +80,9 @@ def _finish(y, x, D, z, mask):
 
 @_backend.register(OP_SCAN, "reference")
 def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                 D, dt_bias, z, *, softplus, null_block_id, chunk_size, max_sequences, config, interpret):
-    del chunk_size, max_sequences, config, interpret
+                 D, dt_bias, z, *, softplus, null_block_id, chunk_size, max_sequences, config,
+                 dot_dtype, interpret):
+    del chunk_size, max_sequences, config, dot_dtype, interpret
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
@@ -99,6 +115,36 @@ def _scan_tokens(x, dt, A, B, C, state, query_start_loc, cache_indices, has_init
     out = _finish(ys, x, D, z, tok_ok[:, None, None]).astype(x.dtype)
     state = scatter_set(state, jnp.where(ok, cache_indices, L), finals)
     return out, state
+
+
+def _rounded(a, dot_dtype):
+    """``a`` as a product operand: float32, rounded through ``dot_dtype`` first when that is
+    narrower (the products of such operands are exact in float32, so a float32 product of
+    them equals a ``dot_dtype`` product accumulated in float32)."""
+    a = a.astype(jnp.float32)
+    return a if dot_dtype is None else a.astype(dot_dtype).astype(jnp.float32)
+
+
+def _chunk_table(bos, lens, ok, Q: int, NC: int):
+    """The chunks of the chunked forms: request ``r`` owns chunks ``coff[r] .. coff[r] +
+    nch[r] - 1`` (``Q`` tokens each but its last); a chunk never spans two requests and
+    skipped requests own none. Returns ``(rc, c_ok, k, first, last, start, length)`` per
+    chunk ``[NC]``: its request, whether it is used, its index in the request, whether it
+    is the request's first / last, its first token and its token count (0 if unused)."""
+    R = lens.shape[0]
+    nch = jnp.where(ok, (lens + Q - 1) // Q, 0)
+    cend = jnp.cumsum(nch)
+    coff = cend - nch
+    c = jnp.arange(NC)
+    rc = jnp.searchsorted(cend, c, side="right", method="compare_all").astype(jnp.int32)
+    c_ok = rc < R
+    rc = jnp.where(c_ok, rc, 0)
+    k = c - coff[rc]
+    first = c_ok & (k == 0)
+    last = c_ok & (k == nch[rc] - 1)
+    start = jnp.where(c_ok, bos[rc] + k * Q, 0).astype(jnp.int32)
+    length = jnp.where(c_ok, jnp.clip(lens[rc] - k * Q, 0, Q), 0).astype(jnp.int32)
+    return rc, c_ok, k, first, last, start, length
 
 
 def _chunk_states(s_loc, lam, first, h_first, sequential: bool = False):
@@ -160,22 +206,40 @@ class ScanConfig:
     Attributes:
       adapt_chunk: chunks shrink for batches of many short requests (see ``_chunk_len``);
         False keeps ``chunk_size`` always.
-      chunk_states: how states pass between chunks: ``"associative"`` (an associative
-        scan, no loop) or ``"sequential"`` (a ``lax.scan``: an XLA while loop, which a GPU
-        runs one iteration after another).
+      chunk_states: how the jnp form passes states between chunks: ``"associative"`` (an
+        associative scan, no loop) or ``"sequential"`` (a ``lax.scan``: an XLA while loop,
+        which a GPU runs one iteration after another). The GPU kernels always walk a head's
+        chunks in order inside one program.
+      gpu_block_p: head-dim rows per ``chunk_states`` program (None: halved from the head
+        dim, not below 16, until there are ``gpu_min_programs`` programs).
+      gpu_block_q: chunk rows per ``chunk_outputs`` program (at most the chunk length).
+      gpu_min_programs: see ``gpu_block_p``.
+      gpu_num_warps: warps per program of both kernels.
     """
 
     adapt_chunk: bool = True
     chunk_states: str = "associative"
+    gpu_block_p: int | None = None
+    gpu_block_q: int = 64
+    gpu_min_programs: int = 256
+    gpu_num_warps: int = 4
 
     def __post_init__(self):
         if self.chunk_states not in ("associative", "sequential"):
             raise ValueError(f"chunk_states must be 'associative' or 'sequential', got {self.chunk_states!r}")
+        for name in ("gpu_block_p", "gpu_block_q", "gpu_min_programs", "gpu_num_warps"):
+            v = getattr(self, name)
+            if v is None and name == "gpu_block_p":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (name.startswith("gpu_block") and v & (v - 1)):
+                kind = "a power of two" if name.startswith("gpu_block") else "an int >= 1"
+                raise ValueError(f"{name} must be {kind}, got {v!r}")
 
 
-@_backend.register(OP_SCAN, "tpu", "gpu")
+@_backend.register(OP_SCAN, "tpu")
 def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
-                  D, dt_bias, z, *, softplus, null_block_id, chunk_size, max_sequences, config, interpret):
+                  D, dt_bias, z, *, softplus, null_block_id, chunk_size, max_sequences, config,
+                  dot_dtype, interpret):
     del interpret
     f32 = jnp.float32
     T, H, P = x.shape
@@ -189,22 +253,14 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     goh = jnp.arange(H) // (H // G)
     bos, lens, ok, h0 = _skip_and_init(state, query_start_loc, cache_indices,
                                        has_initial_state, null_block_id, T)
-    # chunk table: request r owns chunks [coff[r], coff[r] + nch[r]); a chunk never spans
-    # two requests; skipped requests own none.
+    NC = -(-T // Q) + Rs  # static bound on the number of chunks
+    rc, c_ok, k, first, _, _, _ = _chunk_table(bos, lens, ok, Q, NC)
     nch = jnp.where(ok, (lens + Q - 1) // Q, 0)
     cend = jnp.cumsum(nch)
-    coff = cend - nch
-    NC = -(-T // Q) + Rs  # static bound on the number of chunks
-    c = jnp.arange(NC)
-    rc = jnp.searchsorted(cend, c, side="right", method="compare_all").astype(jnp.int32)
-    c_ok = rc < R
-    rc = jnp.where(c_ok, rc, 0)
-    k = c - coff[rc]
     q = jnp.arange(Q)
     in_req = k[:, None] * Q + q[None, :]  # [NC, Q] position within the request
     t_ok = c_ok[:, None] & (in_req < lens[rc][:, None])
     tok = jnp.where(t_ok, bos[rc][:, None] + in_req, T)
-    first = c_ok & (k == 0)
 
     xs = jnp.take(x, tok, axis=0, mode="fill", fill_value=0).astype(f32)  # [NC, Q, H, P]
     xs = jnp.where(t_ok[..., None, None], xs, 0.0)
@@ -214,22 +270,25 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     Cs = jnp.where(t_ok[..., None, None], jnp.take(C, tok, axis=0, mode="fill", fill_value=0).astype(f32), 0.0)
     Bh, Ch = Bs[:, :, goh], Cs[:, :, goh]  # [NC, Q, H, N]
 
+    def rnd(a):
+        return _rounded(a, dot_dtype)
+
     a = dts * A.astype(f32)[None, None, :]  # [NC, Q, H] log decay per token
     cum = jnp.cumsum(a, axis=1)
     cum_h = jnp.swapaxes(cum, 1, 2)  # [NC, H, Q]
     diff = cum_h[:, :, :, None] - cum_h[:, :, None, :]  # [NC, H, i, j]
     causal = q[:, None] >= q[None, :]
     Lmat = jnp.exp(jnp.where(causal, diff, -jnp.inf))
-    CB = jnp.einsum("cihn,cjhn->chij", Ch, Bh, precision="highest")
+    CB = jnp.einsum("cihn,cjhn->chij", rnd(Ch), rnd(Bh), precision="highest")
     Wm = Lmat * CB * jnp.swapaxes(dts, 1, 2)[:, :, None, :]
-    y_intra = jnp.einsum("chij,cjhp->cihp", Wm, xs, precision="highest")
+    y_intra = jnp.einsum("chij,cjhp->cihp", rnd(Wm), rnd(xs), precision="highest")
 
     to_end = jnp.exp(cum[:, -1:, :] - cum) * dts  # [NC, Q, H]
-    s_loc = jnp.einsum("cjh,cjhp,cjhn->chpn", to_end, xs, Bh, precision="highest")
+    s_loc = jnp.einsum("cjhp,cjhn->chpn", rnd(to_end[..., None] * xs), rnd(Bh), precision="highest")
     lam = jnp.exp(cum[:, -1, :])  # [NC, H]
 
     s_in, s_out = _chunk_states(s_loc, lam, first, h0[rc], config.chunk_states == "sequential")
-    y_inter = jnp.exp(cum)[..., None] * jnp.einsum("cihn,chpn->cihp", Ch, s_in, precision="highest")
+    y_inter = jnp.exp(cum)[..., None] * jnp.einsum("cihn,chpn->cihp", rnd(Ch), rnd(s_in), precision="highest")
     zs = None
     if z is not None:
         zs = jnp.take(z, tok, axis=0, mode="fill", fill_value=0)
@@ -243,11 +302,208 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     return out, state
 
 
+# --------------------------------------------------------------------------
+# GPU: Pallas Triton, the chunked form as two kernels
+# --------------------------------------------------------------------------
+
+
+def _gpu_shapes_ok(Q: int, P: int, N: int) -> bool:
+    """Whether the compiled kernels take these sizes: Triton products need power-of-two
+    blocks of at least 16 (interpret mode takes any)."""
+    return all(v >= 16 and v & (v - 1) == 0 for v in (Q, P, N))
+
+
+def _gpu_blocks(H: int, P: int, Q: int, config) -> tuple[int, int]:
+    """``(BP, BQ)``: head-dim rows per ``chunk_states`` program (enough programs to fill
+    the device: ``H * P / BP >= config.gpu_min_programs``, at least 16) and chunk rows per
+    ``chunk_outputs`` program."""
+    BP = config.gpu_block_p
+    if BP is None:
+        BP = P
+        while BP > 16 and H * (P // BP) < config.gpu_min_programs:
+            BP //= 2
+    BQ = min(Q, config.gpu_block_q)
+    return min(BP, P), BQ
+
+
+@_backend.register(OP_SCAN, "gpu")
+def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
+              D, dt_bias, z, *, softplus, null_block_id, chunk_size, max_sequences, config,
+              dot_dtype, interpret):
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    R = cache_indices.shape[0]
+    L = state.shape[0]
+    Rs = R if max_sequences is None else max(1, min(R, max_sequences))
+    Q = _chunk_len(chunk_size, T, Rs, config.adapt_chunk)
+    if R == 0 or T == 0:
+        return jnp.zeros(x.shape, x.dtype), state
+    if not interpret and not _gpu_shapes_ok(Q, P, N):
+        return _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices,
+                             has_initial_state, D, dt_bias, z, softplus=softplus,
+                             null_block_id=null_block_id, chunk_size=chunk_size,
+                             max_sequences=max_sequences, config=config, dot_dtype=dot_dtype,
+                             interpret=False)
+    for name, shape in (("x", (T + Q, H, P)), ("state", state.shape), ("the chunk states", (T // Q + Rs + 1, H, P, N))):
+        gpu_tiling.check_int32_offsets(name, shape)
+    f32 = jnp.float32
+    ratio = H // G
+    BP, BQ = _gpu_blocks(H, P, Q, config)
+    NC = -(-T // Q) + Rs
+    HP, HPN, GN = H * P, H * P * N, G * N
+    bos, lens = mc.sequence_bounds(query_start_loc, T)
+    ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
+    rc, c_ok, _, first, last, start, length = _chunk_table(bos, lens, ok, Q, NC)
+    slot = cache_indices[rc]
+    init_slot = jnp.where(first & has_initial_state[rc], slot, -1).astype(jnp.int32)
+    fin_slot = jnp.where(last, slot, -1).astype(jnp.int32)
+    num_chunks = jnp.sum(c_ok.astype(jnp.int32)).reshape(1)  # used chunks come first
+    dtp = _prep(dt, dt_bias, softplus)  # [T, H] float32
+    Af = A.astype(f32)
+    Dm = jnp.zeros((H, P), f32) if D is None else jnp.broadcast_to(
+        (D[:, None] if D.ndim == 1 else D).astype(f32), (H, P))
+    has_z = z is not None
+    load, store = _backend.triton.load, _backend.triton.store
+    highest = jax.lax.Precision.HIGHEST
+    narrow = dot_dtype is not None
+
+    def operand(v):  # a product operand: dot_dtype (interpret mode: rounded, then float32)
+        if not narrow:
+            return v
+        v = v.astype(dot_dtype)
+        return v.astype(f32) if interpret else v
+
+    def dot(a, b, dims):
+        prec = highest if (interpret or not narrow) else None
+        return jax.lax.dot_general(operand(a), operand(b), (dims, ((), ())), precision=prec,
+                                   preferred_element_type=f32)
+
+    def causal_cumsum(rows, cols, a):
+        """``sum_{j <= i} a[j]`` for each row ``i`` (a masked reduction: no scan in Triton)."""
+        return jnp.sum(jnp.where(rows[:, None] >= cols[None, :], a[None, :], 0.0), axis=1)
+
+    # chunk_states: one program per (head, BP rows of the head dim), its chunks in order.
+    def states_kernel(n_ref, start_ref, len_ref, first_ref, init_ref, fin_ref, x_ref, B_ref,
+                      dt_ref, A_ref, _, s_in_ref, state_ref):
+        h = pl.program_id(0)
+        g = h // ratio
+        p = pl.program_id(1) * BP + jnp.arange(BP, dtype=jnp.int32)
+        q = jnp.arange(Q, dtype=jnp.int32)
+        n = jnp.arange(N, dtype=jnp.int32)
+        a_h = A_ref[h]
+        in_head = h * (P * N) + p[:, None] * N + n[None, :]  # [BP, N] within one slot
+
+        def body(c, s_prev):
+            t0, ln = start_ref[c], len_ref[c]
+            t_ok = q < ln
+            tok = jnp.minimum(t0 + q, T - 1)
+            d = load(dt_ref.at[tok * H + h], mask=t_ok, other=0.0)
+            a = d * a_h
+            cum = causal_cumsum(q, q, a)
+            tot = jnp.sum(a)
+            w = jnp.exp(tot - cum) * d  # decay to the chunk's end, times dt
+            xq = load(x_ref.at[tok[:, None] * HP + h * P + p[None, :]],
+                      mask=t_ok[:, None], other=0.0).astype(f32)  # [Q, BP]
+            bq = load(B_ref.at[tok[:, None] * GN + g * N + n[None, :]],
+                      mask=t_ok[:, None], other=0.0).astype(f32)  # [Q, N]
+            s_loc = dot(xq * w[:, None], bq, ((0,), (0,)))  # [BP, N]
+            src = init_ref[c]
+            h0 = load(state_ref.at[jnp.maximum(src, 0) * HPN + in_head],
+                      mask=jnp.broadcast_to(src >= 0, (BP, N)), other=0.0).astype(f32)
+            s_in = jnp.where(first_ref[c] != 0, h0, s_prev)  # a select: no NaN crosses requests
+            store(s_in_ref.at[c * HPN + in_head], s_in)
+            s_out = jnp.exp(tot) * s_in + s_loc
+            dst = fin_ref[c]
+            store(state_ref.at[jnp.maximum(dst, 0) * HPN + in_head], s_out.astype(state_ref.dtype),
+                  mask=jnp.broadcast_to(dst >= 0, (BP, N)))
+            return s_out
+
+        jax.lax.fori_loop(0, n_ref[0], body, jnp.zeros((BP, N), f32))
+
+    s_in, state = pl.pallas_call(
+        states_kernel,
+        grid=(H, P // BP),
+        out_shape=[jax.ShapeDtypeStruct((NC * HPN,), f32),
+                   jax.ShapeDtypeStruct((L * HPN,), state.dtype)],
+        input_output_aliases={10: 1},
+        compiler_params=_backend.gpu_compiler_params(config.gpu_num_warps),
+        interpret=interpret,
+        name="scan_chunk_states_gpu",
+    )(num_chunks, start, length, first.astype(jnp.int32), init_slot, fin_slot, x.reshape(-1),
+      B.reshape(-1), dtp.reshape(-1), Af, state.reshape(-1))
+
+    # chunk_outputs: one program per (chunk, head, BQ rows of the chunk). Tokens no chunk
+    # covers (padding, skipped requests) keep the zeros of the aliased output. Interpret
+    # mode stores masked rows back, so its output has Q rows of slack.
+    slack = Q if interpret else 0
+
+    def outputs_kernel(start_ref, len_ref, x_ref, B_ref, C_ref, dt_ref, A_ref, D_ref, s_in_ref,
+                       *refs):
+        z_ref = refs[0] if has_z else None
+        o_ref = refs[-1]
+        c, h = pl.program_id(0), pl.program_id(1)
+        g = h // ratio
+        t0, ln = start_ref[c], len_ref[c]
+        i = pl.program_id(2) * BQ + jnp.arange(BQ, dtype=jnp.int32)
+
+        @pl.when(pl.program_id(2) * BQ < ln)
+        def _rows():
+            j = jnp.arange(Q, dtype=jnp.int32)
+            p = jnp.arange(P, dtype=jnp.int32)
+            n = jnp.arange(N, dtype=jnp.int32)
+            j_ok, i_ok = j < ln, i < ln
+            tj, ti = jnp.minimum(t0 + j, T - 1), jnp.minimum(t0 + i, T - 1)
+            a_h = A_ref[h]
+            dj = load(dt_ref.at[tj * H + h], mask=j_ok, other=0.0)
+            aj = dj * a_h
+            cum_j = causal_cumsum(j, j, aj)
+            cum_i = causal_cumsum(i, j, aj)
+            ci = load(C_ref.at[ti[:, None] * GN + g * N + n[None, :]], mask=i_ok[:, None],
+                      other=0.0).astype(f32)  # [BQ, N]
+            bj = load(B_ref.at[tj[:, None] * GN + g * N + n[None, :]], mask=j_ok[:, None],
+                      other=0.0).astype(f32)  # [Q, N]
+            cb = dot(ci, bj, ((1,), (1,)))  # [BQ, Q]
+            causal = i[:, None] >= j[None, :]
+            decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum_i[:, None] - cum_j[None, :], 0.0)), 0.0)
+            wm = cb * decay * dj[None, :]
+            xj = load(x_ref.at[tj[:, None] * HP + h * P + p[None, :]], mask=j_ok[:, None],
+                      other=0.0).astype(f32)  # [Q, P]
+            y = dot(wm, xj, ((1,), (0,)))  # [BQ, P]
+            s_in = load(s_in_ref.at[c * HPN + h * (P * N) + p[:, None] * N + n[None, :]])  # [P, N]
+            y = y + jnp.exp(cum_i)[:, None] * dot(ci, s_in, ((1,), (1,)))
+            xi = load(x_ref.at[ti[:, None] * HP + h * P + p[None, :]], mask=i_ok[:, None],
+                      other=0.0).astype(f32)
+            y = y + xi * load(D_ref.at[h * P + p])[None, :]
+            if has_z:
+                zi = load(z_ref.at[ti[:, None] * HP + h * P + p[None, :]], mask=i_ok[:, None],
+                          other=0.0).astype(f32)
+                y = y * (zi * jax.nn.sigmoid(zi))
+            store(o_ref.at[(t0 + i)[:, None] * HP + h * P + p[None, :]], y.astype(o_ref.dtype),
+                  mask=i_ok[:, None])
+
+    inputs = [start, length, x.reshape(-1), B.reshape(-1), C.reshape(-1), dtp.reshape(-1), Af,
+              Dm.reshape(-1), s_in]
+    if has_z:
+        inputs.append(z.reshape(-1))
+    inputs.append(jnp.zeros(((T + slack) * HP,), x.dtype))
+    out = pl.pallas_call(
+        outputs_kernel,
+        grid=(NC, H, Q // BQ),
+        out_shape=jax.ShapeDtypeStruct(((T + slack) * HP,), x.dtype),
+        input_output_aliases={len(inputs) - 1: 0},
+        compiler_params=_backend.gpu_compiler_params(config.gpu_num_warps),
+        interpret=interpret,
+        name="scan_chunk_outputs_gpu",
+    )(*inputs)
+    out = out.reshape(T + slack, H, P)
+    return (out[:T] if slack else out), state.reshape(L, H, P, N)
+
+
 def selective_scan_varlen(
     x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial_state,
     D=None, dt_bias=None, z=None, dt_softplus=False, null_block_id=NULL_BLOCK_ID,
     *, chunk_size=DEFAULT_CHUNK_SIZE, max_sequences: int | None = None, config: ScanConfig = ScanConfig(),
-    backend="auto", interpret=None,
+    dot_dtype=None, backend="auto", interpret=None,
 ):
     """Mamba2 selective scan over a packed varlen batch, with state-pool masking.
 
@@ -278,10 +534,13 @@ def selective_scan_varlen(
     Concrete cache indices out of range (other than ``null_block_id``) or a bad
     ``query_start_loc`` raise ``ValueError``; shape/dtype mismatches raise at trace time.
 
-    No Pallas kernel: the ``"reference"`` flavour is a token-by-token ``lax.scan``
-    (the oracle; ``backend="auto"`` on a CPU); the ``"tpu"`` and ``"gpu"`` flavours
-    both run the chunked XLA form (matrix products XLA maps onto the MXU / tensor
-    cores). Both have identical semantics.
+    Flavours: ``"reference"`` is a token-by-token ``lax.scan`` (the oracle;
+    ``backend="auto"`` on a CPU); ``"tpu"`` runs the chunked form in jnp (matrix products
+    XLA maps onto the MXU); ``"gpu"`` runs it as two Pallas kernels (see the module
+    docstring), or the jnp form where the compiled kernels cannot take the sizes (a chunk
+    length, head dim or ``N`` that is not a power of two >= 16). All have these semantics;
+    the chunked forms differ from the token scan by float32 summation order, and by the
+    rounding ``dot_dtype`` asks for.
 
     Args:
       chunk_size: most tokens per chunk of the chunked form (static); batches of many
@@ -292,8 +551,13 @@ def selective_scan_varlen(
         chunks by ``T / max_sequences``. More such requests than this: their chunks past the
         table are dropped (wrong outputs), so the bound must hold. None: ``R``.
       config: :class:`ScanConfig` of the chunked form (static).
-      backend, interpret: see :mod:`pallas_kernels._backend` (``interpret`` is
-        validated but unused: there is no kernel).
+      dot_dtype: None (the default): the chunked forms' matrix products take float32
+        operands (IEEE float32 products). ``jnp.bfloat16`` / ``jnp.float16``: their operands
+        (``x``, ``B``, ``C``, the intra-chunk weights and the states entering a chunk) are
+        rounded to it and the products accumulate in float32, as vLLM's (mamba_ssm's) Triton
+        kernels do for a bf16 model: tensor-core products on a GPU. The recurrence between
+        chunks, the decays and the states stay float32. The token scan ignores it.
+      backend, interpret: see :mod:`pallas_kernels._backend`.
 
     Returns:
       ``(out [T, H, P], state)``.
@@ -307,6 +571,12 @@ def selective_scan_varlen(
             raise ValueError(f"max_sequences must be None or >= 1, got {max_sequences}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not isinstance(config, ScanConfig):
+        raise ValueError(f"config must be a ScanConfig, got {config!r}")
+    if dot_dtype is not None:
+        if not jnp.issubdtype(dot_dtype, jnp.floating) or jnp.dtype(dot_dtype).itemsize != 2:
+            raise ValueError(f"dot_dtype must be None, jnp.bfloat16 or jnp.float16, got {dot_dtype!r}")
+        dot_dtype = jnp.dtype(dot_dtype)
     for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("state", state)):
         mc.check_float(name, arr)
     validation.check_rank("x", x, 3)
@@ -337,4 +607,5 @@ def selective_scan_varlen(
                                  null_block_id)
     return _backend.run(OP_SCAN, choice, x, dt, A, B, C, state, qsl, ci, his, D, dt_bias, z,
                         softplus=bool(dt_softplus), null_block_id=null_block_id,
-                        chunk_size=chunk_size, max_sequences=max_sequences, config=config)
+                        chunk_size=chunk_size, max_sequences=max_sequences, config=config,
+                        dot_dtype=dot_dtype)

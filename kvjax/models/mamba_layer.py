@@ -155,6 +155,9 @@ def mamba_mixer(
         "D": w["D"].astype(f32),
         "dt_bias": w["dt_bias"].astype(f32),
         "softplus": True,
+        # the prefill scan's products take the weights' precision (a bf16 model: bf16 operands
+        # accumulated in float32, as vLLM's Triton scan has them); the recurrence stays float32
+        "dot_dtype": None if w["in_proj"].dtype == f32 else w["in_proj"].dtype,
     }
     if spec.clips_dt:  # clip after softplus: pass the kernels the final dt
         lo, hi = spec.dt_limit
@@ -229,6 +232,7 @@ def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
         z=z.reshape(T, spec.num_heads, spec.head_dim),
         dt_softplus=k["softplus"],
         max_sequences=ctx.max_prefill_rows,
+        dot_dtype=k["dot_dtype"],
         backend=backend,
     )
     return y, conv_state, ssm_state
