@@ -210,27 +210,27 @@ class ScanConfig:
         associative scan, no loop) or ``"sequential"`` (a ``lax.scan``: an XLA while loop,
         which a GPU runs one iteration after another). The GPU kernels always walk a head's
         chunks in order inside one program.
-      gpu_block_p: head-dim rows per ``chunk_states`` program (None: halved from the head
-        dim, not below 16, until there are ``gpu_min_programs`` programs).
+      gpu_heads_per_program: heads of one group per ``chunk_states`` and ``chunk_outputs``
+        program (they share the group's ``B`` / ``C`` rows; at most the heads per group).
       gpu_block_q: chunk rows per ``chunk_outputs`` program (at most the chunk length).
-      gpu_min_programs: see ``gpu_block_p``.
-      gpu_num_warps: warps per program of both kernels.
+      gpu_block_state: state elements (of ``P * N``) per ``state_passing`` program.
+      gpu_num_warps, gpu_num_stages: Triton's, for the three kernels.
     """
 
     adapt_chunk: bool = True
     chunk_states: str = "associative"
-    gpu_block_p: int | None = None
+    gpu_heads_per_program: int = 4
     gpu_block_q: int = 64
-    gpu_min_programs: int = 256
+    gpu_block_state: int = 1024
     gpu_num_warps: int = 4
+    gpu_num_stages: int = 2
 
     def __post_init__(self):
         if self.chunk_states not in ("associative", "sequential"):
             raise ValueError(f"chunk_states must be 'associative' or 'sequential', got {self.chunk_states!r}")
-        for name in ("gpu_block_p", "gpu_block_q", "gpu_min_programs", "gpu_num_warps"):
+        for name in ("gpu_heads_per_program", "gpu_block_q", "gpu_block_state", "gpu_num_warps",
+                     "gpu_num_stages"):
             v = getattr(self, name)
-            if v is None and name == "gpu_block_p":
-                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (name.startswith("gpu_block") and v & (v - 1)):
                 kind = "a power of two" if name.startswith("gpu_block") else "an int >= 1"
                 raise ValueError(f"{name} must be {kind}, got {v!r}")
@@ -313,17 +313,18 @@ def _gpu_shapes_ok(Q: int, P: int, N: int) -> bool:
     return all(v >= 16 and v & (v - 1) == 0 for v in (Q, P, N))
 
 
-def _gpu_blocks(H: int, P: int, Q: int, config) -> tuple[int, int]:
-    """``(BP, BQ)``: head-dim rows per ``chunk_states`` program (enough programs to fill
-    the device: ``H * P / BP >= config.gpu_min_programs``, at least 16) and chunk rows per
-    ``chunk_outputs`` program."""
-    BP = config.gpu_block_p
-    if BP is None:
-        BP = P
-        while BP > 16 and H * (P // BP) < config.gpu_min_programs:
-            BP //= 2
+def _gpu_blocks(H: int, G: int, P: int, N: int, Q: int, config) -> tuple[int, int, int]:
+    """``(HB, BQ, BE)``: heads per program of ``chunk_states`` and ``chunk_outputs`` (heads
+    of one group, which share its ``B`` and ``C`` rows and its ``C B^T``), chunk rows per
+    ``chunk_outputs`` program, state elements per ``state_passing`` program."""
+    HB = min(config.gpu_heads_per_program, H // G)
+    while (H // G) % HB:
+        HB -= 1
     BQ = min(Q, config.gpu_block_q)
-    return min(BP, P), BQ
+    BE = min(P * N, config.gpu_block_state)
+    while (P * N) % BE:
+        BE //= 2
+    return HB, BQ, BE
 
 
 @_backend.register(OP_SCAN, "gpu")
@@ -344,28 +345,28 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
                              null_block_id=null_block_id, chunk_size=chunk_size,
                              max_sequences=max_sequences, config=config, dot_dtype=dot_dtype,
                              interpret=False)
-    for name, shape in (("x", (T + Q, H, P)), ("state", state.shape), ("the chunk states", (T // Q + Rs + 1, H, P, N))):
+    NC = -(-T // Q) + Rs
+    for name, shape in (("x", (T + Q, H, P)), ("state", state.shape), ("the chunk states", (NC, H, P, N))):
         gpu_tiling.check_int32_offsets(name, shape)
     f32 = jnp.float32
     ratio = H // G
-    BP, BQ = _gpu_blocks(H, P, Q, config)
-    NC = -(-T // Q) + Rs
-    HP, HPN, GN = H * P, H * P * N, G * N
+    HB, BQ, BE = _gpu_blocks(H, G, P, N, Q, config)
+    HP, HPN, GN, PN = H * P, H * P * N, G * N, P * N
     bos, lens = mc.sequence_bounds(query_start_loc, T)
     ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
     rc, c_ok, _, first, last, start, length = _chunk_table(bos, lens, ok, Q, NC)
     slot = cache_indices[rc]
     init_slot = jnp.where(first & has_initial_state[rc], slot, -1).astype(jnp.int32)
     fin_slot = jnp.where(last, slot, -1).astype(jnp.int32)
-    num_chunks = jnp.sum(c_ok.astype(jnp.int32)).reshape(1)  # used chunks come first
+    num_chunks = jnp.sum(c_ok.astype(jnp.int32)).reshape(1)  # the used chunks come first
     dtp = _prep(dt, dt_bias, softplus)  # [T, H] float32
     Af = A.astype(f32)
     Dm = jnp.zeros((H, P), f32) if D is None else jnp.broadcast_to(
         (D[:, None] if D.ndim == 1 else D).astype(f32), (H, P))
     has_z = z is not None
     load, store = _backend.triton.load, _backend.triton.store
-    highest = jax.lax.Precision.HIGHEST
     narrow = dot_dtype is not None
+    params = _backend.triton.CompilerParams(num_warps=config.gpu_num_warps, num_stages=config.gpu_num_stages)
 
     def operand(v):  # a product operand: dot_dtype (interpret mode: rounded, then float32)
         if not narrow:
@@ -374,112 +375,135 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
         return v.astype(f32) if interpret else v
 
     def dot(a, b, dims):
-        prec = highest if (interpret or not narrow) else None
+        prec = jax.lax.Precision.HIGHEST if (interpret or not narrow) else None
         return jax.lax.dot_general(operand(a), operand(b), (dims, ((), ())), precision=prec,
                                    preferred_element_type=f32)
 
-    def causal_cumsum(rows, cols, a):
-        """``sum_{j <= i} a[j]`` for each row ``i`` (a masked reduction: no scan in Triton)."""
-        return jnp.sum(jnp.where(rows[:, None] >= cols[None, :], a[None, :], 0.0), axis=1)
+    def decays(dt_ref, A_ref, h, t, t_ok):
+        """dt' and its within-chunk cumulative log decay at tokens ``t`` (masked: 0)."""
+        d = load(dt_ref.at[t * H + h], mask=t_ok, other=0.0)
+        return d, jax.lax.cumsum(d * A_ref[h], axis=0)
 
-    # chunk_states: one program per (head, BP rows of the head dim), its chunks in order.
-    def states_kernel(n_ref, start_ref, len_ref, first_ref, init_ref, fin_ref, x_ref, B_ref,
-                      dt_ref, A_ref, _, s_in_ref, state_ref):
-        h = pl.program_id(0)
-        g = h // ratio
-        p = pl.program_id(1) * BP + jnp.arange(BP, dtype=jnp.int32)
-        q = jnp.arange(Q, dtype=jnp.int32)
-        n = jnp.arange(N, dtype=jnp.int32)
-        a_h = A_ref[h]
-        in_head = h * (P * N) + p[:, None] * N + n[None, :]  # [BP, N] within one slot
+    # 1. chunk_states: each chunk's own final state from a zero start,
+    #    (x * exp(cum_end - cum) * dt)^T @ B, and its total log decay; one program per
+    #    (chunk, HB heads of one group), which load the group's B rows once.
+    def states_kernel(start_ref, len_ref, x_ref, B_ref, dt_ref, A_ref, s_ref, tot_ref):
+        c, hb = pl.program_id(0), pl.program_id(1)
+        t0, ln = start_ref[c], len_ref[c]
 
-        def body(c, s_prev):
-            t0, ln = start_ref[c], len_ref[c]
+        @pl.when(ln > 0)
+        def _chunk():
+            q = jnp.arange(Q, dtype=jnp.int32)
+            p = jnp.arange(P, dtype=jnp.int32)
+            n = jnp.arange(N, dtype=jnp.int32)
             t_ok = q < ln
             tok = jnp.minimum(t0 + q, T - 1)
-            d = load(dt_ref.at[tok * H + h], mask=t_ok, other=0.0)
-            a = d * a_h
-            cum = causal_cumsum(q, q, a)
-            tot = jnp.sum(a)
-            w = jnp.exp(tot - cum) * d  # decay to the chunk's end, times dt
-            xq = load(x_ref.at[tok[:, None] * HP + h * P + p[None, :]],
-                      mask=t_ok[:, None], other=0.0).astype(f32)  # [Q, BP]
-            bq = load(B_ref.at[tok[:, None] * GN + g * N + n[None, :]],
-                      mask=t_ok[:, None], other=0.0).astype(f32)  # [Q, N]
-            s_loc = dot(xq * w[:, None], bq, ((0,), (0,)))  # [BP, N]
-            src = init_ref[c]
-            h0 = load(state_ref.at[jnp.maximum(src, 0) * HPN + in_head],
-                      mask=jnp.broadcast_to(src >= 0, (BP, N)), other=0.0).astype(f32)
-            s_in = jnp.where(first_ref[c] != 0, h0, s_prev)  # a select: no NaN crosses requests
-            store(s_in_ref.at[c * HPN + in_head], s_in)
-            s_out = jnp.exp(tot) * s_in + s_loc
-            dst = fin_ref[c]
-            store(state_ref.at[jnp.maximum(dst, 0) * HPN + in_head], s_out.astype(state_ref.dtype),
-                  mask=jnp.broadcast_to(dst >= 0, (BP, N)))
-            return s_out
+            g = (hb * HB) // ratio
+            bq = load(B_ref.at[tok[:, None] * GN + g * N + n[None, :]], mask=t_ok[:, None],
+                      other=0.0).astype(f32)  # [Q, N]
+            for k in range(HB):
+                h = hb * HB + k
+                d, cum = decays(dt_ref, A_ref, h, tok, t_ok)
+                tot = jnp.sum(jnp.where(q == Q - 1, cum, 0.0))
+                w = jnp.exp(tot - cum) * d
+                xq = load(x_ref.at[tok[:, None] * HP + h * P + p[None, :]], mask=t_ok[:, None],
+                          other=0.0).astype(f32)  # [Q, P]
+                store(s_ref.at[c * HPN + h * PN + p[:, None] * N + n[None, :]],
+                      dot(xq * w[:, None], bq, ((0,), (0,))))
+                store(tot_ref.at[c * H + h + jnp.zeros((1,), jnp.int32)], tot[None])
 
-        jax.lax.fori_loop(0, n_ref[0], body, jnp.zeros((BP, N), f32))
-
-    s_in, state = pl.pallas_call(
+    s_loc, tot = pl.pallas_call(
         states_kernel,
-        grid=(H, P // BP),
-        out_shape=[jax.ShapeDtypeStruct((NC * HPN,), f32),
-                   jax.ShapeDtypeStruct((L * HPN,), state.dtype)],
-        input_output_aliases={10: 1},
-        compiler_params=_backend.gpu_compiler_params(config.gpu_num_warps),
+        grid=(NC, H // HB),
+        out_shape=[jax.ShapeDtypeStruct((NC * HPN,), f32), jax.ShapeDtypeStruct((NC * H,), f32)],
+        compiler_params=params,
         interpret=interpret,
         name="scan_chunk_states_gpu",
-    )(num_chunks, start, length, first.astype(jnp.int32), init_slot, fin_slot, x.reshape(-1),
-      B.reshape(-1), dtp.reshape(-1), Af, state.reshape(-1))
+    )(start, length, x.reshape(-1), B.reshape(-1), dtp.reshape(-1), Af)
 
-    # chunk_outputs: one program per (chunk, head, BQ rows of the chunk). Tokens no chunk
-    # covers (padding, skipped requests) keep the zeros of the aliased output. Interpret
-    # mode stores masked rows back, so its output has Q rows of slack.
+    # 2. state_passing: one program per (head, BE state elements) walks the chunks in order:
+    #    the state entering chunk c is its request's initial state at a first chunk (a
+    #    select: a NaN cannot cross requests), else the state leaving chunk c - 1; it
+    #    replaces chunk c's own state in the buffer, and each request's final state is
+    #    written in place into the pool.
+    def passing_kernel(n_ref, first_ref, init_ref, fin_ref, tot_ref, _s, _p, s_ref, state_ref):
+        h = pl.program_id(0)
+        e = h * PN + pl.program_id(1) * BE + jnp.arange(BE, dtype=jnp.int32)
+
+        def body(c, s_prev):
+            src, dst = init_ref[c], fin_ref[c]
+            h0 = load(state_ref.at[jnp.maximum(src, 0) * HPN + e],
+                      mask=jnp.broadcast_to(src >= 0, (BE,)), other=0.0).astype(f32)
+            s_in = jnp.where(first_ref[c] != 0, h0, s_prev)
+            own = load(s_ref.at[c * HPN + e])
+            store(s_ref.at[c * HPN + e], s_in)
+            s_out = jnp.exp(tot_ref[c * H + h]) * s_in + own
+            store(state_ref.at[jnp.maximum(dst, 0) * HPN + e], s_out.astype(state_ref.dtype),
+                  mask=jnp.broadcast_to(dst >= 0, (BE,)))
+            return s_out
+
+        jax.lax.fori_loop(0, n_ref[0], body, jnp.zeros((BE,), f32))
+
+    s_in, state = pl.pallas_call(
+        passing_kernel,
+        grid=(H, PN // BE),
+        out_shape=[jax.ShapeDtypeStruct((NC * HPN,), f32),
+                   jax.ShapeDtypeStruct((L * HPN,), state.dtype)],
+        input_output_aliases={5: 0, 6: 1},
+        compiler_params=params,
+        interpret=interpret,
+        name="scan_state_passing_gpu",
+    )(num_chunks, first.astype(jnp.int32), init_slot, fin_slot, tot, s_loc, state.reshape(-1))
+
+    # 3. chunk_outputs: one program per (chunk, HB heads of one group, BQ rows of the chunk):
+    #    C B^T once for the group, then per head (L o C B^T o dt) @ x + exp(cum) C @ s_in^T
+    #    + D x, gated by z. Tokens no chunk covers (padding, skipped requests) keep the
+    #    zeros of the aliased output. Interpret mode stores masked rows back, so its output
+    #    has Q rows of slack.
     slack = Q if interpret else 0
 
     def outputs_kernel(start_ref, len_ref, x_ref, B_ref, C_ref, dt_ref, A_ref, D_ref, s_in_ref,
                        *refs):
         z_ref = refs[0] if has_z else None
         o_ref = refs[-1]
-        c, h = pl.program_id(0), pl.program_id(1)
-        g = h // ratio
+        c, hb, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         t0, ln = start_ref[c], len_ref[c]
-        i = pl.program_id(2) * BQ + jnp.arange(BQ, dtype=jnp.int32)
+        i = qb * BQ + jnp.arange(BQ, dtype=jnp.int32)
 
-        @pl.when(pl.program_id(2) * BQ < ln)
+        @pl.when(qb * BQ < ln)
         def _rows():
             j = jnp.arange(Q, dtype=jnp.int32)
             p = jnp.arange(P, dtype=jnp.int32)
             n = jnp.arange(N, dtype=jnp.int32)
             j_ok, i_ok = j < ln, i < ln
             tj, ti = jnp.minimum(t0 + j, T - 1), jnp.minimum(t0 + i, T - 1)
-            a_h = A_ref[h]
-            dj = load(dt_ref.at[tj * H + h], mask=j_ok, other=0.0)
-            aj = dj * a_h
-            cum_j = causal_cumsum(j, j, aj)
-            cum_i = causal_cumsum(i, j, aj)
+            g = (hb * HB) // ratio
             ci = load(C_ref.at[ti[:, None] * GN + g * N + n[None, :]], mask=i_ok[:, None],
                       other=0.0).astype(f32)  # [BQ, N]
             bj = load(B_ref.at[tj[:, None] * GN + g * N + n[None, :]], mask=j_ok[:, None],
                       other=0.0).astype(f32)  # [Q, N]
             cb = dot(ci, bj, ((1,), (1,)))  # [BQ, Q]
             causal = i[:, None] >= j[None, :]
-            decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum_i[:, None] - cum_j[None, :], 0.0)), 0.0)
-            wm = cb * decay * dj[None, :]
-            xj = load(x_ref.at[tj[:, None] * HP + h * P + p[None, :]], mask=j_ok[:, None],
-                      other=0.0).astype(f32)  # [Q, P]
-            y = dot(wm, xj, ((1,), (0,)))  # [BQ, P]
-            s_in = load(s_in_ref.at[c * HPN + h * (P * N) + p[:, None] * N + n[None, :]])  # [P, N]
-            y = y + jnp.exp(cum_i)[:, None] * dot(ci, s_in, ((1,), (1,)))
-            xi = load(x_ref.at[ti[:, None] * HP + h * P + p[None, :]], mask=i_ok[:, None],
-                      other=0.0).astype(f32)
-            y = y + xi * load(D_ref.at[h * P + p])[None, :]
-            if has_z:
-                zi = load(z_ref.at[ti[:, None] * HP + h * P + p[None, :]], mask=i_ok[:, None],
+            for k in range(HB):
+                h = hb * HB + k
+                dj, cum_j = decays(dt_ref, A_ref, h, tj, j_ok)
+                di, cum_i = decays(dt_ref, A_ref, h, ti, i_ok)
+                cum_i = cum_i + jnp.sum(jnp.where(j < qb * BQ, dj, 0.0)) * A_ref[h]
+                decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum_i[:, None] - cum_j[None, :], 0.0)), 0.0)
+                xj = load(x_ref.at[tj[:, None] * HP + h * P + p[None, :]], mask=j_ok[:, None],
+                          other=0.0).astype(f32)  # [Q, P]
+                y = dot(cb * decay * dj[None, :], xj, ((1,), (0,)))  # [BQ, P]
+                s_in = load(s_in_ref.at[c * HPN + h * PN + p[:, None] * N + n[None, :]])  # [P, N]
+                y = y + jnp.exp(cum_i)[:, None] * dot(ci, s_in, ((1,), (1,)))
+                xi = load(x_ref.at[ti[:, None] * HP + h * P + p[None, :]], mask=i_ok[:, None],
                           other=0.0).astype(f32)
-                y = y * (zi * jax.nn.sigmoid(zi))
-            store(o_ref.at[(t0 + i)[:, None] * HP + h * P + p[None, :]], y.astype(o_ref.dtype),
-                  mask=i_ok[:, None])
+                y = y + xi * load(D_ref.at[h * P + p])[None, :]
+                if has_z:
+                    zi = load(z_ref.at[ti[:, None] * HP + h * P + p[None, :]], mask=i_ok[:, None],
+                              other=0.0).astype(f32)
+                    y = y * (zi * jax.nn.sigmoid(zi))
+                store(o_ref.at[(t0 + i)[:, None] * HP + h * P + p[None, :]], y.astype(o_ref.dtype),
+                      mask=i_ok[:, None])
 
     inputs = [start, length, x.reshape(-1), B.reshape(-1), C.reshape(-1), dtp.reshape(-1), Af,
               Dm.reshape(-1), s_in]
@@ -488,10 +512,10 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
     inputs.append(jnp.zeros(((T + slack) * HP,), x.dtype))
     out = pl.pallas_call(
         outputs_kernel,
-        grid=(NC, H, Q // BQ),
+        grid=(NC, H // HB, Q // BQ),
         out_shape=jax.ShapeDtypeStruct(((T + slack) * HP,), x.dtype),
         input_output_aliases={len(inputs) - 1: 0},
-        compiler_params=_backend.gpu_compiler_params(config.gpu_num_warps),
+        compiler_params=params,
         interpret=interpret,
         name="scan_chunk_outputs_gpu",
     )(*inputs)

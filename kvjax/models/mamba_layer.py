@@ -217,6 +217,9 @@ def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
         backend=backend,
     )
     xs, B, C = _split_xbc(spec, conv_out.T)
+    z = z.reshape(T, spec.num_heads, spec.head_dim)
+    if k["dot_dtype"] is not None:  # the scan's inputs in the products' dtype (vLLM's bf16 activations)
+        xs, B, C, z = (v.astype(k["dot_dtype"]) for v in (xs, B, C, z))
     y, ssm_state = selective_scan_varlen(
         xs,
         dt,
@@ -229,7 +232,7 @@ def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
         ctx.has_initial_state,
         D=k["D"],
         dt_bias=k["dt_bias"],
-        z=z.reshape(T, spec.num_heads, spec.head_dim),
+        z=z,
         dt_softplus=k["softplus"],
         max_sequences=ctx.max_prefill_rows,
         dot_dtype=k["dot_dtype"],
