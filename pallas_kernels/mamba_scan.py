@@ -13,18 +13,20 @@ Two jnp implementations with identical semantics:
   chunks of ``chunk_size`` tokens that never span two requests; inside a chunk the scan is
   a masked ``[Q, Q]`` matrix product, between chunks an associative scan over chunk states.
 
-And one Pallas GPU kernel pair of the same chunked form (``_scan_gpu``, the ``"gpu"``
-flavour): the chunk table is built in jnp (``[chunks]``-sized), then
+And three Pallas GPU kernels of the same chunked form (``_scan_gpu``, the ``"gpu"``
+flavour, the structure of vLLM's Triton scan); the chunk table is built in jnp
+(``[chunks]``-sized), then
 
-* ``chunk_states`` (grid: heads x blocks of the head dim) walks each head's chunks in
-  order: a chunk's own state ``(x * decay-to-end * dt)^T @ B`` as one product, the state
-  entering it (its request's initial state at a first chunk, else the previous chunk's
-  leaving state: a select, so a NaN cannot cross requests), and each request's final
-  state written in place into the pool;
-* ``chunk_outputs`` (grid: chunks x heads x row blocks) computes a chunk's outputs,
-  ``(L o C B^T o dt) @ x + exp(cum) * C @ s_in^T + D x``, gated by ``z``, straight from
-  the packed token arrays into the packed output: no ``[chunks, Q, ...]`` copies, no
-  transposes, no per-head copies of ``B`` and ``C``.
+* ``chunk_states`` (grid: chunks x heads of one group): each chunk's own state from a zero
+  start, ``(x * exp(cum_end - cum) * dt)^T @ B``, and its total log decay;
+* ``state_passing`` (grid: heads x blocks of the state) walks the chunks in order: the
+  state entering a chunk is its request's initial state at a first chunk (a select, so a
+  NaN cannot cross requests), else the previous chunk's leaving state; each request's
+  final state is written in place into the pool;
+* ``chunk_outputs`` (grid: chunks x heads of one group x row blocks) computes a chunk's
+  outputs, ``(L o C B^T o dt) @ x + exp(cum) * C @ s_in^T + D x``, gated by ``z``, straight
+  from the packed token arrays into the packed output: no ``[chunks, Q, ...]`` copies, no
+  transposes, and ``C B^T`` once per group.
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ class ScanConfig:
     chunk_states: str = "associative"
     gpu_heads_per_program: int = 4
     gpu_block_q: int = 64
-    gpu_block_state: int = 1024
+    gpu_block_state: int = 256
     gpu_num_warps: int = 4
     gpu_num_stages: int = 2
 
@@ -339,7 +341,9 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
     Q = _chunk_len(chunk_size, T, Rs, config.adapt_chunk)
     if R == 0 or T == 0:
         return jnp.zeros(x.shape, x.dtype), state
-    if not interpret and not _gpu_shapes_ok(Q, P, N):
+    if not interpret and (dot_dtype is None or not _gpu_shapes_ok(Q, P, N)):
+        # IEEE float32 products run on the CUDA cores, where the jnp form's cuBLAS products
+        # are 10-20x faster than Triton's (BENCHMARKS.md); float32 models are the small ones
         return _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices,
                              has_initial_state, D, dt_bias, z, softplus=softplus,
                              null_block_id=null_block_id, chunk_size=chunk_size,
@@ -423,10 +427,9 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
 
     # 2. state_passing: one program per (head, BE state elements) walks the chunks in order:
     #    the state entering chunk c is its request's initial state at a first chunk (a
-    #    select: a NaN cannot cross requests), else the state leaving chunk c - 1; it
-    #    replaces chunk c's own state in the buffer, and each request's final state is
-    #    written in place into the pool.
-    def passing_kernel(n_ref, first_ref, init_ref, fin_ref, tot_ref, _s, _p, s_ref, state_ref):
+    #    select: a NaN cannot cross requests), else the state leaving chunk c - 1; each
+    #    request's final state is written in place into the pool.
+    def passing_kernel(n_ref, first_ref, init_ref, fin_ref, tot_ref, s_ref, _, s_in_ref, state_ref):
         h = pl.program_id(0)
         e = h * PN + pl.program_id(1) * BE + jnp.arange(BE, dtype=jnp.int32)
 
@@ -435,21 +438,21 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
             h0 = load(state_ref.at[jnp.maximum(src, 0) * HPN + e],
                       mask=jnp.broadcast_to(src >= 0, (BE,)), other=0.0).astype(f32)
             s_in = jnp.where(first_ref[c] != 0, h0, s_prev)
-            own = load(s_ref.at[c * HPN + e])
-            store(s_ref.at[c * HPN + e], s_in)
-            s_out = jnp.exp(tot_ref[c * H + h]) * s_in + own
+            store(s_in_ref.at[c * HPN + e], s_in.astype(s_in_ref.dtype))
+            s_out = jnp.exp(tot_ref[c * H + h]) * s_in + load(s_ref.at[c * HPN + e])
             store(state_ref.at[jnp.maximum(dst, 0) * HPN + e], s_out.astype(state_ref.dtype),
                   mask=jnp.broadcast_to(dst >= 0, (BE,)))
             return s_out
 
         jax.lax.fori_loop(0, n_ref[0], body, jnp.zeros((BE,), f32))
 
+    # the entering states are only product operands: stored rounded to dot_dtype
     s_in, state = pl.pallas_call(
         passing_kernel,
         grid=(H, PN // BE),
-        out_shape=[jax.ShapeDtypeStruct((NC * HPN,), f32),
+        out_shape=[jax.ShapeDtypeStruct((NC * HPN,), dot_dtype if narrow else f32),
                    jax.ShapeDtypeStruct((L * HPN,), state.dtype)],
-        input_output_aliases={5: 0, 6: 1},
+        input_output_aliases={6: 1},
         compiler_params=params,
         interpret=interpret,
         name="scan_state_passing_gpu",
@@ -493,7 +496,7 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
                 xj = load(x_ref.at[tj[:, None] * HP + h * P + p[None, :]], mask=j_ok[:, None],
                           other=0.0).astype(f32)  # [Q, P]
                 y = dot(cb * decay * dj[None, :], xj, ((1,), (0,)))  # [BQ, P]
-                s_in = load(s_in_ref.at[c * HPN + h * PN + p[:, None] * N + n[None, :]])  # [P, N]
+                s_in = load(s_in_ref.at[c * HPN + h * PN + p[:, None] * N + n[None, :]]).astype(f32)
                 y = y + jnp.exp(cum_i)[:, None] * dot(ci, s_in, ((1,), (1,)))
                 xi = load(x_ref.at[ti[:, None] * HP + h * P + p[None, :]], mask=i_ok[:, None],
                           other=0.0).astype(f32)
@@ -560,9 +563,10 @@ def selective_scan_varlen(
 
     Flavours: ``"reference"`` is a token-by-token ``lax.scan`` (the oracle;
     ``backend="auto"`` on a CPU); ``"tpu"`` runs the chunked form in jnp (matrix products
-    XLA maps onto the MXU); ``"gpu"`` runs it as two Pallas kernels (see the module
-    docstring), or the jnp form where the compiled kernels cannot take the sizes (a chunk
-    length, head dim or ``N`` that is not a power of two >= 16). All have these semantics;
+    XLA maps onto the MXU); ``"gpu"`` runs it as three Pallas kernels (see the module
+    docstring) for bf16 / float16 products, and the jnp form for float32 products or where
+    the compiled kernels cannot take the sizes (a chunk length, head dim or ``N`` that is
+    not a power of two >= 16); interpret mode always runs the kernels. All have these semantics;
     the chunked forms differ from the token scan by float32 summation order, and by the
     rounding ``dot_dtype`` asks for.
 
