@@ -409,6 +409,37 @@ def bench(fn, state, n=20):
     return (time.perf_counter() - t) / n * 1e6
 
 
+def scan_inputs(rng, T, Hs, G):
+    xs, dts = jnp.asarray(f32(rng, T, Hs, 64)), jnp.asarray(f32(rng, T, Hs, scale=0.5))
+    zs = jnp.asarray(f32(rng, T, Hs, 64))
+    A = jnp.asarray(-np.exp(f32(rng, Hs, scale=0.5)))
+    B, C = jnp.asarray(f32(rng, T, G, 128)), jnp.asarray(f32(rng, T, G, 128))
+    Dv = jnp.asarray(f32(rng, Hs))
+    st = f32(rng, 4, Hs, 64, 128)
+    qsl, ci, his = jnp.array([0, T], jnp.int32), jnp.array([1], jnp.int32), jnp.zeros((1,), bool)
+    return xs, dts, zs, A, B, C, Dv, st, qsl, ci, his
+
+
+SWEEP = ((1, 64, 256, 4, 2), (4, 64, 256, 4, 2), (1, 32, 256, 4, 2), (1, 128, 256, 4, 2), (1, 128, 256, 8, 2),
+         (1, 64, 256, 8, 2), (2, 64, 256, 4, 2), (1, 64, 256, 4, 3), (1, 32, 256, 2, 2), (1, 64, 512, 4, 2))
+
+
+def scan_sweep(make):
+    """The scan kernels' knobs at Granite's 8k prefill (bf16 products and inputs, as a bf16
+    model runs them): (heads per program, rows, state block, warps, stages)."""
+    xs, dts, zs, A, B, C, Dv, st, qsl, ci, his = make(8192, 64, 1)
+    xb, zb, Bb, Cb = (v.astype(jnp.bfloat16) for v in (xs, zs, B, C))
+    for hb, bq, be, warps, stages in SWEEP:
+        cfg = ScanConfig(gpu_heads_per_program=hb, gpu_block_q=bq, gpu_block_state=be, gpu_num_warps=warps,
+                         gpu_num_stages=stages)
+        fn = jax.jit(lambda s, cfg=cfg: selective_scan_varlen(
+            xb, dts, A, Bb, Cb, s, qsl, ci, his, D=Dv, z=zb, dt_softplus=True,
+            dot_dtype=jnp.bfloat16, config=cfg, backend="pallas_gpu"), donate_argnums=0)
+        us = bench(fn, jnp.asarray(st), n=5)
+        print(f"TIME prefill scan granite T=8192 bf16 inputs kernel heads/program {hb} rows {bq} "
+              f"state block {be} warps {warps} stages {stages}: {us / 1e3:.2f} ms", flush=True)
+
+
 def timings(rng, interp):
     if interp:
         return
@@ -455,32 +486,9 @@ def timings(rng, interp):
     # one request's prefill at the real presets' shapes (Granite-4.0-H-Micro: 64 heads, 1 group;
     # Nemotron-H-8B: 128 heads, 8 groups); first the kernels' knobs (bf16 products and inputs, as a
     # bf16 model runs them), then each form at float32 and bf16 products
-    def scan_inputs(T, Hs, G):
-        xs, dts = jnp.asarray(f32(rng, T, Hs, 64)), jnp.asarray(f32(rng, T, Hs, scale=0.5))
-        zs = jnp.asarray(f32(rng, T, Hs, 64))
-        A = jnp.asarray(-np.exp(f32(rng, Hs, scale=0.5)))
-        B, C = jnp.asarray(f32(rng, T, G, 128)), jnp.asarray(f32(rng, T, G, 128))
-        Dv = jnp.asarray(f32(rng, Hs))
-        st = f32(rng, 4, Hs, 64, 128)
-        qsl, ci, his = jnp.array([0, T], jnp.int32), jnp.array([1], jnp.int32), jnp.zeros((1,), bool)
-        return xs, dts, zs, A, B, C, Dv, st, qsl, ci, his
-
-    xs, dts, zs, A, B, C, Dv, st, qsl, ci, his = scan_inputs(8192, 64, 1)
-    xb, zb, Bb, Cb = (v.astype(jnp.bfloat16) for v in (xs, zs, B, C))
-    for hb, bq, be, warps, stages in ((4, 64, 256, 4, 2), (4, 64, 1024, 4, 2), (4, 64, 128, 4, 2),
-                                      (1, 64, 256, 4, 2), (8, 64, 256, 4, 2), (4, 128, 256, 8, 2),
-                                      (4, 32, 256, 4, 2), (4, 64, 256, 8, 2), (4, 64, 256, 4, 1),
-                                      (4, 64, 256, 4, 3), (2, 128, 256, 8, 2)):
-        cfg = ScanConfig(gpu_heads_per_program=hb, gpu_block_q=bq, gpu_block_state=be, gpu_num_warps=warps,
-                         gpu_num_stages=stages)
-        fn = jax.jit(lambda s, cfg=cfg: selective_scan_varlen(
-            xb, dts, A, Bb, Cb, s, qsl, ci, his, D=Dv, z=zb, dt_softplus=True,
-            dot_dtype=jnp.bfloat16, config=cfg, backend="pallas_gpu"), donate_argnums=0)
-        us = bench(fn, jnp.asarray(st), n=5)
-        print(f"TIME prefill scan granite T=8192 bf16 inputs kernel heads/program {hb} rows {bq} "
-              f"state block {be} warps {warps} stages {stages}: {us / 1e3:.2f} ms", flush=True)
+    scan_sweep(lambda *shape: scan_inputs(rng, *shape))
     for label, T, Hs, G in (("granite", 8192, 64, 1), ("granite", 2048, 64, 1), ("nemotron", 8192, 128, 8)):
-        xs, dts, zs, A, B, C, Dv, st, qsl, ci, his = scan_inputs(T, Hs, G)
+        xs, dts, zs, A, B, C, Dv, st, qsl, ci, his = scan_inputs(rng, T, Hs, G)
         for backend, dd in (("pallas_tpu", None), ("pallas_tpu", jnp.bfloat16), ("pallas_gpu", None),
                             ("pallas_gpu", jnp.bfloat16)):
             if backend == "pallas_gpu" and dd is None and T > 2048:
@@ -497,6 +505,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--interpret", action="store_true", help="run the GPU kernels in interpret mode (CPU dry run)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scan-sweep", action="store_true", help="only the prefill scan kernels' knob sweep")
     a = p.parse_args()
     plat = jax.default_backend()
     print(f"jax {jax.__version__}, backend {plat}, devices {jax.devices()}", flush=True)
@@ -506,6 +515,9 @@ def main() -> int:
     interp = True if a.interpret else False
     big = not a.interpret
     rng = np.random.default_rng(a.seed)
+    if a.scan_sweep:
+        scan_sweep(lambda *shape: scan_inputs(rng, *shape))
+        return 0
     ssu_cases(rng, interp, big)
     conv_cases(rng, interp, big)
     prefill_cases(rng, big)

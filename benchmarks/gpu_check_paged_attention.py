@@ -282,28 +282,55 @@ def _f(x):
     return f"{x:9.1f}" if isinstance(x, (int, float)) else f"{'-':>9}"
 
 
-def bench_prefill(name, rows_spec, mml, *, deadline):
+def bench_prefill(name, rows_spec, mml, *, deadline, Hq=16, Hkv=4, D=128, config=PagedAttentionConfig(),
+                  n_sets=4, record=True):
     if time.time() > deadline:
         return
     rng = np.random.default_rng(1)
     sets = []
-    for s in range(4):
-        args, _ = make_step(rng, rows_spec, Hq=16, Hkv=4, D=128, W=mml // BS, qdt="bfloat16",
+    for s in range(n_sets):
+        args, _ = make_step(rng, rows_spec, Hq=Hq, Hkv=Hkv, D=D, W=mml // BS, qdt="bfloat16",
                             cdt="bfloat16", pad_tokens=0, extra_rows=0)
         sets.append(args)
 
     def many(sets):
-        return [paged_attention(**a, backend=GPU, interpret=INTERPRET) for a in sets]
+        return [paged_attention(**a, backend=GPU, interpret=INTERPRET, config=config) for a in sets]
 
     exe = jax.jit(many).lower(sets).compile()
     wall, dev = time_exe(exe, (sets,), len(sets))
     us = dev.get("device_us_per_call") or wall
     T = sets[0]["q"].shape[0]
-    flops = sum(4 * ql * 16 * 128 * (c - ql / 2) for c, ql in rows_spec)
-    ROWS.append(dict(phase="prefill", name=name, tokens=T, max_model_len=mml, kernel_wall_us=wall,
-                     kernel_device_us=dev.get("device_us_per_call"), tflops=flops / us / 1e6))
+    flops = sum(4 * ql * Hq * D * (c - ql / 2) for c, ql in rows_spec)
+    row = dict(phase="prefill", name=name, tokens=T, max_model_len=mml, kernel_wall_us=wall,
+               kernel_device_us=dev.get("device_us_per_call"), tflops=flops / us / 1e6)
+    if record:
+        ROWS.append(row)
     print(f"prefill {name}: T={T} device {_f(dev.get('device_us_per_call'))} us wall {_f(wall)}"
           f"  {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+    return row
+
+
+def prefill_sweep(deadline):
+    """One request's 8k prefill at Granite-4.0-H-Micro's (32/8 heads x 64) and Nemotron-H's
+    (32/8 x 128) attention shapes, under tile variants."""
+    out = []
+    variants = dict(default={}, m128=dict(gpu_block_m=128), m128_w8=dict(gpu_block_m=128, gpu_num_warps=8),
+                    n128=dict(gpu_block_n=128), m128_n128_w8=dict(gpu_block_m=128, gpu_block_n=128, gpu_num_warps=8),
+                    w8=dict(gpu_num_warps=8), stages3=dict(gpu_num_stages=3),
+                    m256_w8=dict(gpu_block_m=256, gpu_num_warps=8))
+    for label, D in (("granite", 64), ("nemotron", 128)):
+        for name, kw in variants.items():
+            if time.time() > deadline:
+                return out
+            try:
+                row = bench_prefill(f"sweep-{label}-8k-{name}", [(8192, 8192)], 8192, deadline=deadline,
+                                    Hq=32, Hkv=8, D=D, config=PagedAttentionConfig(**kw), n_sets=1,
+                                    record=False)
+            except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+                row = None
+                print(f"prefill sweep {label} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            out.append(dict(shape=label, variant=name, config=kw, row=row))
+    return out
 
 
 def sweep(deadline):
@@ -342,6 +369,8 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget-s", type=float, default=130.0)
     p.add_argument("--allow-cpu", action="store_true")
+    p.add_argument("--prefill-sweep", action="store_true",
+                   help="only the prefill tile sweep at the real presets' shapes (after the checks)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, kernel interpreted (any backend): checks the script")
     a = p.parse_args()
@@ -374,6 +403,12 @@ def main() -> int:
             json.dump(result, f, indent=1)
 
     save()
+    if a.prefill_sweep:
+        try:
+            result["prefill_sweep"] = prefill_sweep(deadline)
+        finally:
+            save()
+        return status
     try:
         for ctx, mmls in grid:
             for mml in mmls:

@@ -221,7 +221,7 @@ class ScanConfig:
 
     adapt_chunk: bool = True
     chunk_states: str = "associative"
-    gpu_heads_per_program: int = 4
+    gpu_heads_per_program: int = 1
     gpu_block_q: int = 64
     gpu_block_state: int = 256
     gpu_num_warps: int = 4
