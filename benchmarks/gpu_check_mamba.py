@@ -486,7 +486,6 @@ def timings(rng, interp):
     # one request's prefill at the real presets' shapes (Granite-4.0-H-Micro: 64 heads, 1 group;
     # Nemotron-H-8B: 128 heads, 8 groups); first the kernels' knobs (bf16 products and inputs, as a
     # bf16 model runs them), then each form at float32 and bf16 products
-    scan_sweep(lambda *shape: scan_inputs(rng, *shape))
     for label, T, Hs, G in (("granite", 8192, 64, 1), ("granite", 2048, 64, 1), ("nemotron", 8192, 128, 8)):
         xs, dts, zs, A, B, C, Dv, st, qsl, ci, his = scan_inputs(rng, T, Hs, G)
         for backend, dd in (("pallas_tpu", None), ("pallas_tpu", jnp.bfloat16), ("pallas_gpu", None),
