@@ -126,16 +126,23 @@ class AttnSpec:
     v_scale: float = 1.0
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
     """``x @ w (+ b)`` with float32 accumulation: ``x`` is cast to ``w``'s dtype (bf16 weights run
     a bf16 matmul into float32; on the CPU, whose XLA lacks that dot, the bf16 operands are
-    widened first: the same products); float32 weights are a plain ``x @ w``."""
-    if w.dtype == jnp.float32:
+    widened first: the same products); float32 weights are a plain ``x @ w``.
+
+    ``out_dtype``: the result's dtype, the float32 sum rounded once (after ``b``). A narrower one
+    is the product's own output type where there is no bias (the GEMM writes it: half the bytes
+    of a float32 result)."""
+    f32 = jnp.float32
+    if w.dtype == f32:
         y = x @ w
     else:
         x, w = dot_operands(x, w)
-        y = row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=jnp.float32), x)
-    return y if b is None else y + b.astype(jnp.float32)
+        pref = out_dtype if (b is None and w.dtype == jnp.dtype(out_dtype)) else f32
+        y = row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=pref), x)
+    y = y if b is None else y + b.astype(f32)
+    return y.astype(out_dtype)
 
 
 def dot_operands(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:

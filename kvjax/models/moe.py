@@ -89,10 +89,16 @@ class MLPSpec:
 
 def mlp(h: jax.Array, w: dict, spec: MLPSpec) -> jax.Array:
     """Dense feed-forward of ``h [T, d]`` (float32 out). ``w``: ``w_up [d, F]``, ``w_gate [d, F]``
-    (gated), ``w_down [F, d]``, optional biases ``b_up``, ``b_gate``, ``b_down``."""
-    up = linear(h, w["w_up"], w.get("b_up"))
+    (gated), ``w_down [F, d]``, optional biases ``b_up``, ``b_gate``, ``b_down``.
+
+    The ``[T, F]`` products come out in the weights' dtype (a bf16 model's are bf16, as in
+    transformers and vLLM: the widest activation of the layer at half the bytes); the activation
+    and the gating run in float32 on them."""
+    f32, dt = jnp.float32, w["w_up"].dtype
+    up = linear(h, w["w_up"], w.get("b_up"), out_dtype=dt).astype(f32)
     if spec.gated:
-        up = activation(linear(h, w["w_gate"], w.get("b_gate")), spec.activation) * up
+        gate = linear(h, w["w_gate"], w.get("b_gate"), out_dtype=dt).astype(f32)
+        up = activation(gate, spec.activation) * up
     else:
         up = activation(up, spec.activation)
     return linear(up, w["w_down"], w.get("b_down"))
