@@ -144,7 +144,9 @@ def mamba_mixer(
     H, P = spec.num_heads, spec.head_dim
     di = spec.d_inner
     f32 = jnp.float32
-    zxbcdt = linear(h, w["in_proj"], w.get("in_proj_bias"))
+    # the projection comes out in the weights' dtype (a bf16 model's is bf16, as in vLLM: the
+    # step's widest activation at half the bytes); everything after it computes in float32
+    zxbcdt = linear(h, w["in_proj"], w.get("in_proj_bias"), out_dtype=w["in_proj"].dtype).astype(f32)
     z = zxbcdt[:, :di]
     xbc = zxbcdt[:, di : di + spec.conv_dim]
     dt = zxbcdt[:, di + spec.conv_dim :]  # [T, H]

@@ -37,17 +37,15 @@ def _order_keys(x: jax.Array) -> jax.Array:
 def _largest_key(pred, rows: int) -> jax.Array:
     """uint32 ``[rows]``: per row the largest key ``t`` with ``pred(t)`` true, for a ``pred``
     true at 0 and monotone (true below some key, false above), built bit by bit from the top:
-    32 reductions, no sort (XLA:GPU cannot put a sort's conditional inside the step's CUDA graph).
-    Unrolled off the CPU: as a loop, the host's launch of a GPU step took 2-3x as long
-    (BENCHMARKS.md, issue 24's fourth pass); on the CPU the unrolled steps cost seconds of
-    compile time in every step executable, so there it stays a loop (the same reductions)."""
+    32 reductions in a loop, no sort (XLA:GPU keeps a loop, unlike a sort, inside the step's CUDA
+    graph; unrolled, the 32 steps cost seconds of compile time in every step executable, and
+    the GPU step's launch was no faster: BENCHMARKS.md, issue 24's fourth pass)."""
 
     def step(i, res):
         cand = res | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
         return jnp.where(pred(cand[:, None]), cand, res)
 
-    unroll = 1 if jax.default_backend() == "cpu" else 32
-    return jax.lax.fori_loop(0, 32, step, jnp.zeros((rows,), jnp.uint32), unroll=unroll)
+    return jax.lax.fori_loop(0, 32, step, jnp.zeros((rows,), jnp.uint32))
 
 
 def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
