@@ -111,6 +111,9 @@ PLANTS = {"planted": plant_zero_dummy_slot_mapping, "planted_stale": plant_stale
           "planted_nozero": plant_no_zeroing}
 # Plants on the host side (packing, preparing): they can reuse a compiled runner.
 HOST_PLANTS = ("planted_stale", "planted_nozero")
+# Features of the serving loop only (no setting of the RunnerConfig): a case of a mesh, overlapped,
+# reuses the runner an earlier case compiled for that mesh and config (the compiled step is the same).
+LOOP_FEATURES = {"overlap"}
 _RUNNERS: dict = {}
 
 
@@ -186,7 +189,7 @@ def run(case: str) -> dict:
                               num_speculative_tokens=2 if "spec" in features else 0,
                               kv_layout="rpa" if "rpa" in features else "flash")
     out = {"case": case}
-    runner = _runner(cfg, D, M, reuse=case in HOST_PLANTS)
+    runner = _runner(cfg, D, M, reuse=case in HOST_PLANTS or (bool(features) and set(features) <= LOOP_FEATURES))
     with plant() if plant else contextlib.nullcontext():
         try:
             report, _ = serve(cfg, requests(), mesh=runner.mesh, progress_stream=None,

@@ -87,7 +87,10 @@ def run_cli_2x1(tmp_path):
 
 MESHES = ("2x1", "1x2", "2x2")
 # Features on a mesh: tokens must match the dense reference (fp8 and drafts change them vs "single").
-FEATURES = ("2x2_overlap", "2x1_fp8_spec", "2x1_rpa_overlap")
+# The overlapped 2x2 case reuses the 2x2 runner (the loop is no setting of the compiled step), so
+# it runs here, after "2x2"; the others compile their own runners, in test_mesh_features.py.
+SHARED_FEATURES = ("2x2_overlap",)
+FEATURES = ("2x1_fp8_spec", "2x1_rpa_overlap")
 # Planted bugs: case -> the sanitizer invariants that may catch it. The host-side plants
 # (mesh_worker.HOST_PLANTS) reuse the clean 2x1 runner compiled by the case "2x1" (here); the
 # compiled-in one ("planted") compiles its own (test_mesh_features.py).
@@ -105,10 +108,11 @@ PLANTED = {
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
     """The meshes' cases, in one process with 8 host devices: one device, meshes (2,1) .. (2,2),
-    the host-side planted regressions (they reuse the 2x1 runner); and (2,1) through the CLI.
-    The features on meshes and the compiled-in plant are in test_mesh_features.py, so that the
-    two xdist workers (``--dist loadfile``) share the mesh cases."""
-    res = run_worker("single", *MESHES, *HOST_PLANTED)
+    (2,2) overlapped (it reuses the 2x2 runner), the host-side planted regressions (they reuse the
+    2x1 runner); and (2,1) through the CLI. The other features on meshes and the compiled-in plant
+    are in test_mesh_features.py, so that the two xdist workers (``--dist loadfile``) share the
+    mesh cases."""
+    res = run_worker("single", *MESHES, *SHARED_FEATURES, *HOST_PLANTED)
     res["2x1_cli"] = run_cli_2x1(tmp_path_factory.mktemp("cli"))
     return res
 
@@ -139,6 +143,20 @@ def test_mesh_tokens_match_single_device_and_dense_reference_with_poison(worker_
     if D > 1:  # idle ranks ran dummy steps (every rank but 0 is idle at some step of this workload)
         assert sum(v["real_steps"] > 0 for v in ranks.values()) >= 2
         assert all(v["dummy_steps"] > 0 for k, v in ranks.items() if k != "0"), ranks
+
+
+def check_feature_case(r: dict) -> None:
+    """A feature on a mesh: every request matches the dense reference, the sanitizer passes on
+    every rank (poison on), no serving-time compile, idle ranks ran dummy steps."""
+    assert r["ok"] and r["checked"] and r["all_match"] and r["serving_compiles"] == 0, r
+    assert len(r["outputs"]) == len(WORKLOAD["requests"])
+    assert r["ranks"]["1"]["dummy_steps"] > 0, r["ranks"]
+
+
+@pytest.mark.parametrize("case", SHARED_FEATURES)
+def test_mesh_features_on_a_compiled_runner_match_the_dense_reference_with_poison(worker_results, case):
+    """--overlap on a 2x2 mesh (the 2x2 case's runner, reset): as test_mesh_features.py's cases."""
+    check_feature_case(worker_results[case])
 
 
 @pytest.mark.parametrize("case", HOST_PLANTED)

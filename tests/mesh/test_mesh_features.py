@@ -5,7 +5,7 @@
 
 import pytest
 
-from test_mesh import FEATURES, PLANTED, WORKLOAD, _two_processes, run_worker
+from test_mesh import FEATURES, PLANTED, _two_processes, check_feature_case, run_worker
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +17,9 @@ def worker_results():
 @pytest.mark.parametrize("case", FEATURES)
 def test_mesh_features_match_the_dense_reference_with_poison(worker_results, case):
     """--overlap, fp8, speculative decoding and the rpa layout on a mesh: every request matches the
-    dense reference, the sanitizer passes on every rank, idle ranks ran dummy steps."""
-    r = worker_results[case]
-    assert r["ok"] and r["checked"] and r["all_match"] and r["serving_compiles"] == 0, r
-    assert len(r["outputs"]) == len(WORKLOAD["requests"])
-    assert r["ranks"]["1"]["dummy_steps"] > 0, r["ranks"]
+    dense reference, the sanitizer passes on every rank, idle ranks ran dummy steps (--overlap on
+    2x2 alone: test_mesh.py, on the 2x2 runner)."""
+    check_feature_case(worker_results[case])
 
 
 def test_planted_mesh_bug_compiled_into_the_step_is_caught_by_the_sanitizer(worker_results):

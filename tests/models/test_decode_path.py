@@ -123,7 +123,7 @@ def test_decode_only_programs_match_mixed():
     runner = Runner(CONFIG, compiler_options=FAST)
     split = _serve_in(runner, _workload(), mixed_only=False)
     state_split = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
-    runner = Runner(CONFIG, compiler_options=FAST)
+    runner.reset()  # the initial device state again; its executables (every bucket's) compiled once
     mixed = _serve_in(runner, _workload(), mixed_only=True)
     state_mixed = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
     assert len(split) == len(mixed) >= 4

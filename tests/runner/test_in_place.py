@@ -16,8 +16,8 @@ every kernel that writes a pool must write into the donated buffer. What is obse
   would be a fresh buffer the size of the pool. The GPU compiler's own copies are visible
   only on a GPU.
 
-Both for the tiny hybrid model and a Hugging Face hybrid (Mamba + attention + MLP), with
-the flash and the rpa KV layouts, poison off.
+Both for the tiny hybrid model (one attention and one Mamba layer) and a Hugging Face hybrid
+(Mamba + attention + MLP), with the flash and the rpa KV layouts, poison off.
 
 Planted (by hand, then restored): ``input_output_aliases`` removed from the Triton KV write
 (``pallas_kernels/kv_write.py``) -> the CUDA test fails; a pool read after its scatter in
@@ -50,10 +50,14 @@ HF = HybridModel(HybridConfig(
 # Pool shapes unlike any temporary of these steps: 37 blocks, 6 state slots (11 with one draft).
 SIZES = dict(block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=5, max_num_batched_tokens=8,
              token_sizes=(8,))
+# The tiny model with one attention and one Mamba layer (the default has two of each): every kind
+# of pool a step writes (K and V or the combined KV pages, conv and SSM state), each layer's pools
+# its own; half the layers to compile and lower.
+SMALL = TinyHybridConfig(layer_types=("attn", "mamba"))
 CASES = {
-    "tiny-flash": dict(kv_layout="flash"),
-    "tiny-rpa": dict(kv_layout="rpa"),
-    "tiny-spec-fp8": dict(kv_layout="flash", num_speculative_tokens=1, kv_cache_dtype="fp8"),
+    "tiny-flash": dict(model=SMALL, kv_layout="flash"),
+    "tiny-rpa": dict(model=SMALL, kv_layout="rpa"),
+    "tiny-spec-fp8": dict(model=SMALL, kv_layout="flash", num_speculative_tokens=1, kv_cache_dtype="fp8"),
     "hf-flash": dict(model=HF, kv_layout="flash"),
     "hf-rpa": dict(model=HF, kv_layout="rpa"),
 }
@@ -169,10 +173,9 @@ def _serve(config):
     return tokens, packed, sizes
 
 
-# The packed output does not depend on the model's depth: two layers (attention, Mamba) instead of
-# the default four halve the two runners' compiles; nor on the number of token sizes: one (8), whose
-# decode-only and mixed buckets are both served (2 buckets each).
-SMALL = TinyHybridConfig(layer_types=("attn", "mamba"))
+# The packed output does not depend on the model's depth: SMALL's two layers (attention, Mamba)
+# instead of the default four halve the two runners' compiles; nor on the number of token sizes:
+# one (8), whose decode-only and mixed buckets are both served (2 buckets each).
 
 
 def test_return_logits_false_returns_token_ids_only():

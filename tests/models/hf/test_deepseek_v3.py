@@ -13,6 +13,11 @@ The paged steps run through the real state code (``RequestState``, ``BlockTables
 a padded row and a padded token tail, then greedy decode. Every logits row is checked
 against ``dense_logits`` of the tokens it saw, and the generated tokens against
 transformers' greedy ``generate``.
+
+DeepSeek-V3 through the Runner on one device is test_feature_matrix.py's (a q-LoRA checkpoint,
+chunked prefill, NaN-poisoned pools and the sanitizer, preemption; its greedy tokens against
+transformers' ``generate`` token for token; speculative decoding with drafts accepted in full, in
+part and not at all, fp8 latent cache; bf16; overlapped); over a mesh, here.
 """
 
 from __future__ import annotations
@@ -30,14 +35,11 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from kvjax import BlockTables, KVGroupSpec, RequestState, ScheduledBatch, build_step_batch, cdiv  # noqa: E402
-from kvjax.cli.demo import serve  # noqa: E402
-from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.models import load_pretrained  # noqa: E402
 from kvjax.models.hf import deepseek_v3 as ds  # noqa: E402
 from kvjax.models.hf.mla import latent_attention  # noqa: E402
 from kvjax.models.interface import CacheSizes, Model  # noqa: E402
 from kvjax.models.step_context import make_step_context  # noqa: E402
-from kvjax.runner.runner import Runner, RunnerConfig  # noqa: E402
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -419,38 +421,6 @@ def _hf_greedy(ck, prompt, n):
         out = ck.torch_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def _prompt_with_draft(ck):
-    """A prompt whose greedy next token already occurs in it, so the n-gram drafter proposes."""
-    base = [9, 31, 250, 4, 77]
-    for x in range(256):
-        p = base + [x]
-        if int(np.argmax(ck.torch_logits(p)[-1])) in p:
-            return p
-    raise AssertionError("no prompt found")
-
-
-def test_runner_serves_token_for_token(checkpoints):
-    """The Runner (model through the interface; chunked prefill in one 8-token bucket, NaN-poisoned
-    pools, the memory sanitizer, n-gram speculative decoding with 2 drafts): every logits row
-    matches dense_logits of what it saw; greedy tokens are transformers'. (The fp8 latent cache
-    is checked by the hand-driven steps above.)"""
-    ck = checkpoints["lora"]
-    cfg = RunnerConfig(model=ck.model, block_size=4, num_blocks=32, max_model_len=32, max_num_seqs=3,
-                       max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True,
-                       num_speculative_tokens=2)
-    runner = Runner(cfg, params=ck.params, compiler_options=FAST)
-    n_new = 5
-    prompts = list(PROMPTS.values()) + [_prompt_with_draft(ck)]
-    reqs = [Request(f"r{i}", p, n_new, arrival_step=i) for i, p in enumerate(prompts)]
-    report, _ = serve(cfg, reqs, runner=runner, compile_workers=1, progress_stream=None)
-    assert report.nan_count == 0 and report.serving_compiles == 0
-    for rid, r in report.requests.items():
-        assert r["matches_reference"], (rid, r)
-    assert report.drafts_proposed > 0
-    for i, p in enumerate(prompts):
-        assert report.requests[f"r{i}"]["output"] == _hf_greedy(ck, p, n_new), i
 
 
 def test_loader_places_params_and_ignores_mtp_layers(checkpoints, tmp_path):

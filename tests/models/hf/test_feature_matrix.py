@@ -24,17 +24,19 @@ of one that rounds K/V near an fp8 boundary the other way).
 * bfloat16 params and KV cache, preempting, lockstep and overlapped (Granite, Bamba,
   DeepSeek-V3; Nemotron-H's in test_hybrid_hf.py): the bf16 oracle (logits within BF16_ATOL,
   tighter than the demo's), and float32's logits and greedy tokens up to near ties;
-* ``kv_layout="rpa"`` (Bamba, Nemotron-H; Granite's in test_hybrid_hf.py), lockstep and
-  overlapped: the dense oracle, as the flash layout;
-* sampled requests (temperature, top-k, top-p, per-request seeds) beside a greedy one, on Bamba:
-  the reference sampler's tokens from the dense oracle's rows, and the same tokens lockstep and
-  overlapped, flash and rpa;
+* ``kv_layout="rpa"`` (Nemotron-H: no RoPE, the default softmax scale; Granite's, RoPE and its
+  attention multiplier folded into q, in test_hybrid_hf.py; the hybrids' attention is one
+  ``attention_mixer`` whatever the architecture, RoPE applied before the KV write in either
+  layout), lockstep and overlapped: the dense oracle, as the flash layout;
+* sampled requests (temperature, top-k, top-p, per-request seeds) beside a greedy one, on
+  Nemotron-H: the reference sampler's tokens from the dense oracle's rows, and the same tokens
+  lockstep and overlapped, flash and rpa;
 * DeepSeek-V3 with ``kv_layout="rpa"``: a ValueError naming the latent cache, from the Runner
   and from ``python -m kvjax demo --kv-layout rpa``, before anything compiles.
 
 Each (architecture, variant) compiles one runner, shared by the module, which serves every
-check of it (the rpa runners share the flash runner's compiled oracle; the bf16 checks use the
-float32 runner's as float32's): 12 runners of ~8 to 15 s of CPU each are the bulk of this
+check of it (the rpa runner shares the flash runner's compiled oracle; the bf16 checks use the
+float32 runner's as float32's): 11 runners of ~8 to 15 s of CPU each are the bulk of this
 file's cost. Elsewhere: transformers parity of ``dense_logits`` (test_hybrid_hf.py,
 test_deepseek_v3.py), Granite with the RPA layout, meshes.
 """
@@ -69,9 +71,9 @@ DEEPSEEK = dict(
 # architecture -> checkpoint of conftest.CHECKPOINTS (None: DEEPSEEK, made here)
 ARCHS = {"granite": "granite_rope_moe", "bamba": "bamba", "nemotron_h": "nemotron_h", "deepseek_v3": None}
 SPEC_FP8_ARCHS = ["granite", "bamba", "deepseek_v3"]  # Nemotron-H: see the module docstring
-RPA_ARCHS = ["bamba", "nemotron_h"]  # Granite's: test_hybrid_hf.py; DeepSeek-V3's is refused
+RPA_ARCHS = ["nemotron_h"]  # Granite's: test_hybrid_hf.py; DeepSeek-V3's is refused (docstring)
 BF16_ARCHS = ["granite", "bamba", "deepseek_v3"]  # Nemotron-H's bf16: test_hybrid_hf.py
-SAMPLED_ARCH = "bamba"  # sampled requests: flash and rpa layouts, lockstep and overlapped
+SAMPLED_ARCH = "nemotron_h"  # sampled requests: flash and rpa layouts, lockstep and overlapped
 
 # variant -> (params dtype, Runner settings)
 VARIANTS = {
@@ -99,12 +101,13 @@ BF16_VS_F32 = 0.06
 
 # The sampled workload (same prompts and arrivals, so it preempts too): r0 greedy beside sampled
 # rows; r1 plain sampling; r2 with top-k and top-p, each of which decides one of its tokens (its
-# draw without that filter is another token); r3 is r1 again (its prompt, parameters and seed)
+# draw without that filter is another token: seed 13 makes it so with SAMPLED_ARCH's logits, checked
+# by check_sampled); r3 is r1 again (its prompt, parameters and seed)
 # arriving later, in another row and other batches.
 SAMPLING = (
     dict(),
     dict(temperature=1.0, seed=7),
-    dict(temperature=0.5, top_k=3, top_p=0.5, seed=5),
+    dict(temperature=0.5, top_k=3, top_p=0.5, seed=13),
     dict(temperature=1.0, seed=7),
 )
 
