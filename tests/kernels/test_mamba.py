@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvjax.testing.asserts import assert_no_races
 from pallas_kernels import mamba
-from pallas_kernels.mamba_scan import _chunk_len
+from pallas_kernels.mamba_scan import ScanConfig, _chunk_len
 from pallas_kernels.mamba import (
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -810,6 +810,48 @@ def test_scan_validation_errors():
         selective_scan_varlen(*a, np.array([0, 5], np.int32), ci, his)
     with pytest.raises(ValueError, match=r"state must have shape \[\*, 2, 3, 4\]"):
         selective_scan_varlen(*a[:5], c["state"][:, :1], qsl, ci, his)
+
+
+def test_scan_bf16_products_kernel_matches_jnp_chunked_form():
+    """``dot_dtype=bf16``: the GPU kernels (interpreted) round the same product operands as the jnp
+    chunked form (x, B, C, the intra-chunk weights, the entering states), so the two agree to
+    float32 summation order, while both sit a bf16 rounding away from the float32 token scan.
+    Three requests over several chunks (one with a cached state), a null row, padding; the
+    untouched state rows stay bitwise. Planted: the kernels' products taking unrounded float32
+    operands moves them off the jnp form and fails the 1e-4 check."""
+    rng = np.random.default_rng(31)
+    c = scan_case(rng, T=24, H=4, P=16, N=16, G=2, L=8)
+    qsl = np.array([0, 9, 11, 20, 22], np.int32)
+    ci = np.array([2, NULL, 5, 6], np.int32)
+    his = np.array([True, True, False, True])
+    state = poison(c["state"], [0, 1, 3, 4, 7])
+    args = (c["x"], c["dt"], c["A"], c["B"], c["C"], jnp.asarray(state), qsl, ci, his)
+    kw = dict(D=c["D"], dt_bias=c["dt_bias"], z=c["z"], dt_softplus=True, chunk_size=4)
+    got, got_state = selective_scan_varlen(*args, dot_dtype=jnp.bfloat16, backend="pallas_gpu", **kw)
+    jnp_out, jnp_state = selective_scan_varlen(*args, dot_dtype=jnp.bfloat16, backend="pallas_tpu", **kw)
+    exact, exact_state = selective_scan_varlen(*args, backend="reference", **kw)
+    got, got_state = np.asarray(got), np.asarray(got_state)
+    close(got, np.asarray(jnp_out), rtol=1e-4)
+    close(got_state[[2, 5, 6]], np.asarray(jnp_state)[[2, 5, 6]], rtol=1e-4)
+    err = np.max(np.abs(got - np.asarray(exact))) / np.max(np.abs(np.asarray(exact)))
+    assert 1e-5 < err < 3e-2, f"bf16 products should differ from the float32 scan by a bf16 rounding, got {err:.1e}"
+    assert not got[9:11].any() and not got[22:].any(), "null-row and pad outputs must be zero"
+    assert_rows_bitwise_equal(got_state, state, [0, 1, 3, 4, 7])
+
+
+def test_scan_dot_dtype_and_config_errors():
+    rng = np.random.default_rng(32)
+    c = scan_case(rng, T=4, L=4)
+    a = (c["x"], c["dt"], c["A"], c["B"], c["C"], c["state"], np.array([0, 4], np.int32),
+         np.array([1], np.int32), np.array([True]))
+    with pytest.raises(ValueError, match=r"dot_dtype must be None, jnp.bfloat16 or jnp.float16, got .*float32"):
+        selective_scan_varlen(*a, dot_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"config must be a ScanConfig"):
+        selective_scan_varlen(*a, config={"gpu_block_q": 64})
+    with pytest.raises(ValueError, match=r"gpu_block_q must be a power of two, got 48"):
+        ScanConfig(gpu_block_q=48)
+    with pytest.raises(ValueError, match=r"gpu_num_warps must be an int >= 1, got 0"):
+        ScanConfig(gpu_num_warps=0)
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])

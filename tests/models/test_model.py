@@ -496,3 +496,20 @@ def test_cache_arrays_round_trip_through_zero_blocks():
         assert (a[2] == 0).all() and np.isnan(np.delete(a, 2, axis=0)).all()
     with pytest.raises(ValueError, match="KV arrays"):
         caches.replace_kv_arrays(caches.kv_arrays[:1])
+
+
+def test_linear_out_dtype_rounds_the_float32_sum_once():
+    """``linear(out_dtype=bf16)`` is the float32 product (and bias) rounded once to bf16, on
+    every path: bf16 weights with and without a bias, and float32 weights."""
+    from kvjax.models.attention import linear
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 24)).astype(np.float32))
+    for dtype in (jnp.bfloat16, jnp.float32):
+        w = jnp.asarray(rng.standard_normal((24, 7)).astype(np.float32)).astype(dtype)
+        b = jnp.asarray(rng.standard_normal(7).astype(np.float32))
+        for bias in (None, b):
+            wide = linear(x, w, bias)
+            got = linear(x, w, bias, out_dtype=jnp.bfloat16)
+            assert wide.dtype == jnp.float32 and got.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(wide.astype(jnp.bfloat16)))
