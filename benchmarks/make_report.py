@@ -1129,7 +1129,7 @@ def model_section(results):
                 "each row names its `source` and `commit`):", ""]
         out += [f"* `{p['source']}` ({p['commit']}): {', '.join(p['presets'] or [])}"
                 + (" (the same rows at a short `max_model_len`, the attention comparison)" if p["baseline"] else "")
-                + (" (its prefill rows replace the earlier parts' of these presets: a later run on newer code)"
+                + (" (its prefill rows, profiled, replace the other parts' prefill rows of these presets)"
                    if p.get("prefill_from") else "")
                 for p in m["parts"]] + [""]
     c0 = next((r for r in kv if r.get("copy_bw_TBps")), {})
