@@ -305,7 +305,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
 
 
 # --------------------------------------------------------------------------
-# GPU: Pallas Triton, the chunked form as two kernels
+# GPU: Pallas Triton, the chunked form as three kernels
 # --------------------------------------------------------------------------
 
 
