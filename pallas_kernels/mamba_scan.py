@@ -602,7 +602,11 @@ def selective_scan_varlen(
     if not isinstance(config, ScanConfig):
         raise ValueError(f"config must be a ScanConfig, got {config!r}")
     if dot_dtype is not None:
-        if not jnp.issubdtype(dot_dtype, jnp.floating) or jnp.dtype(dot_dtype).itemsize != 2:
+        try:
+            narrow = jnp.dtype(dot_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        except TypeError:
+            narrow = False
+        if not narrow:
             raise ValueError(f"dot_dtype must be None, jnp.bfloat16 or jnp.float16, got {dot_dtype!r}")
         dot_dtype = jnp.dtype(dot_dtype)
     for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("state", state)):

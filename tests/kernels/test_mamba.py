@@ -846,6 +846,8 @@ def test_scan_dot_dtype_and_config_errors():
          np.array([1], np.int32), np.array([True]))
     with pytest.raises(ValueError, match=r"dot_dtype must be None, jnp.bfloat16 or jnp.float16, got .*float32"):
         selective_scan_varlen(*a, dot_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"dot_dtype must be None, jnp.bfloat16 or jnp.float16, got 5"):
+        selective_scan_varlen(*a, dot_dtype=5)
     with pytest.raises(ValueError, match=r"config must be a ScanConfig"):
         selective_scan_varlen(*a, config={"gpu_block_q": 64})
     with pytest.raises(ValueError, match=r"gpu_block_q must be a power of two, got 48"):
