@@ -187,3 +187,39 @@ def test_combine_gpu_logits_match_the_reference_under_jit(cu, idx):
     got, want = (_COMBINE_JIT[b](*args) for b in ("pallas_gpu", "reference"))
     for g, w, name in zip(got, want, ("input_ids", "logits_indices")):
         assert np.asarray(g).tolist() == np.asarray(w).tolist(), name
+
+
+def _scan_call(dot_dtype):
+    import jax.numpy as jnp
+
+    from pallas_kernels import selective_scan_varlen
+
+    rng = np.random.default_rng(5)
+    T, Hs, Ps, Ns = 48, 2, 16, 16
+    x, z = rng.standard_normal((T, Hs, Ps)).astype(f32), rng.standard_normal((T, Hs, Ps)).astype(f32)
+    dt, A = rng.standard_normal((T, Hs)).astype(f32), -np.ones(Hs, f32)
+    B, C = rng.standard_normal((T, 1, Ns)).astype(f32), rng.standard_normal((T, 1, Ns)).astype(f32)
+    state = np.zeros((5, Hs, Ps, Ns), f32)
+    qsl, ci, his = np.array([0, 20, 40], i32), np.array([1, 3], i32), np.array([True, False])
+    dd = None if dot_dtype is None else jnp.bfloat16
+    x, z, B, C = (v if dd is None else jnp.asarray(v).astype(dd) for v in (x, z, B, C))
+
+    def call(state, x, z, B, C):
+        return selective_scan_varlen(x, dt, A, B, C, state, qsl, ci, his, z=z, dt_softplus=True,
+                                     chunk_size=16, dot_dtype=dd, backend="pallas_gpu", interpret=False)
+
+    return call, (state, x, z, B, C)
+
+
+def test_scan_gpu_lowers_for_cuda_as_three_verified_kernels(verified_triton_modules):
+    """bf16 products: the scan's three Triton kernels (chunk states, the state pass, chunk outputs)
+    lower for CUDA and verify; float32 products lower to the jnp chunked form (no kernel)."""
+    call, args = _scan_call("bf16")
+    assert _triton_count(lower_for_cuda(call, *args)) == 3
+    assert len(verified_triton_modules) == 3
+    call, args = _scan_call(None)
+    assert _triton_count(lower_for_cuda(call, *args)) == 0
+
+
+def _triton_count(text: str) -> int:
+    return text.count('custom_call @"__gpu$xla.gpu.triton"') + text.count("custom_call @__gpu$xla.gpu.triton")
