@@ -32,6 +32,7 @@ flavour, the structure of vLLM's Triton scan); the chunk table is built in jnp
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +59,19 @@ def _prep(dt, dt_bias, softplus):
     return mc.softplus(dt) if softplus else dt
 
 
+def _requests(query_start_loc, cache_indices, has_initial_state, null_block_id, num_lines, num_tokens):
+    """``(bos, lens, ok, use_init)`` per request: its tokens, whether it runs (a real cache index
+    and tokens), whether it starts from its slot's state (else from zero)."""
+    bos, lens = mc.sequence_bounds(query_start_loc, num_tokens)
+    ok = mc.valid_index(cache_indices, num_lines, null_block_id) & (lens > 0)
+    return bos, lens, ok, ok & has_initial_state
+
+
 def _skip_and_init(state, query_start_loc, cache_indices, has_initial_state, null_block_id,
                    num_tokens):
     L = state.shape[0]
-    bos, lens = mc.sequence_bounds(query_start_loc, num_tokens)
-    ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
-    use_init = ok & has_initial_state
+    bos, lens, ok, use_init = _requests(query_start_loc, cache_indices, has_initial_state,
+                                        null_block_id, L, num_tokens)
     h0 = jnp.take(state, jnp.where(use_init, cache_indices, L), axis=0, mode="fill", fill_value=0)
     h0 = jnp.where(use_init[:, None, None, None], h0.astype(jnp.float32), 0.0)
     return bos, lens, ok, h0
@@ -127,26 +135,43 @@ def _rounded(a, dot_dtype):
     return a if dot_dtype is None else a.astype(dot_dtype).astype(jnp.float32)
 
 
-def _chunk_table(bos, lens, ok, Q: int, NC: int):
-    """The chunks of the chunked forms: request ``r`` owns chunks ``coff[r] .. coff[r] +
-    nch[r] - 1`` (``Q`` tokens each but its last); a chunk never spans two requests and
-    skipped requests own none. Returns ``(rc, c_ok, k, first, last, start, length)`` per
-    chunk ``[NC]``: its request, whether it is used, its index in the request, whether it
-    is the request's first / last, its first token and its token count (0 if unused)."""
+class _Chunks(NamedTuple):
+    """The chunk table of the chunked forms, per chunk ``[NC]`` (``request``'s own: ``[R]``)."""
+
+    request: jax.Array  # its request (0 if unused)
+    used: jax.Array  # whether it holds tokens of a running request
+    first: jax.Array  # its request's first chunk
+    last: jax.Array  # its request's last chunk
+    start: jax.Array  # int32: its first token (0 if unused)
+    length: jax.Array  # int32: its token count (0 if unused)
+    final: jax.Array  # [R]: each request's last chunk (0 for a skipped request)
+
+
+def _sizes(T: int, R: int, chunk_size: int, max_sequences, config) -> tuple[int, int]:
+    """``(Q, NC)``: tokens per chunk and the static bound on the chunks: ``ceil(T / Q)`` plus
+    one partial chunk per sequence that takes chunks (``max_sequences`` bounds them)."""
+    Rs = R if max_sequences is None else max(1, min(R, max_sequences))
+    Q = _chunk_len(chunk_size, T, Rs, config.adapt_chunk)
+    return Q, -(-T // Q) + Rs
+
+
+def _chunk_table(bos, lens, ok, Q: int, NC: int) -> _Chunks:
+    """Request ``r`` owns chunks ``coff[r] .. coff[r] + nch[r] - 1`` (``Q`` tokens each but its
+    last); a chunk never spans two requests and skipped requests own none."""
     R = lens.shape[0]
     nch = jnp.where(ok, (lens + Q - 1) // Q, 0)
     cend = jnp.cumsum(nch)
     coff = cend - nch
     c = jnp.arange(NC)
     rc = jnp.searchsorted(cend, c, side="right", method="compare_all").astype(jnp.int32)
-    c_ok = rc < R
-    rc = jnp.where(c_ok, rc, 0)
+    used = rc < R
+    rc = jnp.where(used, rc, 0)
     k = c - coff[rc]
-    first = c_ok & (k == 0)
-    last = c_ok & (k == nch[rc] - 1)
-    start = jnp.where(c_ok, bos[rc] + k * Q, 0).astype(jnp.int32)
-    length = jnp.where(c_ok, jnp.clip(lens[rc] - k * Q, 0, Q), 0).astype(jnp.int32)
-    return rc, c_ok, k, first, last, start, length
+    return _Chunks(
+        request=rc, used=used, first=used & (k == 0), last=used & (k == nch[rc] - 1),
+        start=jnp.where(used, bos[rc] + k * Q, 0).astype(jnp.int32),
+        length=jnp.where(used, jnp.clip(lens[rc] - k * Q, 0, Q), 0).astype(jnp.int32),
+        final=jnp.where(ok, cend - 1, 0))
 
 
 def _chunk_states(s_loc, lam, first, h_first, sequential: bool = False):
@@ -248,21 +273,16 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
     L = state.shape[0]
-    Rs = R if max_sequences is None else max(1, min(R, max_sequences))  # sequences that take chunks
-    Q = _chunk_len(chunk_size, T, Rs, config.adapt_chunk)
+    Q, NC = _sizes(T, R, chunk_size, max_sequences, config)
     if R == 0 or T == 0:
         return jnp.zeros(x.shape, x.dtype), state
     goh = jnp.arange(H) // (H // G)
     bos, lens, ok, h0 = _skip_and_init(state, query_start_loc, cache_indices,
                                        has_initial_state, null_block_id, T)
-    NC = -(-T // Q) + Rs  # static bound on the number of chunks
-    rc, c_ok, k, first, _, _, _ = _chunk_table(bos, lens, ok, Q, NC)
-    nch = jnp.where(ok, (lens + Q - 1) // Q, 0)
-    cend = jnp.cumsum(nch)
+    ch = _chunk_table(bos, lens, ok, Q, NC)
     q = jnp.arange(Q)
-    in_req = k[:, None] * Q + q[None, :]  # [NC, Q] position within the request
-    t_ok = c_ok[:, None] & (in_req < lens[rc][:, None])
-    tok = jnp.where(t_ok, bos[rc][:, None] + in_req, T)
+    t_ok = q[None, :] < ch.length[:, None]  # [NC, Q]
+    tok = jnp.where(t_ok, ch.start[:, None] + q[None, :], T)
 
     xs = jnp.take(x, tok, axis=0, mode="fill", fill_value=0).astype(f32)  # [NC, Q, H, P]
     xs = jnp.where(t_ok[..., None, None], xs, 0.0)
@@ -289,7 +309,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     s_loc = jnp.einsum("cjhp,cjhn->chpn", rnd(to_end[..., None] * xs), rnd(Bh), precision="highest")
     lam = jnp.exp(cum[:, -1, :])  # [NC, H]
 
-    s_in, s_out = _chunk_states(s_loc, lam, first, h0[rc], config.chunk_states == "sequential")
+    s_in, s_out = _chunk_states(s_loc, lam, ch.first, h0[ch.request], config.chunk_states == "sequential")
     y_inter = jnp.exp(cum)[..., None] * jnp.einsum("cihn,chpn->cihp", rnd(Ch), rnd(s_in), precision="highest")
     zs = None
     if z is not None:
@@ -298,9 +318,7 @@ def _scan_chunked(x, dt, A, B, C, state, query_start_loc, cache_indices, has_ini
     y = _finish(y_intra + y_inter, xs, Ds, zs, t_ok[..., None, None])
     out = jnp.zeros(x.shape, x.dtype).at[tok.reshape(-1)].set(
         y.reshape(NC * Q, H, P).astype(x.dtype), mode="drop")
-    c_last = jnp.where(ok, cend - 1, 0)
-    finals = s_out[c_last]
-    state = scatter_set(state, jnp.where(ok, cache_indices, L), finals)
+    state = scatter_set(state, jnp.where(ok, cache_indices, L), s_out[ch.final])
     return out, state
 
 
@@ -337,8 +355,7 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
     G, N = B.shape[1], B.shape[2]
     R = cache_indices.shape[0]
     L = state.shape[0]
-    Rs = R if max_sequences is None else max(1, min(R, max_sequences))
-    Q = _chunk_len(chunk_size, T, Rs, config.adapt_chunk)
+    Q, NC = _sizes(T, R, chunk_size, max_sequences, config)
     if R == 0 or T == 0:
         return jnp.zeros(x.shape, x.dtype), state
     if not interpret and (dot_dtype is None or not _gpu_shapes_ok(Q, P, N)):
@@ -349,20 +366,20 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
                              null_block_id=null_block_id, chunk_size=chunk_size,
                              max_sequences=max_sequences, config=config, dot_dtype=dot_dtype,
                              interpret=False)
-    NC = -(-T // Q) + Rs
     for name, shape in (("x", (T + Q, H, P)), ("state", state.shape), ("the chunk states", (NC, H, P, N))):
         gpu_tiling.check_int32_offsets(name, shape)
     f32 = jnp.float32
     ratio = H // G
     HB, BQ, BE = _gpu_blocks(H, G, P, N, Q, config)
     HP, HPN, GN, PN = H * P, H * P * N, G * N, P * N
-    bos, lens = mc.sequence_bounds(query_start_loc, T)
-    ok = mc.valid_index(cache_indices, L, null_block_id) & (lens > 0)
-    rc, c_ok, _, first, last, start, length = _chunk_table(bos, lens, ok, Q, NC)
-    slot = cache_indices[rc]
-    init_slot = jnp.where(first & has_initial_state[rc], slot, -1).astype(jnp.int32)
-    fin_slot = jnp.where(last, slot, -1).astype(jnp.int32)
-    num_chunks = jnp.sum(c_ok.astype(jnp.int32)).reshape(1)  # the used chunks come first
+    bos, lens, ok, use_init = _requests(query_start_loc, cache_indices, has_initial_state,
+                                        null_block_id, L, T)
+    ch = _chunk_table(bos, lens, ok, Q, NC)
+    start, length = ch.start, ch.length
+    slot = cache_indices[ch.request]
+    init_slot = jnp.where(ch.first & use_init[ch.request], slot, -1).astype(jnp.int32)
+    fin_slot = jnp.where(ch.last, slot, -1).astype(jnp.int32)
+    num_chunks = jnp.sum(ch.used.astype(jnp.int32)).reshape(1)  # the used chunks come first
     dtp = _prep(dt, dt_bias, softplus)  # [T, H] float32
     Af = A.astype(f32)
     Dm = jnp.zeros((H, P), f32) if D is None else jnp.broadcast_to(
@@ -456,7 +473,7 @@ def _scan_gpu(x, dt, A, B, C, state, query_start_loc, cache_indices, has_initial
         compiler_params=params,
         interpret=interpret,
         name="scan_state_passing_gpu",
-    )(num_chunks, first.astype(jnp.int32), init_slot, fin_slot, tot, s_loc, state.reshape(-1))
+    )(num_chunks, ch.first.astype(jnp.int32), init_slot, fin_slot, tot, s_loc, state.reshape(-1))
 
     # 3. chunk_outputs: one program per (chunk, HB heads of one group, BQ rows of the chunk):
     #    C B^T once for the group, then per head (L o C B^T o dt) @ x + exp(cum) C @ s_in^T
