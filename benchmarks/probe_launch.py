@@ -29,6 +29,8 @@ def _variants():
         "runner": None,  # the Runner's own (GPU_COMPILER_OPTIONS)
         "xla_default": {},
         "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
+        "no_while_cond": {**GPU_COMPILER_OPTIONS,
+                          "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
         "skip_temp": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_TEMP"},
         "skip_temp_va": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
                          "xla_gpu_enable_command_buffer_va_remapping": True},
@@ -90,8 +92,6 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
     compared across variants: compile options must not change a token)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     r = bench.runner
     plan = bench.fabricate_decode(batch, 1024)
@@ -99,7 +99,7 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
     exe = _install(r, plan.bucket, opts)
     compile_s = time.perf_counter() - t0
     prepared = r.prepare(plan)
-    sharding = NamedSharding(r.mesh, P("data"))
+    sharding = r._transfer_sharding
 
     def call(buf):
         return r._enqueue(plan.bucket, buf)[0]
@@ -202,14 +202,12 @@ def probe_patterns(bench, batch: int, log, opts=None, tag: str = "runner") -> li
     same input with each output dropped at once, and a fresh input per call with outputs
     dropped. Which buffers' new addresses make the command buffer update and relaunch."""
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     r = bench.runner
     plan = bench.fabricate_decode(batch, 1024)
     _install(r, plan.bucket, opts)
     prepared = r.prepare(plan)
-    sharding = NamedSharding(r.mesh, P("data"))
+    sharding = r._transfer_sharding
     same = jax.device_put(prepared.buf, sharding)
     rows = []
     for name, fresh_in, keep_out in (("same_in_keep_out", False, True), ("same_in_drop_out", False, False),

@@ -45,7 +45,6 @@ import pallas_kernels.mamba_scan as mamba_scan_mod  # noqa: E402
 import kvjax.models.mamba_layer as mamba_layer_mod  # noqa: E402
 from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.runner import Runner, RunnerConfig  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from pallas_kernels.kv_write import reshape_and_cache_flash  # noqa: E402
 from _trace import trace_device  # noqa: E402  (benchmarks/_trace.py)
 
@@ -255,7 +254,7 @@ def dispatch_costs(runner, prepared, steps: int) -> dict:
     an executable that takes the same arguments and does almost nothing (the cost of the
     arguments alone). The input buffer is placed on the devices once, outside the timing."""
     fn, _, _ = runner.jitted_step(prepared.bucket)
-    buf = jax.device_put(prepared.buf, NamedSharding(runner.mesh, PartitionSpec("data")))
+    buf = runner.put_inputs(prepared)
 
     def via_compiled():
         return runner._enqueue(prepared.bucket, buf)[0]

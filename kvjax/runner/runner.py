@@ -763,23 +763,41 @@ class Runner:
         return fn, (self.params, self._rows, self._pools), in_spec
 
     @functools.cached_property
+    def _transfer_sharding(self) -> NamedSharding:
+        """Where each step's inputs are staged from and its outputs fetched to: pinned host
+        memory on a GPU, else the devices' own. A step's small per-step buffers in device memory
+        were allocated between two steps, beside the step's temporaries, which then moved: XLA
+        updated the step's whole CUDA graph at each launch of the serving loop (2.7 ms of host
+        time per step at 64 requests, ``benchmarks/probe_decode_step.py serve``). In host memory
+        they take no device allocation."""
+        device = NamedSharding(self.mesh, P(DATA))
+        if jax.default_backend() != "gpu":
+            return device
+        kinds = {m.kind for d in self.mesh.devices.flat for m in d.addressable_memories()}
+        return device.with_memory_kind("pinned_host") if "pinned_host" in kinds else device
+
+    @functools.cached_property
     def _stage(self) -> jax.stages.Compiled:
-        """``(rows, inputs) -> rows`` (rows donated): each rank's step inputs, int32 ``[D, I]``,
-        written into its rows buffer's input area (the only program that reads a fresh buffer)."""
+        """``(rows, inputs) -> rows`` (rows donated): each rank's step inputs, int32 ``[D, I]``
+        (in :attr:`_transfer_sharding`'s memory), written into its rows buffer's input area (the
+        only program that reads a fresh buffer)."""
         n = self._rows_spec.size
         named = NamedSharding(self.mesh, P(DATA))
-        fn = jax.jit(lambda rows, buf: jax.lax.dynamic_update_slice(rows, buf, (0, n)), donate_argnums=0,
-                     out_shardings=named)
-        arg = jax.ShapeDtypeStruct((self.num_ranks, self._input_words), jnp.int32, sharding=named)
+
+        def stage(rows, buf):
+            return jax.lax.dynamic_update_slice(rows, jax.device_put(buf, named), (0, n))
+
+        fn = jax.jit(stage, donate_argnums=0, out_shardings=named)
+        arg = jax.ShapeDtypeStruct((self.num_ranks, self._input_words), jnp.int32,
+                                   sharding=self._transfer_sharding)
         return fn.lower(self._rows, arg).compile()
 
     def _fetch(self, words: int) -> jax.stages.Compiled:
-        """``rows -> int32 [D, words]``: a copy of the first ``words`` of each rank's output area
-        (compiled once per size)."""
+        """``rows -> int32 [D, words]``: a copy of the first ``words`` of each rank's output area,
+        in :attr:`_transfer_sharding`'s memory (compiled once per size)."""
         if words not in self._fetches:
             start = self._rows_spec.size + self._input_words
-            named = NamedSharding(self.mesh, P(DATA))
-            fn = jax.jit(lambda rows: rows[:, start: start + words], out_shardings=named)
+            fn = jax.jit(lambda rows: rows[:, start: start + words], out_shardings=self._transfer_sharding)
             self._fetches[words] = fn.lower(self._rows).compile()
         return self._fetches[words]
 
@@ -870,13 +888,7 @@ class Runner:
         if prepared.buf.shape[1] != self._input_words:
             raise RuntimeError(f"step inputs of {prepared.buf.shape[1]} words; this runner's input area holds "
                                f"{self._input_words}")
-        sharding = NamedSharding(self.mesh, P(DATA))
-        if len(self.local_ranks) == self.num_ranks:
-            buf = jax.device_put(prepared.buf, sharding)
-        else:
-            buf = jax.make_array_from_process_local_data(sharding, prepared.buf,
-                                                         (self.num_ranks, prepared.buf.shape[1]))
-        out, checks = self._enqueue(prepared.bucket, buf)
+        out, checks = self._enqueue(prepared.bucket, self.put_inputs(prepared))
         out.copy_to_host_async()
         verdicts = None
         if self.sanitizers is not None:
@@ -885,6 +897,15 @@ class Runner:
                         for d in self.local_ranks}
         return PendingStep(prepared.bucket, out, self.output_spec(prepared.bucket), self.local_ranks, verdicts,
                            checks)
+
+    def put_inputs(self, prepared: PreparedStep) -> jax.Array:
+        """A :meth:`prepare`-d step's packed inputs as the int32 ``[D, I]`` array the staging
+        program reads (pinned host memory on a GPU: :attr:`_transfer_sharding`)."""
+        sharding = self._transfer_sharding
+        if len(self.local_ranks) == self.num_ranks:
+            return jax.device_put(prepared.buf, sharding)
+        return jax.make_array_from_process_local_data(sharding, prepared.buf,
+                                                      (self.num_ranks, prepared.buf.shape[1]))
 
     def _enqueue(self, bucket: Bucket, buf: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Stage ``buf`` (int32 ``[D, I]`` on the mesh), run ``bucket``'s step and copy its outputs

@@ -1,0 +1,379 @@
+"""One real-size decode step, kernel by kernel, and the overlapped loop's launches, on a GPU (issue 24).
+
+    PYTHONPATH=. python benchmarks/probe_decode_step.py timeline --preset granite-4.0-h-micro --batch 1 --out DIR
+    PYTHONPATH=. python benchmarks/probe_decode_step.py loop --preset granite-4.0-h-micro --batch 16,64 --out DIR
+
+``timeline``: the decode step of ``--batch`` requests (context ``--context``) traced over three
+calls; writes the middle call's kernels in launch order (name, XLA op, duration, idle time before
+it) to ``timeline-<preset>-b<batch>.tsv``, the step's optimized HLO to ``hlo-<preset>-b<batch>.txt``,
+and a summary by kernel family to ``timeline.json``.
+
+``loop``: the overlapped serving loop's launch pattern at each batch (step N+1 enqueued, then step
+N's outputs read), each of the Runner's launch calls timed on the host (input ``device_put``, the
+staging program, the step, the output copy, ``copy_to_host_async``, the read of the step before),
+in variants (a fresh input per step or one input kept; the previous outputs read or not); then a
+host trace of a few loop iterations summed by event name, with every event over 300 us listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _family(name: str) -> str:
+    base = re.sub(r"(_\d+)+$", "", name)
+    base = re.sub(r"__\d+$", "", base)
+    return base
+
+
+def _boundaries(call, log) -> list:
+    """Every device event (kernels, copies, memsets) around the two boundaries between three
+    back-to-back calls: name, start relative to the first event, duration, idle time before it."""
+    import jax
+
+    from _trace import record
+
+    jax.block_until_ready(call())
+
+    def body():
+        o = None
+        for _ in range(3):
+            o = call()
+        jax.block_until_ready(o)
+
+    events, pname, tname, gpu = record(body)
+    derived = ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")
+    ev = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu:
+            continue
+        if any(tname.get((e["pid"], e.get("tid")), "").startswith(x) for x in derived):
+            continue
+        ev.append((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "")[:70],
+                   (e.get("args") or {}).get("hlo_module", "")[:40]))
+    ev.sort()
+    if not ev:
+        return []
+    t0 = ev[0][0]
+    rows, prev_end = [], None
+    for ts, dur, name, mod in ev:
+        gap = 0.0 if prev_end is None else ts - prev_end
+        prev_end = max(prev_end or 0.0, ts + dur)
+        rows.append({"t": ts - t0, "dur": dur, "gap": gap, "name": name, "module": mod})
+    big = [r for r in rows if r["gap"] > 20]
+    log(f"  {len(rows)} device events over 3 calls, span {rows[-1]['t'] + rows[-1]['dur']:.0f} us; "
+        f"idle gaps > 20 us: {len(big)}, {sum(r['gap'] for r in big):.0f} us")
+    for r in big[:30]:
+        log(f"    at {r['t']:9.1f} idle {r['gap']:7.1f} us before {r['name']} [{r['module']}]")
+    return rows
+
+
+def timeline(a, log) -> dict:
+    import jax
+
+    from _trace import trace_device
+    from bench_model import Bench
+
+    out = {}
+    for b in [int(x) for x in a.batch.split(",")]:
+        bench = Bench(a.preset, {"decode": [(a.context, (b,))], "prefill": (), "max_model_len": 32768})
+        bench.compile_all()
+        r = bench.runner
+        plan = bench.fabricate_decode(b, a.context)
+        prepared = r.prepare(plan)
+        r.launch(prepared).fetch()
+        buf = r.put_inputs(prepared)
+
+        def call():
+            return r._enqueue(prepared.bucket, buf)[0]
+
+        exe, _ = r.executables[prepared.bucket]
+        tag = f"{a.preset}-b{b}"
+        with open(os.path.join(a.out, f"hlo-{tag}.txt"), "w") as f:
+            f.write(exe.as_text())
+        tr = trace_device(call, 3)
+        kern = tr.pop("_kernels", [])
+        out[f"{tag}-copies"] = {"memcpys_per_call": tr.get("memcpys_per_call"), "names": tr.get("memcpy_names")}
+        out[f"{tag}-boundaries"] = _boundaries(call, log)
+        # the middle call: kernels between the second and third occurrences of the first kernel name
+        per = len(kern) // 3
+        mid = kern[per: 2 * per]
+        rows, fam = [], collections.defaultdict(lambda: [0, 0.0, 0.0])
+        prev_end = None
+        for name, dur, ts, hlo in mid:
+            gap = 0.0 if prev_end is None else max(ts - prev_end, 0.0)
+            prev_end = ts + dur
+            key = hlo if hlo and not hlo.startswith("command_buffer") else name
+            rows.append((key[:90], name[:60], dur, gap))
+            f_ = fam[_family(key)]
+            f_[0] += 1
+            f_[1] += dur
+            f_[2] += gap
+        with open(os.path.join(a.out, f"timeline-{tag}.tsv"), "w") as f:
+            f.write("op\tkernel\tdur_us\tgap_before_us\n")
+            for row in rows:
+                f.write(f"{row[0]}\t{row[1]}\t{row[2]:.2f}\t{row[3]:.2f}\n")
+        fams = sorted(fam.items(), key=lambda kv: -kv[1][1])
+        out[tag] = {"kernels": len(mid), "busy_us": sum(r_[2] for r_ in rows),
+                    "gaps_us": sum(r_[3] for r_ in rows),
+                    "span_us": (mid[-1][2] + mid[-1][1] - mid[0][2]) if mid else 0.0,
+                    "families": [{"family": k, "count": v[0], "us": v[1], "gap_before_us": v[2]} for k, v in fams]}
+        log(f"{tag}: {len(mid)} kernels, busy {out[tag]['busy_us']:.0f} us, gaps {out[tag]['gaps_us']:.0f} us, "
+            f"span {out[tag]['span_us']:.0f} us")
+        for k, v in fams[:40]:
+            log(f"   {v[1]:8.1f} us  x{v[0]:<4d} gaps {v[2]:7.1f}  {k}")
+        del bench, r, exe
+        jax.clear_caches()
+    return out
+
+
+def loop(a, log) -> dict:
+    import jax
+    import numpy as np
+
+    from bench_model import Bench
+    from probe_launch import host_events
+
+    batches = [int(x) for x in a.batch.split(",")]
+    bench = Bench(a.preset, {"decode": [(a.context, tuple(batches))], "prefill": (), "max_model_len": 32768})
+    bench.compile_all()
+    r = bench.runner
+    sharding = r._transfer_sharding
+    res = {}
+    for b in batches:
+        plan = bench.fabricate_decode(b, a.context)
+        prepared = r.prepare(plan)
+        r.launch(prepared).fetch()
+        exe, _ = r.executables[prepared.bucket]
+        stage, fetch = r._stage, r._fetch(r.output_spec(prepared.bucket).size)
+        same = jax.device_put(prepared.buf, sharding)
+        for variant in ("fresh_in_read_prev", "same_in_read_prev", "fresh_in_no_read", "fresh_in_no_copy",
+                        "fresh_in_read_prev_prepare"):
+            fresh = variant.startswith("fresh")
+            read = "read_prev" in variant
+            copy = "no_copy" not in variant
+            times = collections.defaultdict(list)
+            prev = [None]
+
+            def one(rec=True):
+                t = [time.perf_counter()]
+                buf = jax.device_put(prepared.buf, sharding) if fresh else same
+                t.append(time.perf_counter())
+                r._rows = stage(r._rows, buf)
+                t.append(time.perf_counter())
+                r._rows, r._pools, _checks = exe(r.params, r._rows, r._pools)
+                t.append(time.perf_counter())
+                o = fetch(r._rows)
+                t.append(time.perf_counter())
+                if copy:
+                    o.copy_to_host_async()
+                t.append(time.perf_counter())
+                if read and prev[0] is not None:
+                    np.asarray(prev[0])
+                t.append(time.perf_counter())
+                if variant.endswith("prepare"):
+                    r.prepare(plan)
+                t.append(time.perf_counter())
+                prev[0] = o
+                if rec:
+                    for k, (x, y) in zip(("put", "stage", "step", "fetch", "copy_async", "read_prev", "prepare"),
+                                         zip(t, t[1:])):
+                        times[k].append((y - x) * 1e6)
+                    times["total"].append((t[-1] - t[0]) * 1e6)
+                return r._rows
+
+            for _ in range(5):
+                one(False)
+            jax.block_until_ready(r._rows)
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                one()
+            jax.block_until_ready(r._rows)
+            wall = (time.perf_counter() - t0) / a.steps * 1e6
+            med = {k: statistics.median(v) for k, v in times.items()}
+            row = {"batch": b, "variant": variant, "wall_per_step_us": wall, "host_us": med}
+            tr = host_events(lambda: one(False), 3)
+            row["host_trace_top"] = tr.get("top", [])[:25]
+            row["long_events"] = tr.get("long_events", [])[:40]
+            log(f"b{b:<3d} {variant:28s} wall/step {wall:7.0f} | " +
+                " ".join(f"{k} {v:6.0f}" for k, v in med.items()))
+            for e in row["host_trace_top"][:10]:
+                log(f"      {e['us_per_call']:8.0f} us x{e['count_per_call']:<6.1f} max {e['max_us']:7.0f} {e['name'][:90]}")
+            res[f"b{b}-{variant}"] = row
+            prev[0] = None
+        # device time of the step alone (same input, back to back, nothing read)
+        jax.block_until_ready(r._rows)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            r._rows = stage(r._rows, same)
+            r._rows, r._pools, _c = exe(r.params, r._rows, r._pools)
+        jax.block_until_ready(r._rows)
+        res[f"b{b}-device"] = {"step_us": (time.perf_counter() - t0) / a.steps * 1e6}
+        log(f"b{b} back to back, nothing read: {res[f'b{b}-device']['step_us']:.0f} us per step")
+    return res
+
+
+def launches(a, log) -> dict:
+    """``Runner.launch`` of one prepared decode step back to back, as ``bench_overlap``'s device
+    floor does, with the previous launches' handles and staged inputs dropped or kept: which
+    release waits for the device."""
+    import jax
+
+    from bench_model import Bench
+
+    batches = [int(x) for x in a.batch.split(",")]
+    bench = Bench(a.preset, {"decode": [(a.context, tuple(batches))], "prefill": (), "max_model_len": 32768})
+    bench.compile_all()
+    r = bench.runner
+    sharding = r._transfer_sharding
+    res = {}
+    for b in batches:
+        plan = bench.fabricate_decode(b, a.context)
+        prepared = r.prepare(plan)
+        r.launch(prepared).fetch()
+        exe, _ = r.executables[prepared.bucket]
+        stage, fetch = r._stage, r._fetch(r.output_spec(prepared.bucket).size)
+        variants = a.variants.split(",")
+        exe2 = None
+        if any(v.startswith("alternate") for v in variants):
+            lowered, _ = r._lower(prepared.bucket)
+            exe2 = lowered.compile()
+        for variant in variants:
+            kept = collections.deque(maxlen=2)
+            times = collections.defaultdict(list)
+            flip = [False]
+
+            def one(rec=True):
+                if variant.startswith("launch"):
+                    t0 = time.perf_counter()
+                    p = r.launch(prepared)
+                    t1 = time.perf_counter()
+                    if variant == "launch_keep2":
+                        kept.append(p)
+                    del p
+                    t2 = time.perf_counter()
+                    if rec:
+                        times["launch"].append((t1 - t0) * 1e6)
+                        times["release"].append((t2 - t1) * 1e6)
+                    return
+                t = [time.perf_counter()]
+                buf = jax.device_put(prepared.buf, sharding)
+                t.append(time.perf_counter())
+                r._rows = stage(r._rows, buf)
+                use = exe
+                if variant.startswith("alternate"):
+                    flip[0] = not flip[0]
+                    use = exe2 if flip[0] else exe
+                r._rows, r._pools, checks = use(r.params, r._rows, r._pools)
+                o = fetch(r._rows)
+                o.copy_to_host_async()
+                t.append(time.perf_counter())
+                if variant in ("replica_keep_buf", "replica_keep_both", "alternate_keep_both"):
+                    kept.append((buf, checks) if variant == "replica_keep_buf" else (buf, checks, o))
+                elif variant == "replica_keep_out":
+                    kept.append((o, checks))
+                del buf, checks, o
+                t.append(time.perf_counter())
+                if rec:
+                    for k, (x, y) in zip(("put", "enqueue", "release"), zip(t, t[1:])):
+                        times[k].append((y - x) * 1e6)
+
+            for _ in range(4):
+                one(False)
+            jax.block_until_ready(r._rows)
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                one()
+            t1 = time.perf_counter()
+            jax.block_until_ready(r._rows)
+            kept.clear()
+            wall = (time.perf_counter() - t0) / a.steps * 1e6
+            med = {k: statistics.median(v) for k, v in times.items()}
+            res[f"b{b}-{variant}"] = {"wall_per_step_us": wall, "host_per_step_us": (t1 - t0) / a.steps * 1e6,
+                                      "host_us": med}
+            log(f"b{b:<3d} {variant:20s} wall/step {wall:7.0f}  host/step {(t1 - t0) / a.steps * 1e6:7.0f} | " +
+                " ".join(f"{k} {v:6.0f}" for k, v in med.items()))
+    return res
+
+
+def serve(a, log) -> dict:
+    """``bench_overlap``'s overlapped serving loop at ``--batch`` requests (one N), once timed and
+    once under the profiler: the host events over 200 us of the middle steps, in time order, and
+    every host event summed by name per step (what a launch waits in)."""
+    from _trace import record
+    from bench_overlap import PresetBench
+
+    n = int(a.batch.split(",")[0])
+    pb = PresetBench(a.preset, [n], prompt_len=16, steps=a.steps, skip=3, max_new=None, seed=0, workers=2)
+    extra = json.loads(os.environ.get("KVJAX_PROBE_OPTIONS", "{}"))
+    if extra:  # compile-option variant of the Runner's own
+        pb.runner.compiler_options = {**(pb.runner.compiler_options or {}), **extra}
+        log(f"compiler options: {pb.runner.compiler_options}")
+    total = pb.max_tokens
+    plans = pb.dry_run(pb.requests(n, total)) + pb.dry_run(pb.requests(n, pb.admit_steps[n] + 3))
+    pb.compile(sorted({p.bucket for p in plans}))
+    pb.warm(n)
+    res = pb.serve(n, total, True)
+    marks = res["marks"]
+    mid = marks[len(marks) // 3: 2 * len(marks) // 3]
+    per = statistics.median(b[0] - a_[0] for a_, b in zip(mid, mid[1:])) * 1e6
+    launch = statistics.median(m[4] for m in mid) * 1e6
+    log(f"overlap serve N={n}: {per:.0f} us per step, launch {launch:.0f} us (median of {len(mid)} middle steps)")
+    got = record(lambda: pb.serve(n, total, True))
+    events, _, tname, gpu = got
+    host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu
+            and not tname.get((e["pid"], e.get("tid")), "").startswith(("tf_PjRtCompiler", "tf_xla-"))]
+    host.sort(key=lambda e: float(e["ts"]))
+    t0, t1 = float(host[0]["ts"]), float(host[-1]["ts"])
+    lo, hi = t0 + 0.45 * (t1 - t0), t0 + 0.55 * (t1 - t0)
+    window = [e for e in host if lo <= float(e["ts"]) <= hi]
+    steps_in = max(1, sum(1 for e in window if e.get("name", "").startswith("PjitFunction(jit(sm))")))
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in window:
+        by[e.get("name", "")[:120]][0] += 1
+        by[e.get("name", "")[:120]][1] += float(e.get("dur", 0.0))
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:60]
+    log(f"traced: {steps_in} steps in the middle 10% of the run; host events summed per step:")
+    for k, v in top:
+        log(f"   {v[1] / steps_in:9.0f} us  x{v[0] / steps_in:<6.1f} {k}")
+    long_ = [(float(e["ts"]) - lo, float(e.get("dur", 0.0)), e.get("name", "")[:110],
+              tname.get((e["pid"], e.get("tid")), "")[:30]) for e in window if float(e.get("dur", 0.0)) > 200]
+    log("events over 200 us in time order (us from the window start, duration, thread):")
+    for ts, du, nm, th in long_[:120]:
+        log(f"   {ts:9.0f} {du:8.0f}  [{th}] {nm}")
+    return {"per_step_us": per, "launch_us": launch,
+            "summed_per_step": [{"name": k, "count": v[0] / steps_in, "us": v[1] / steps_in} for k, v in top],
+            "long_events": [{"t": x[0], "dur": x[1], "name": x[2], "thread": x[3]} for x in long_]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("timeline", "loop", "launches", "serve"))
+    ap.add_argument("--preset", default="granite-4.0-h-micro")
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--variants", default="launch_drop,replica_drop_buf,replica_keep_both,alternate,alternate_keep_both",
+                    help="launches: the launch patterns")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    from bench_model import log
+
+    res = {"timeline": timeline, "loop": loop, "launches": launches, "serve": serve}[a.mode](a, log)
+    with open(os.path.join(a.out, f"{a.mode}-{a.preset}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
