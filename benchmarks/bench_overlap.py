@@ -6,12 +6,15 @@
 
 For N decoding requests, measures per decode step, medians over ``--steps`` steps after warm-up:
 
-* ``device_us``: the step alone — one prepared dummy step (``Runner.prepare(None, bucket)``) of the
-  decode bucket launched back to back (``Runner.launch``), so the device never waits for the host
-  (the floor of a serving step; an all-padding step does the same matmuls as a real one; its
-  attention reads no live block, which at the short contexts measured here is a few tokens);
+* ``device_us``: the step alone, launched back to back (``Runner.launch``) so the device never
+  waits for the host: with ``--preset``, one steady decode step of the overlapped run (its plan,
+  prepared once) replayed after the run; without, one prepared dummy step
+  (``Runner.prepare(None, bucket)``). ``device_dummy_us`` (``--preset``) is the dummy step's: it
+  does the same matmuls, but its rows name no state slot, so it reads and writes no Mamba state
+  (a real step at 64 requests moves ~9.6 GB of float32 state: ~3 ms on an H100), which made the
+  dummy step a floor too low for a hybrid and the gap too large;
 * ``enqueue_us``: host time per ``Runner.launch`` of those back-to-back launches (the step's
-  enqueue cost: input ``device_put`` plus the executable call; when it equals ``device_us`` the
+  enqueue cost: input staging plus the executable calls; when it equals ``device_us`` the
   host's enqueue, not the device, sets the floor);
 * ``*_schedule_us``: ``Scheduler.schedule`` alone, inside each loop;
 * ``lockstep_us`` / ``overlap_us``: wall time per step of :func:`run_to_completion` with
@@ -104,10 +107,12 @@ def _requests(n: int, decode_steps: int) -> list[Request]:
             for i in range(n)]
 
 
-def _device_floor(runner: Runner, bucket, steps: int, groups: int = 1) -> tuple[float, float]:
-    """``(device_us, enqueue_us)``: one prepared dummy step of ``bucket`` launched back to back
-    (median over ``groups`` groups of ``steps`` launches)."""
-    prepared = runner.prepare(None, bucket)  # a dummy step: launching it again and again is harmless
+def _device_floor(runner: Runner, bucket, steps: int, groups: int = 1, prepared=None) -> tuple[float, float]:
+    """``(device_us, enqueue_us)``: one prepared step of ``bucket`` launched back to back (median
+    over ``groups`` groups of ``steps`` launches): ``prepared`` (a served decode step, as packed in
+    the run: replayed, it rewrites its own KV slots and advances its rows' states, harmless once
+    the run is over), or the dummy step."""
+    prepared = runner.prepare(None, bucket) if prepared is None else prepared
     for _ in range(3):
         out = runner.launch(prepared)
     out.wait()
@@ -274,14 +279,16 @@ class PresetBench:
         sched = self.cfg.make_scheduler()
         for q in self.requests(n, total):
             sched.add_request(q)
-        t_sched, t_prep, t_launch, marks = [], [], [], []
+        t_sched, t_prep, t_launch, marks, preps = [], [], [], [], []
         orig_schedule, orig_prepare, orig_launch = sched.schedule, r.prepare, r.launch
 
         def timed_schedule():
             t = time.perf_counter(); p = orig_schedule(); t_sched.append(time.perf_counter() - t); return p
 
         def timed_prepare(*a, **k):
-            t = time.perf_counter(); p = orig_prepare(*a, **k); t_prep.append(time.perf_counter() - t); return p
+            t = time.perf_counter(); p = orig_prepare(*a, **k); t_prep.append(time.perf_counter() - t)
+            preps.append(p)
+            return p
 
         def timed_launch(p):
             t = time.perf_counter(); o = orig_launch(p); t_launch.append(time.perf_counter() - t)
@@ -289,7 +296,7 @@ class PresetBench:
 
         def on_step(step, plans):
             plan = plans[r.local_ranks[0]]
-            marks.append((time.perf_counter(), plan, t_sched[-1], t_prep[-1], t_launch[-1]))
+            marks.append((time.perf_counter(), plan, t_sched[-1], t_prep[-1], t_launch[-1], preps[-1]))
 
         sched.schedule, r.prepare, r.launch = timed_schedule, timed_prepare, timed_launch
         try:
@@ -320,9 +327,9 @@ class PresetBench:
         compile_s = self.compile(buckets)
         self.warm(n)
         log(f"  warm")
-        device_us, enqueue_us = _device_floor(self.runner, decode_bucket, self.steps, groups=3)
-        log(f"  device floor {device_us:.1f} us/step, enqueue {enqueue_us:.1f} us")
-        row = {"preset": self.preset, "requests": n, "device_us": device_us, "enqueue_us": enqueue_us}
+        dummy_us, _ = _device_floor(self.runner, decode_bucket, self.steps, groups=3)
+        row = {"preset": self.preset, "requests": n, "device_dummy_us": dummy_us}
+        steady = None
         for overlap in (False, True):
             key = "overlap" if overlap else "lockstep"
             res = self.serve(n, total, overlap)
@@ -341,10 +348,15 @@ class PresetBench:
             row[f"{key}_launch_us"] = med([marks[i][4] for i in iv])
             row[f"{key}_total_s"] = res["total_s"]
             row[f"{key}_timed_steps"] = len(iv)
+            steady = marks[iv[len(iv) // 2]][5]
             row[f"{key}_served_steps"] = len(marks)
             log(f"  {key}: {row[f'{key}_us']:.1f} us/step over {len(iv)} decode steps "
                 f"(schedule {row[f'{key}_schedule_us']:.1f}, prepare {row[f'{key}_prepare_us']:.1f}, "
                 f"launch {row[f'{key}_launch_us']:.1f} us); {len(marks)} steps in {res['total_s']:.2f} s")
+        device_us, enqueue_us = _device_floor(self.runner, decode_bucket, self.steps, groups=3, prepared=steady)
+        log(f"  device floor {device_us:.1f} us/step (a served step replayed; the dummy step's {dummy_us:.1f}), "
+            f"enqueue {enqueue_us:.1f} us")
+        row.update({"device_us": device_us, "enqueue_us": enqueue_us})
         row["gap_raw_us"] = row["overlap_us"] - device_us
         row["gap_us"] = max(0.0, row["gap_raw_us"])
         row["gap_fraction"] = row["gap_us"] / device_us
