@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         keys = jax.random.split(jax.random.key(K * N), a.copies)
         ws = [jax.random.normal(k, (K, N), jnp.bfloat16) * 0.02 for k in keys]
         x1 = jax.random.normal(jax.random.key(1), (1, K), jnp.float32)
-        x2 = jax.random.normal(jax.random.key(2), (2, K), jnp.float32)
+        x2 = jnp.concatenate([x1, jax.random.normal(jax.random.key(2), (1, K), jnp.float32)])  # row 0 is x1
         x16 = jnp.zeros((16, K), jnp.bfloat16).at[0].set(x1[0].astype(jnp.bfloat16))
         ref = jnp.matmul(x1.astype(jnp.float32), ws[0].astype(jnp.float32))
         variants = {"xla_1row": (lambda x, w: linear(x, w, out_dtype=jnp.bfloat16), x1),

@@ -152,8 +152,10 @@ def mamba_mixer(
     dt = zxbcdt[:, di + spec.conv_dim :]  # [T, H]
     A = -jnp.exp(w["A_log"].astype(f32))  # [H]
     k = {
-        "conv_weight": w["conv_weight"].astype(f32),
-        "conv_bias": None if w.get("conv_bias") is None else w["conv_bias"].astype(f32),
+        # in the weights' own dtype: every conv implementation widens them to float32 as it reads
+        # them (a convert here was one more kernel per layer at every decode step)
+        "conv_weight": w["conv_weight"],
+        "conv_bias": w.get("conv_bias"),
         "D": w["D"].astype(f32),
         "dt_bias": w["dt_bias"].astype(f32),
         "softplus": True,
