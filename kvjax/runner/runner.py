@@ -765,11 +765,10 @@ class Runner:
     @functools.cached_property
     def _transfer_sharding(self) -> NamedSharding:
         """Where each step's inputs are staged from and its outputs fetched to: pinned host
-        memory on a GPU, else the devices' own. A step's small per-step buffers in device memory
-        were allocated between two steps, beside the step's temporaries, which then moved: XLA
-        updated the step's whole CUDA graph at each launch of the serving loop (2.7 ms of host
-        time per step at 64 requests, ``benchmarks/probe_decode_step.py serve``). In host memory
-        they take no device allocation."""
+        memory on a GPU, else the devices' own. In device memory these small per-step buffers are
+        allocated between two steps, beside the step's temporaries, which then move, and XLA
+        updates the step's whole CUDA graph at a launch whose buffers moved (BENCHMARKS.md, issue
+        24); in host memory they take no device allocation."""
         device = NamedSharding(self.mesh, P(DATA))
         if jax.default_backend() != "gpu":
             return device
