@@ -136,25 +136,54 @@ def timeline(a, log) -> dict:
     return out
 
 
-def loop(a, log) -> dict:
+def _timed_steps(one, r, steps: int, warm: int) -> tuple[float, float]:
+    """``(wall, host)`` us per call of ``one()`` (``one(False)`` ``warm`` times first, untimed):
+    ``steps`` calls back to back until the Runner's rows are ready, and the host's share."""
     import jax
-    import numpy as np
 
+    for _ in range(warm):
+        one(False)
+    jax.block_until_ready(r._rows)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    t1 = time.perf_counter()
+    jax.block_until_ready(r._rows)
+    return (time.perf_counter() - t0) / steps * 1e6, (t1 - t0) / steps * 1e6
+
+
+def _decode_steps(a):
+    """``(bench, runner, steps)``: a Bench of ``--preset`` compiled for decode at each ``--batch``
+    (context ``--context``); ``steps`` yields, per batch, ``(batch, plan, prepared, step
+    executable, staging program, fetch program)`` after one step through the Runner's own path."""
     from bench_model import Bench
-    from probe_launch import host_events
 
     batches = [int(x) for x in a.batch.split(",")]
     bench = Bench(a.preset, {"decode": [(a.context, tuple(batches))], "prefill": (), "max_model_len": 32768})
     bench.compile_all()
     r = bench.runner
+
+    def steps():
+        for b in batches:
+            plan = bench.fabricate_decode(b, a.context)
+            prepared = r.prepare(plan)
+            r.launch(prepared).fetch()
+            exe, _ = r.executables[prepared.bucket]
+            yield b, plan, prepared, exe, r._stage, r._fetch(r.output_spec(prepared.bucket).size)
+
+    return bench, r, steps()
+
+
+def loop(a, log) -> dict:
+    import jax
+    import numpy as np
+
+    from probe_launch import host_events
+
+    bench, r, steps = _decode_steps(a)
     sharding = r._transfer_sharding
     res = {}
-    for b in batches:
-        plan = bench.fabricate_decode(b, a.context)
-        prepared = r.prepare(plan)
-        r.launch(prepared).fetch()
-        exe, _ = r.executables[prepared.bucket]
-        stage, fetch = r._stage, r._fetch(r.output_spec(prepared.bucket).size)
+    for b, plan, prepared, exe, stage, fetch in steps:
         same = jax.device_put(prepared.buf, sharding)
         for variant in ("fresh_in_read_prev", "same_in_read_prev", "fresh_in_no_read", "fresh_in_no_copy",
                         "fresh_in_read_prev_prepare"):
@@ -191,14 +220,7 @@ def loop(a, log) -> dict:
                     times["total"].append((t[-1] - t[0]) * 1e6)
                 return r._rows
 
-            for _ in range(5):
-                one(False)
-            jax.block_until_ready(r._rows)
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                one()
-            jax.block_until_ready(r._rows)
-            wall = (time.perf_counter() - t0) / a.steps * 1e6
+            wall, _ = _timed_steps(one, r, a.steps, warm=5)
             med = {k: statistics.median(v) for k, v in times.items()}
             row = {"batch": b, "variant": variant, "wall_per_step_us": wall, "host_us": med}
             tr = host_events(lambda: one(False), 3)
@@ -228,20 +250,10 @@ def launches(a, log) -> dict:
     release waits for the device."""
     import jax
 
-    from bench_model import Bench
-
-    batches = [int(x) for x in a.batch.split(",")]
-    bench = Bench(a.preset, {"decode": [(a.context, tuple(batches))], "prefill": (), "max_model_len": 32768})
-    bench.compile_all()
-    r = bench.runner
+    bench, r, steps = _decode_steps(a)
     sharding = r._transfer_sharding
     res = {}
-    for b in batches:
-        plan = bench.fabricate_decode(b, a.context)
-        prepared = r.prepare(plan)
-        r.launch(prepared).fetch()
-        exe, _ = r.executables[prepared.bucket]
-        stage, fetch = r._stage, r._fetch(r.output_spec(prepared.bucket).size)
+    for b, plan, prepared, exe, stage, fetch in steps:
         variants = a.variants.split(",")
         exe2 = None
         if any(v.startswith("alternate") for v in variants):
@@ -287,20 +299,12 @@ def launches(a, log) -> dict:
                     for k, (x, y) in zip(("put", "enqueue", "release"), zip(t, t[1:])):
                         times[k].append((y - x) * 1e6)
 
-            for _ in range(4):
-                one(False)
-            jax.block_until_ready(r._rows)
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                one()
-            t1 = time.perf_counter()
-            jax.block_until_ready(r._rows)
+            wall, host = _timed_steps(one, r, a.steps, warm=4)
             kept.clear()
-            wall = (time.perf_counter() - t0) / a.steps * 1e6
             med = {k: statistics.median(v) for k, v in times.items()}
-            res[f"b{b}-{variant}"] = {"wall_per_step_us": wall, "host_per_step_us": (t1 - t0) / a.steps * 1e6,
+            res[f"b{b}-{variant}"] = {"wall_per_step_us": wall, "host_per_step_us": host,
                                       "host_us": med}
-            log(f"b{b:<3d} {variant:20s} wall/step {wall:7.0f}  host/step {(t1 - t0) / a.steps * 1e6:7.0f} | " +
+            log(f"b{b:<3d} {variant:20s} wall/step {wall:7.0f}  host/step {host:7.0f} | " +
                 " ".join(f"{k} {v:6.0f}" for k, v in med.items()))
     return res
 
