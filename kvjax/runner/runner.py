@@ -907,8 +907,10 @@ class Runner:
                                                       (self.num_ranks, prepared.buf.shape[1]))
 
     def _enqueue(self, bucket: Bucket, buf: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Stage ``buf`` (int32 ``[D, I]`` on the mesh), run ``bucket``'s step and copy its outputs
-        out of the state buffer: ``(packed outputs [D, n], checks [D, c, w])``, still on the device."""
+        """Stage ``buf`` (:meth:`put_inputs`'s array), run ``bucket``'s step and copy its outputs
+        out of the state buffer: ``(packed outputs [D, n], checks [D, c, w])``, both possibly not
+        yet computed; the outputs in :attr:`_transfer_sharding`'s memory, the checks on the
+        devices."""
         exe, _ = self.executables[bucket]
         stage, fetch = self._stage, self._fetch(self.output_spec(bucket).size)
         with self.guard.serving():
