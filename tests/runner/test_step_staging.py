@@ -8,7 +8,6 @@ import types
 
 import jax
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,29 +18,34 @@ from kvjax.runner import Runner, RunnerConfig
 FAST = {"xla_backend_optimization_level": 0}
 
 
-@pytest.mark.parametrize("memory", ["device", "pinned_host"])
-def test_each_step_runs_on_its_own_staged_inputs(memory):
-    """``pinned_host``: the inputs staged from and the outputs fetched to host memory, as a GPU
-    runner does (the CPU has that memory kind too, so the same programs run here)."""
+def test_each_step_runs_on_its_own_staged_inputs():
+    """Twice on one runner (one step compile): with the inputs and outputs in device memory, then
+    staged from and fetched to pinned host memory, as a GPU runner does (the CPU has that memory
+    kind too, so the same programs run here)."""
     cfg = RunnerConfig(model=TinyHybridConfig(layer_types=("attn", "mamba")), block_size=16, num_blocks=64,
                        max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, token_sizes=(4, 16),
                        max_new_requests_per_step=2)
     runner = Runner(cfg, compiler_options=FAST)
-    if memory == "pinned_host":
-        runner.__dict__["_transfer_sharding"] = NamedSharding(runner.mesh, P("data"), memory_kind="pinned_host")
     runner.precompile()
     runner.warm_up()
-    sched = cfg.make_scheduler()
-    sched.add_request(Request("a", [3, 4, 5, 6], 3, 0))
-    first = sched.schedule()
-    out = runner.execute(first)
-    assert not out.dummy
-    np.testing.assert_array_equal(out.num_sampled, [1, 0, 0, 0])  # the prompt's step samples its token
-    sched.update(first, out.sampled, out.num_sampled, out.logits)
-    sched.add_request(Request("b", [9, 8], 2, 1))
-    second = sched.schedule()
-    out = runner.execute(second)  # new inputs: a decode row and a new request's prompt
-    assert sorted(out.num_sampled.tolist()) == [0, 0, 1, 1]
+    for memory in ("device", "pinned_host"):
+        if memory == "pinned_host":  # the staging and fetch programs again, for host memory
+            runner.__dict__["_transfer_sharding"] = NamedSharding(runner.mesh, P("data"), memory_kind=memory)
+            runner.__dict__.pop("_stage")
+            runner._fetches.clear()
+            runner.reset()
+        sched = cfg.make_scheduler()
+        sched.add_request(Request("a", [3, 4, 5, 6], 3, 0))
+        first = sched.schedule()
+        out = runner.execute(first)
+        assert not out.dummy
+        np.testing.assert_array_equal(out.num_sampled, [1, 0, 0, 0])  # the prompt's step samples its token
+        sched.update(first, out.sampled, out.num_sampled, out.logits)
+        sched.add_request(Request("b", [9, 8], 2, 1))
+        second = sched.schedule()
+        out = runner.execute(second)  # new inputs: a decode row and a new request's prompt
+        assert sorted(out.num_sampled.tolist()) == [0, 0, 1, 1], memory
+        assert runner.put_inputs(runner.prepare(None)).sharding.memory_kind == memory
 
 
 def test_a_gpu_runner_stages_through_pinned_host_memory(monkeypatch):
