@@ -181,10 +181,9 @@ def loop(a, log) -> dict:
     from probe_launch import host_events
 
     bench, r, steps = _decode_steps(a)
-    sharding = r._transfer_sharding
     res = {}
     for b, plan, prepared, exe, stage, fetch in steps:
-        same = jax.device_put(prepared.buf, sharding)
+        same = r.put_inputs(prepared)
         for variant in ("fresh_in_read_prev", "same_in_read_prev", "fresh_in_no_read", "fresh_in_no_copy",
                         "fresh_in_read_prev_prepare"):
             fresh = variant.startswith("fresh")
@@ -195,7 +194,7 @@ def loop(a, log) -> dict:
 
             def one(rec=True):
                 t = [time.perf_counter()]
-                buf = jax.device_put(prepared.buf, sharding) if fresh else same
+                buf = r.put_inputs(prepared) if fresh else same
                 t.append(time.perf_counter())
                 r._rows = stage(r._rows, buf)
                 t.append(time.perf_counter())
@@ -248,10 +247,7 @@ def launches(a, log) -> dict:
     """``Runner.launch`` of one prepared decode step back to back, as ``bench_overlap``'s device
     floor does, with the previous launches' handles and staged inputs dropped or kept: which
     release waits for the device."""
-    import jax
-
     bench, r, steps = _decode_steps(a)
-    sharding = r._transfer_sharding
     res = {}
     for b, plan, prepared, exe, stage, fetch in steps:
         variants = a.variants.split(",")
@@ -278,7 +274,7 @@ def launches(a, log) -> dict:
                         times["release"].append((t2 - t1) * 1e6)
                     return
                 t = [time.perf_counter()]
-                buf = jax.device_put(prepared.buf, sharding)
+                buf = r.put_inputs(prepared)
                 t.append(time.perf_counter())
                 r._rows = stage(r._rows, buf)
                 use = exe

@@ -99,7 +99,6 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
     exe = _install(r, plan.bucket, opts)
     compile_s = time.perf_counter() - t0
     prepared = r.prepare(plan)
-    sharding = r._transfer_sharding
 
     def call(buf):
         return r._enqueue(plan.bucket, buf)[0]
@@ -107,13 +106,13 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
     r._rows, r._pools = jax.tree.map(jnp.copy, base)
     first = []
     for _ in range(3):
-        out = call(jax.device_put(prepared.buf, sharding))
+        out = call(r.put_inputs(prepared))
         first.append(jax.device_get(out))
     put, ex, cp, wait = [], [], [], []
     for _ in range(7):
         jax.block_until_ready((r._rows, r._pools))
         t0 = time.perf_counter()
-        buf = jax.device_put(prepared.buf, sharding)
+        buf = r.put_inputs(prepared)
         t1 = time.perf_counter()
         out = call(buf)
         t2 = time.perf_counter()
@@ -125,7 +124,7 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
         ex.append((t2 - t1) * 1e6)
         cp.append((t3 - t2) * 1e6)
         wait.append((t4 - t3) * 1e6)
-    buf = jax.device_put(prepared.buf, sharding)
+    buf = r.put_inputs(prepared)
     jax.block_until_ready(buf)
     groups = []
     for _ in range(3):
@@ -207,15 +206,14 @@ def probe_patterns(bench, batch: int, log, opts=None, tag: str = "runner") -> li
     plan = bench.fabricate_decode(batch, 1024)
     _install(r, plan.bucket, opts)
     prepared = r.prepare(plan)
-    sharding = r._transfer_sharding
-    same = jax.device_put(prepared.buf, sharding)
+    same = r.put_inputs(prepared)
     rows = []
     for name, fresh_in, keep_out in (("same_in_keep_out", False, True), ("same_in_drop_out", False, False),
                                     ("fresh_in_drop_out", True, False), ("fresh_in_keep_out", True, True)):
         kept = [None]
 
         def call():
-            buf = jax.device_put(prepared.buf, sharding) if fresh_in else same
+            buf = r.put_inputs(prepared) if fresh_in else same
             out = r._enqueue(plan.bucket, buf)[0]
             if keep_out:
                 kept[0] = out

@@ -153,7 +153,7 @@ def mamba_mixer(
     A = -jnp.exp(w["A_log"].astype(f32))  # [H]
     k = {
         # in the weights' own dtype: every conv implementation widens them to float32 as it reads
-        # them (a convert here was one more kernel per layer at every decode step)
+        # them, so a convert here would only add a kernel to every step
         "conv_weight": w["conv_weight"],
         "conv_bias": w.get("conv_bias"),
         "D": w["D"].astype(f32),
