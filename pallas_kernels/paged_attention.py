@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
 from pallas_kernels import gpu_tiling
-from pallas_kernels.attention_math import MASK_VALUE, masked_attention
+from pallas_kernels.attention_math import MASK_VALUE, lse_of, masked_attention
 from pallas_kernels.contract import FP8_DTYPE
 
 __all__ = ["PagedAttentionConfig", "paged_attention", "paged_attention_reference"]
@@ -123,7 +123,7 @@ class PagedAttentionConfig:
 
 @_backend.register(OP_ATTENTION, "reference")
 def _reference(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
-               k_scale, v_scale, *, sm_scale, v_head_dim, config, interpret):
+               k_scale, v_scale, *, sm_scale, v_head_dim, return_lse, config, interpret):
     """The model's jnp paged attention (bitwise for float32 with ``sm_scale=None``)."""
     del config, interpret
     T, _, D = q.shape
@@ -149,8 +149,9 @@ def _reference(q, key_cache, value_cache, block_table, seq_lens, positions, toke
 
     k = read(key_cache, k_scale, D)
     v = read(key_cache, v_scale, Dv) if value_cache is None else read(value_cache, v_scale, Dv)
-    o = masked_attention(q, k, v, visible, sm_scale=sm_scale)
-    return o.astype(q.dtype)
+    if return_lse:
+        return masked_attention(q, k, v, visible, sm_scale=sm_scale, return_lse=True)
+    return masked_attention(q, k, v, visible, sm_scale=sm_scale).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def _dot_dtype(q_dtype, cache_dtype):
 
 @_backend.register(OP_ATTENTION, "gpu")
 def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
-         k_scale, v_scale, *, sm_scale, v_head_dim, config, interpret):
+         k_scale, v_scale, *, sm_scale, v_head_dim, return_lse, config, interpret):
     """The Pallas Triton kernel (module docstring), plus the split combine when splits > 1."""
     T, Hq, D = q.shape
     R, W = block_table.shape
@@ -258,6 +259,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     BQ = BM // Gp  # tokens per tile
     S = W * bs
     splits = _kv_splits(T, Hkv, S, BN, config)
+    stats = splits > 1 or return_lse  # float32 outputs with each lane's running max and sum
     if not interpret:
         if D < 16 or Dv < 16 or BN < 16:
             raise NotImplementedError(
@@ -288,14 +290,15 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         # Inputs:  row_ref i32[T] (token -> row, R = pad), pos_ref i32[T], len_ref i32[R],
         #          table_ref i32[R * W], q_ref [T * Hq * D], k_ref / v_ref [N * bs * Hkv * D],
         #          fp8 only: k_scale_ref / v_scale_ref f32[Hkv]
-        # Outputs: out_ref [splits * lanes * Dvp]: q.dtype, or with splits > 1 float32 per
-        #          split, with its running max and sum m_ref / l_ref f32[splits * lanes].
+        # Outputs: out_ref [splits * lanes * Dvp]: q.dtype, or (splits > 1 or return_lse)
+        #          float32 per split, with its running max and sum m_ref / l_ref
+        #          f32[splits * lanes].
         #          Key features run as one or two power-of-two blocks (_feature_segments),
         #          value features as one (Dvp): padded columns read
         #          nothing (masked, their addresses clamped into the row) and are sliced off.
         #          Lane (t, h, g) of the group padded to Gp heads: every lane of a tile has
         #          its own address (interpret mode writes masked lanes back).
-        out_ref, m_ref, l_ref = (refs[-3:] if splits > 1 else (refs[-1], None, None))
+        out_ref, m_ref, l_ref = (refs[-3:] if stats else (refs[-1], None, None))
         i, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         row_i = row_ref[i]
         real_i = (row_i >= 0) & (row_i < R)
@@ -317,7 +320,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         def write(o, m_i, l_i, mask):
             store(out_ref.at[lane[:, None] * Dvp + vcols_p], o.astype(out_ref.dtype),
                   mask=jnp.broadcast_to(mask[:, None], (BM, Dvp)))
-            if splits > 1:
+            if stats:
                 store(m_ref.at[lane], m_i, mask=mask)
                 store(l_ref.at[lane], l_i, mask=mask)
 
@@ -389,9 +392,9 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
                 o = o * refs[1][h]
             write(o, m_i, l_i, member)
 
-    out_dtype = q.dtype if splits == 1 else jnp.float32
+    out_dtype = jnp.float32 if stats else q.dtype
     out_shape = [jax.ShapeDtypeStruct((splits * lanes * Dvp,), out_dtype)]
-    if splits > 1:
+    if stats:
         out_shape += [jax.ShapeDtypeStruct((splits * lanes,), jnp.float32)] * 2
     call = pl.pallas_call(
         kernel,
@@ -404,22 +407,24 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         name="paged_attention_gpu",
     )
     outs = call(token_row, positions, seq_lens, flat[3], *flat[:3], *scales)
-    if splits == 1:
-        out = outs[0].reshape(T, Hkv, Gp, Dvp)
-    else:
-        out = _combine_splits(*(o.reshape(splits, T, Hkv, Gp, -1) for o in outs), q.dtype)
-    return out[:, :, :G, :Dv].reshape(T, Hq, Dv)
+    if not stats:
+        return outs[0].reshape(T, Hkv, Gp, Dvp)[:, :, :G, :Dv].reshape(T, Hq, Dv)
+    out, lse = _combine_splits(*(o.reshape(splits, T, Hkv, Gp, -1) for o in outs))
+    out = out[:, :, :G, :Dv].reshape(T, Hq, Dv)
+    if return_lse:
+        return out, lse[:, :, :G, 0].reshape(T, Hq)
+    return out.astype(q.dtype)
 
 
-def _combine_splits(o, m, l, dtype):
+def _combine_splits(o, m, l):
     """One softmax from per-split results: ``o [splits, ..., D]`` (each normalised by its
-    own sum), running maxima ``m`` and sums ``l`` ``[splits, ..., 1]``. A lane no split
-    saw (``l`` all 0) gets 0."""
+    own sum), running maxima ``m`` and sums ``l`` ``[splits, ..., 1]`` -> float32 ``(out,
+    lse)``. A lane no split saw (``l`` all 0) gets 0 and ``lse = -inf``."""
     top = jnp.max(m, axis=0)
     w = jnp.where(l > 0, l * jnp.exp(m - top), 0.0)
     den = jnp.sum(w, axis=0)
     out = jnp.sum(jnp.where(w > 0, w * o, 0.0), axis=0) / jnp.where(den > 0, den, 1.0)
-    return out.astype(dtype)
+    return out, lse_of(top, den)
 
 
 # --------------------------------------------------------------------------
@@ -485,6 +490,7 @@ def paged_attention(
     k_scale=None,  # fp8 caches only: number, float32 [], [1] or [Hkv]
     v_scale=None,
     v_head_dim: int | None = None,
+    return_lse: bool = False,
     backend: str = "auto",
     interpret: bool | None = None,
     config: PagedAttentionConfig = PagedAttentionConfig(),
@@ -504,11 +510,16 @@ def paged_attention(
       k_scale, v_scale: required for ``float8_e4m3fn`` caches (dequantised as
         ``stored * scale``), ignored otherwise.
       v_head_dim: with ``value_cache=None`` only (static).
+      return_lse: also return each query head's log-sum-exp of its scaled visible scores, to
+        merge this attention with one over other keys
+        (:func:`pallas_kernels.attention_math.merge_attention`); the output is then float32.
       backend, interpret: see :mod:`pallas_kernels._backend` (TPU: the reference).
       config: :class:`PagedAttentionConfig` (static).
 
     Returns:
-      ``[T, Hq, Dv]`` in ``q``'s dtype; 0 for pad tokens and tokens that see no key.
+      ``[T, Hq, Dv]`` in ``q``'s dtype; 0 for pad tokens and tokens that see no key. With
+      ``return_lse``: ``(out float32 [T, Hq, Dv], lse float32 [T, Hq])``, ``lse = -inf``
+      where the output is 0.
 
     Raises:
       ValueError: bad shapes or dtypes; concrete ids, lengths or rows out of range;
@@ -524,12 +535,18 @@ def paged_attention(
     T, Hq, D = np.shape(q)
     R, W = np.shape(block_table)
     Dv = v_head_dim if value_cache is None else np.shape(value_cache)[-1]
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
     if T == 0 or R == 0 or W == 0 or np.shape(key_cache)[0] == 0:
-        return jnp.zeros((T, Hq, Dv), q.dtype)  # nothing to see: every token gets 0
+        # nothing to see: every token gets 0
+        if return_lse:
+            return jnp.zeros((T, Hq, Dv), jnp.float32), jnp.full((T, Hq), -jnp.inf, jnp.float32)
+        return jnp.zeros((T, Hq, Dv), q.dtype)
     sm_scale = None if sm_scale is None else float(sm_scale)
     return _backend.run(
         OP_ATTENTION, choice, q, key_cache, value_cache, block_table, seq_lens, positions,
-        token_row, k_scale, v_scale, sm_scale=sm_scale, v_head_dim=v_head_dim, config=config)
+        token_row, k_scale, v_scale, sm_scale=sm_scale, v_head_dim=v_head_dim,
+        return_lse=return_lse, config=config)
 
 
 def paged_attention_reference(q, key_cache, value_cache, block_table, seq_lens, positions,

@@ -130,6 +130,28 @@ def oracle(a, *, sm_scale=None, k_scale=None, v_scale=None):
     return out
 
 
+def oracle_lse(a, *, sm_scale=None):
+    """float64 log-sum-exp ``[T, Hq]`` of each token's scaled visible scores (-inf: none)."""
+    q, k = a["q"].astype(np.float64), a["key_cache"].astype(np.float64)
+    table, seq = a["block_table"], a["seq_lens"]
+    T, Hq, D = q.shape
+    R, W = table.shape
+    bs, Hkv = k.shape[1], k.shape[2]
+    scale = 1 / np.sqrt(D) if sm_scale is None else sm_scale
+    out = np.full((T, Hq), -np.inf)
+    for t in range(T):
+        b = a["token_row"][t]
+        n = 0 if b == R else min(int(seq[b]), int(a["positions"][t]) + 1, W * bs)
+        if n <= 0:
+            continue
+        j = np.arange(n)
+        kk = k[table[b, j // bs], j % bs]
+        for h in range(Hq):
+            s = kk[:, h // (Hq // Hkv)] @ q[t, h] * scale
+            out[t, h] = s.max() + np.log(np.exp(s - s.max()).sum())
+    return out
+
+
 def check(got, want, tol, a):
     got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
     assert not np.isnan(got).any(), f"NaN at {np.argwhere(np.isnan(got))[:3].tolist()}"
@@ -394,6 +416,60 @@ def test_shared_values_need_v_head_dim():
     b = mixed(0)
     with pytest.raises(ValueError, match="only for value_cache=None"):
         paged_attention(**b, v_head_dim=8, backend="reference")
+
+
+@pytest.mark.parametrize("backend,config", [
+    ("reference", PagedAttentionConfig()),
+    (GPU, PagedAttentionConfig(gpu_kv_splits=1, gpu_block_m=4, gpu_block_n=8)),
+    (GPU, PagedAttentionConfig(gpu_kv_splits=4, gpu_block_m=32, gpu_block_n=2))],
+    ids=["reference", "gpu-1-split", "gpu-4-splits"])
+def test_return_lse_is_each_heads_log_sum_exp(backend, config):
+    """``return_lse``: the float32 output and the log-sum-exp of each head's scaled visible
+    scores, -inf exactly where the token sees nothing (pads, seq_len 0 rows)."""
+    a = mixed(13)
+    out, lse = paged_attention(*a.values(), sm_scale=0.4, return_lse=True, backend=backend,
+                               config=config)
+    assert out.dtype == np.float32 and lse.shape == a["q"].shape[:2] and lse.dtype == np.float32
+    check(out, oracle(a, sm_scale=0.4), 2e-5, a)
+    want = oracle_lse(a, sm_scale=0.4)
+    lse = np.asarray(lse, np.float64)
+    assert_bitwise(np.isneginf(lse), np.isneginf(want), "where lse is -inf")
+    seen = np.isfinite(want)
+    assert seen.sum() > 10
+    np.testing.assert_allclose(lse[seen], want[seen], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", GPU])
+def test_two_halves_merged_equal_the_whole(backend):
+    """Each row's keys cut at a block boundary ``c`` (every row with >= 2 blocks: ``c`` one
+    block; others: all keys in the first part): the first part through ``seq_lens = min(seq,
+    c)``, the second through the block table shifted by ``c / bs`` columns with positions and
+    lengths shifted by ``c``; :func:`merge_attention` of the two equals the whole step's
+    attention (poisoned pools; a row whose second part is empty and tokens that see nothing
+    in one part or both)."""
+    from pallas_kernels.attention_math import merge_attention
+
+    a = mixed(14)
+    bs = a["key_cache"].shape[1]
+    R, W = a["block_table"].shape
+    cut = np.where(a["seq_lens"] > 2 * bs, bs, a["seq_lens"]).astype(np.int32)
+    first = dict(a, seq_lens=np.minimum(a["seq_lens"], cut).astype(np.int32))
+    table2 = np.zeros_like(a["block_table"])
+    for b in range(R):
+        sh = cut[b] // bs if cut[b] % bs == 0 else W
+        table2[b, :W - sh] = a["block_table"][b, sh:]
+    rows = np.minimum(a["token_row"], R - 1)
+    second = dict(a, block_table=table2, seq_lens=(a["seq_lens"] - cut).astype(np.int32),
+                  positions=(a["positions"] - cut[rows]).astype(np.int32))
+    assert (second["seq_lens"] > 0).sum() >= 2 and (second["seq_lens"] == 0).sum() >= 2
+    o1, l1 = paged_attention(*first.values(), return_lse=True, backend=backend)
+    o2, l2 = paged_attention(*second.values(), return_lse=True, backend=backend)
+    o, lse = merge_attention(o1, l1, o2, l2)
+    check(o, oracle(a), 2e-5, a)
+    want = oracle_lse(a)
+    seen = np.isfinite(want)
+    assert_bitwise(np.isneginf(np.asarray(lse)), ~seen, "where lse is -inf")
+    np.testing.assert_allclose(np.asarray(lse)[seen], want[seen], atol=2e-5, rtol=0)
 
 
 def test_registered_flavours_and_routing():

@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import dot_operands, row_padded
-from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope
+from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import routed_ffn
 from kvjax.models.step_context import StepContext
@@ -655,14 +655,16 @@ class DeepseekV3:
       dtype: parameter and activation-cache dtype (``"float32"`` or ``"bfloat16"``); the
         residual stream, norms, softmax and routing are float32.
       fp8_scale: the one scale of an fp8 latent cache (``stored = fp8(x / scale)``).
-      attention_form: ``"absorbed"`` (default) or ``"naive"`` (see :mod:`kvjax.models.hf.mla`).
+      attention_form: ``"split"`` (default: a decode-only step absorbed, otherwise the step's own
+        tokens naive and the cached context absorbed, as vLLM), ``"absorbed"`` or ``"naive"``
+        (the jnp gather over the whole block table: a reference); see :mod:`kvjax.models.hf.mla`.
       model_shards: tensor-parallel shards (:meth:`shard`); heads and MLP widths split over "model".
     """
 
     config: DeepseekV3Config
     dtype: str = "float32"
     fp8_scale: float = 1.0
-    attention_form: str = "absorbed"
+    attention_form: str = "split"
     model_shards: int = 1
 
     def __post_init__(self):
@@ -774,6 +776,7 @@ class DeepseekV3:
         cache_dt = jnp.dtype(specs[0].dtype)
         scale = jnp.float32(self.fp8_scale) if fp8 else None
         real = ctx.token_real[:, None]
+        form = "absorbed" if self.attention_form == "split" and ctx.decode_only else self.attention_form
         x = jnp.take(params["embed"], ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)
         for i, lp in enumerate(params["layers"]):
             ap = lp["attn"]
@@ -786,10 +789,20 @@ class DeepseekV3:
                 kc, kp = lat_c.astype(cache_dt), k_pe.astype(cache_dt)
             pools[name] = concat_and_cache_mla(kc, kp, pools[name], ctx.slot_mapping,
                                                sizes.kv_cache_dtype, scale, backend=backend)
-            o = paged_latent_attention(
-                q_nope, q_pe, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table, ctx.seq_lens,
-                ctx.positions, ctx.token_row, softmax_scale=c.softmax_scale,
-                form=self.attention_form, fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
+            if form == "split":  # this step's latent rows as the cache holds them
+                new = (jnp.concatenate([_fp8_round_trip(lat_c, self.fp8_scale),
+                                        _fp8_round_trip(k_pe, self.fp8_scale)], axis=-1) if fp8
+                       else jnp.concatenate([kc, kp], axis=-1).astype(jnp.float32))
+                o = split_latent_attention(
+                    q_nope, q_pe, new, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table,
+                    ctx.seq_lens, ctx.query_start_loc, ctx.query_len, ctx.positions, ctx.token_row,
+                    softmax_scale=c.softmax_scale, fp8_scale=self.fp8_scale if fp8 else None,
+                    backend=backend)
+            else:
+                o = paged_latent_attention(
+                    q_nope, q_pe, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table, ctx.seq_lens,
+                    ctx.positions, ctx.token_row, softmax_scale=c.softmax_scale, form=form,
+                    fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
             x = x + jnp.where(real, _out(ap, o, model_axis), 0.0)
             h = _rms(x, lp["post_norm"], c.rms_norm_eps)
             x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend), 0.0)

@@ -405,6 +405,54 @@ def test_absorbed_form_through_the_paged_attention_kernel(checkpoints, kv_cache_
     check_records(model, ck.params, drv, atol=2e-5, kv_cache_dtype=kv_cache_dtype)
 
 
+@pytest.mark.parametrize("backend,kv_cache_dtype", [("reference", "auto"), ("reference", "fp8"),
+                                                    ("pallas_gpu", "auto"), ("pallas_gpu", "fp8")])
+def test_split_form_matches_dense_with_nan_poisoned_pools(checkpoints, lora_poisoned, backend,
+                                                          kv_cache_dtype):
+    """The split form (the step's own tokens naive, the cached context absorbed, merged by
+    log-sum-exp): fresh prefills, chunks over a cached context, decode rows beside them, pad
+    rows and pad tokens, NaN-poisoned pools: every row within 2e-5 of the dense oracle (fp8:
+    the fp8 oracle, the new rows rounded as the cache stores them), through the jnp reference
+    and the GPU kernel's path (Pallas' interpreter on the CPU). ``auto`` on the reference:
+    within 2e-6 of the absorbed run's logits (the same cached values, another summation)."""
+    ck = checkpoints["lora"]
+    model, drv = paged_run(ck, form="split", kv_cache_dtype=kv_cache_dtype, poisoned=True,
+                           fp8_scale=0.3, backend=backend)
+    check_records(model, ck.params, drv, atol=2e-5, kv_cache_dtype=kv_cache_dtype)
+    if backend == "reference" and kv_cache_dtype == "auto":
+        absorbed = lora_poisoned[1]
+        assert [s for s, _ in absorbed.records] == [s for s, _ in drv.records]
+        for (_, got), (_, want) in zip(drv.records, absorbed.records):
+            np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
+
+
+def test_split_is_the_default_form_and_decode_only_steps_run_absorbed(checkpoints, monkeypatch):
+    """The default model runs the split form in a step that may prefill (``max_prefill_rows``
+    None or > 0) and the absorbed form in a decode-only one (its new tokens are one per row:
+    nothing to gain from the naive products), every layer."""
+    ck = checkpoints["lora"]
+    model = ds.DeepseekV3(ck.config)
+    assert model.attention_form == "split"
+    drv = Driver(model, ck.params)
+    calls = []
+    for name in ("split_latent_attention", "paged_latent_attention"):
+        real = getattr(ds, name)
+        monkeypatch.setattr(ds, name, lambda *a, _n=name, _f=real, **k: calls.append(
+            (_n, k.get("form"))) or _f(*a, **k))
+    sched = ScheduledBatch(idx_mapping=np.array([2, 0, -1], np.int32),
+                           num_scheduled_tokens=np.array([1, 1, 0], np.int32),
+                           num_draft_tokens=np.zeros((R,), np.int32))
+    batch = BUILD(drv.requests, drv.tables, sched, num_tokens_padded=T, num_logits_padded=R)
+    layers = ck.config.num_hidden_layers
+    for mpr, want in ((0, ("paged_latent_attention", "absorbed")), (None, ("split_latent_attention", None)),
+                      (1, ("split_latent_attention", None))):
+        calls.clear()
+        ctx = make_step_context(batch, jnp.zeros((R,), jnp.int32), None, kv_group=0, max_prefill_rows=mpr)
+        jax.eval_shape(lambda p, pools, c=ctx: model.apply(p, c, pools, backend="reference", sizes=drv.sizes),
+                       ck.params, drv.pools)
+        assert calls == [want] * layers, (mpr, calls)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_tokens_match_transformers_generate(checkpoints, lora_poisoned, plain_naive, variant):
     ck = checkpoints[variant]
