@@ -181,6 +181,60 @@ def add_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128, config=PagedAttentio
         return "; ".join(msgs)
 
 
+def oracle_lse(args, scales):
+    """float64 log-sum-exp ``[T, Hq]`` of each token's scaled visible scores (-inf: none)."""
+    q = np.asarray(args["q"].astype(jnp.float32), np.float64)
+    k = np.asarray(args["key_cache"].astype(jnp.float32), np.float64)
+    if scales:
+        k = k * float(scales["k_scale"])
+    table, seq = np.asarray(args["block_table"]), np.asarray(args["seq_lens"])
+    pos, rows = np.asarray(args["positions"]), np.asarray(args["token_row"])
+    T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = np.full((T, Hq), -np.inf)
+    for t in range(T):
+        b = rows[t]
+        n = 0 if b >= table.shape[0] else min(seq[b], pos[t] + 1)
+        if n <= 0:
+            continue
+        j = np.arange(n)
+        kk = k[table[b, j // BS], j % BS]
+        for h in range(Hq):
+            sc = kk[:, h // G] @ q[t, h] / np.sqrt(D)
+            out[t, h] = sc.max() + np.log(np.exp(sc - sc.max()).sum())
+    return out
+
+
+def add_lse_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128):
+    """``return_lse=True``: the float32 output against the oracle and each head's log-sum-exp
+    against the float64 one (absolute error; -inf exactly where the token sees nothing)."""
+    @case(name)
+    def run():
+        rng = np.random.default_rng(100 + len(CHECKS))
+        args, scales = make_step(rng, rows, Hq=Hq, Hkv=Hkv, D=128, W=W, qdt=qdt, cdt=cdt)
+        fn = jax.jit(lambda a: paged_attention(**a, **scales, return_lse=True, backend=GPU,
+                                               interpret=INTERPRET))
+        out, lse = fn(args)
+        want, want_lse = oracle(args, scales), oracle_lse(args, scales)
+        tol = TOL["fp8" if cdt == "fp8" else qdt]
+        e_k = rel_err(out, want)
+        lse = np.asarray(lse, np.float64)
+        seen = np.isfinite(want_lse)
+        e_lse = float(np.abs(lse[seen] - want_lse[seen]).max()) if seen.any() else 0.0
+        CHECKS.append(dict(name=name, kernel_rel_err=e_k, lse_abs_err=e_lse, tol=tol))
+        msgs = []
+        if out.dtype != jnp.float32:
+            msgs.append(f"output dtype {out.dtype}, not float32")
+        if not e_k <= tol:
+            msgs.append(f"kernel rel err {e_k:.3g} > {tol}")
+        if not e_lse <= 20 * tol:
+            msgs.append(f"lse abs err {e_lse:.3g} > {20 * tol}")
+        if not np.array_equal(np.isneginf(lse), ~seen):
+            msgs.append("lse is not -inf exactly where the token sees nothing")
+        print(f"    {name}: kernel {e_k:.3g}, lse {e_lse:.3g}")
+        return "; ".join(msgs)
+
+
 MIXED = [(1000, 1), (37, 1), (0, 0), (200, 64), (513, 200), (16, 16), (5, 4), (999, 3),
          (50, 0)]
 for qdt, cdt in (("bfloat16", "bfloat16"), ("float32", "float32"), ("bfloat16", "fp8")):
@@ -194,6 +248,9 @@ add_check("mha-8-8-prefill", [(300, 300), (64, 33)], qdt="bfloat16", cdt="bfloat
           Hq=8, Hkv=8)
 add_check("gqa-16-1-decode", [(700, 1), (33, 2)], qdt="bfloat16", cdt="bfloat16", Hq=16,
           Hkv=1)
+add_lse_check("lse-mixed-bf16", MIXED, qdt="bfloat16", cdt="bfloat16")
+add_lse_check("lse-mixed-f32", MIXED, qdt="float32", cdt="float32")
+add_lse_check("lse-decode-b1-splits", [(1500, 1)], qdt="bfloat16", cdt="bfloat16", W=512)
 
 
 # --------------------------------------------------------------------------
