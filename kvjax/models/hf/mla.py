@@ -193,7 +193,7 @@ def split_latent_attention(
       one-token blocks ``[R, T]`` (row ``b``'s column ``j`` is token ``query_start_loc[b] +
       j``), each token at its index inside its row's run.
     * Over the context: the absorbed form over the cache with ``seq_lens - query_len`` keys
-      (what was cached before this step).
+      (what was cached before this step); not run when every row's context is empty.
 
     Both parts return their log-sum-exps and are merged exactly
     (:func:`pallas_kernels.attention_math.merge_attention`; the context's output is
@@ -218,13 +218,22 @@ def split_latent_attention(
     o_new, lse_new = paged_attention_op(
         q, k.astype(dt)[:, None], v.astype(dt)[:, None], table, query_len, local, token_row,
         sm_scale=softmax_scale, return_lse=True, backend=backend)
-    # -- the cached context, absorbed
-    q_lat = jnp.einsum("thn,rhn->thr", *dot_operands(q_nope, w_uk), preferred_element_type=f32)
-    qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
-    scale = None if fp8_scale is None else jnp.float32(fp8_scale)
-    o_lat, lse_ctx = paged_attention_op(
-        qf, cache[:, :, None, :], None, block_table, seq_lens - query_len, positions, token_row,
-        v_head_dim=r, sm_scale=softmax_scale, k_scale=scale, v_scale=scale, return_lse=True,
-        backend=backend)
-    o_ctx = jnp.einsum("thr,rhv->thv", *dot_operands(o_lat, w_uv), preferred_element_type=f32)
+    # -- the cached context, absorbed; skipped (a conditional) when no row has one: a step of
+    # fresh prefills would otherwise write and up-project a [T, H, kv_lora_rank] float32 zero
+    context_lens = seq_lens - query_len
+
+    def context():
+        q_lat = jnp.einsum("thn,rhn->thr", *dot_operands(q_nope, w_uk), preferred_element_type=f32)
+        qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
+        scale = None if fp8_scale is None else jnp.float32(fp8_scale)
+        o_lat, lse = paged_attention_op(
+            qf, cache[:, :, None, :], None, block_table, context_lens, positions, token_row,
+            v_head_dim=r, sm_scale=softmax_scale, k_scale=scale, v_scale=scale, return_lse=True,
+            backend=backend)
+        return jnp.einsum("thr,rhv->thv", *dot_operands(o_lat, w_uv), preferred_element_type=f32), lse
+
+    def no_context():
+        return jnp.zeros(o_new.shape, f32), jnp.full(o_new.shape[:2], -jnp.inf, f32)
+
+    o_ctx, lse_ctx = jax.lax.cond(jnp.any(context_lens > 0), context, no_context)
     return merge_attention(o_new, lse_new, o_ctx, lse_ctx)[0]

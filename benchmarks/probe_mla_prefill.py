@@ -1,0 +1,93 @@
+"""Probe: the two attention parts of DeepSeek's split-form MLA prefill, alone, under tile variants.
+
+Run on a machine with an NVIDIA GPU, from the repository root:
+
+    PYTHONPATH=. python benchmarks/probe_mla_prefill.py [--tokens 2048,8192] [--json PATH]
+
+One request prefilling ``T`` tokens at DeepSeek-V2-Lite's shapes (16 heads; keys ``nope 128 +
+rope 64``, values 128; latent 512 + 64), bf16:
+
+* ``new``: the step's own tokens in the naive form, as ``kvjax.models.hf.mla.split_latent_attention``
+  calls ``pallas_kernels.paged_attention`` (one-token blocks, a ``[1, T]`` table, ``return_lse``),
+  under each :class:`PagedAttentionConfig` variant;
+* ``context-empty``: the absorbed part over a context of 0 keys (a fresh prefill), default config.
+
+Each row: summed kernel time per call from a profiler trace of 3 calls, and the FLOPs of the
+causal products (``2 T^2 / 2 * H * (D + Dv)``) over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _trace import jax_device_us  # noqa: E402
+from pallas_kernels.paged_attention import PagedAttentionConfig, paged_attention  # noqa: E402
+
+H, NOPE, ROPE, DV, R_LAT = 16, 128, 64, 128, 512
+VARIANTS = dict(default={}, m128=dict(gpu_block_m=128), m128_w8=dict(gpu_block_m=128, gpu_num_warps=8),
+                m32=dict(gpu_block_m=32), n32=dict(gpu_block_n=32), n128=dict(gpu_block_n=128),
+                w8=dict(gpu_num_warps=8), stages3=dict(gpu_num_stages=3),
+                m128_n32_w8=dict(gpu_block_m=128, gpu_block_n=32, gpu_num_warps=8),
+                m128_w8_s3=dict(gpu_block_m=128, gpu_num_warps=8, gpu_num_stages=3))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="2048,8192")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    a = ap.parse_args()
+    rows = []
+    rng = np.random.default_rng(0)
+    for T in [int(x) for x in a.tokens.split(",")]:
+        D = NOPE + ROPE
+        q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((T, 1, H, D)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((T, 1, H, DV)), jnp.bfloat16)
+        table = jnp.arange(T, dtype=jnp.int32)[None, :]
+        lens = jnp.asarray([T], jnp.int32)
+        pos = jnp.arange(T, dtype=jnp.int32)
+        row = jnp.zeros((T,), jnp.int32)
+        flops = 2 * T * T / 2 * H * (D + DV)
+        for name in a.variants.split(","):
+            cfg = PagedAttentionConfig(**VARIANTS[name])
+            f = jax.jit(lambda q, k, v, c=cfg: paged_attention(
+                q, k, v, table, lens, pos, row, sm_scale=0.1, return_lse=True, backend="pallas_gpu",
+                config=c))
+            try:
+                jax.block_until_ready(f(q, k, v))
+                t = jax_device_us(lambda: jax.block_until_ready(f(q, k, v)), 3, 1)
+            except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+                t = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            us = t.get("device_us_per_call")
+            r = dict(part="new", tokens=T, variant=name, config=VARIANTS[name], **t,
+                     tflops=None if not us else flops / us / 1e6)
+            rows.append(r)
+            print(f"new T={T:5d} {name:14s} {us and round(us)} us  {r['tflops'] and round(r['tflops'])} TFLOP/s "
+                  f"{t.get('error', '')}", flush=True)
+        cache = jnp.asarray(rng.standard_normal((T // 16 + 1, 16, 1, R_LAT + ROPE)), jnp.bfloat16)
+        qa = jnp.asarray(rng.standard_normal((T, H, R_LAT + ROPE)), jnp.bfloat16)
+        ctab = jnp.zeros((1, T // 16 + 1), jnp.int32)
+        g = jax.jit(lambda qa: paged_attention(qa, cache, None, ctab, jnp.zeros((1,), jnp.int32), pos, row,
+                                               v_head_dim=R_LAT, sm_scale=0.1, return_lse=True,
+                                               backend="pallas_gpu"))
+        jax.block_until_ready(g(qa))
+        t = jax_device_us(lambda: jax.block_until_ready(g(qa)), 3, 1)
+        rows.append(dict(part="context-empty", tokens=T, **t))
+        print(f"context-empty T={T:5d} {t.get('device_us_per_call')} us", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
