@@ -1,8 +1,8 @@
-"""Probe: the two attention parts of DeepSeek's split-form MLA prefill, alone, under tile variants.
+"""Probe: DeepSeek's MLA attention calls alone, under tile variants.
 
 Run on a machine with an NVIDIA GPU, from the repository root:
 
-    PYTHONPATH=. python benchmarks/probe_mla_prefill.py [--tokens 2048,8192] [--json PATH]
+    PYTHONPATH=. python benchmarks/probe_mla.py [--tokens 2048,8192] [--decode 1:1024,16:1024] [--json PATH]
 
 One request prefilling ``T`` tokens at DeepSeek-V2-Lite's shapes (16 heads; keys ``nope 128 +
 rope 64``, values 128; latent 512 + 64), bf16:
@@ -11,6 +11,9 @@ rope 64``, values 128; latent 512 + 64), bf16:
   calls ``pallas_kernels.paged_attention`` (one-token blocks, a ``[1, T]`` table, ``return_lse``),
   under each :class:`PagedAttentionConfig` variant;
 * ``context-empty``: the absorbed part over a context of 0 keys (a fresh prefill), default config.
+
+* ``decode``: the absorbed form at ``batch`` rows of ``context`` keys each (a table of 2,048
+  columns: max_model_len 32k), under split variants.
 
 Each row: summed kernel time per call from a profiler trace of 3 calls, and the FLOPs of the
 causal products (``2 T^2 / 2 * H * (D + Dv)``) over it.
@@ -37,6 +40,38 @@ VARIANTS = dict(default={}, m128=dict(gpu_block_m=128), m128_w8=dict(gpu_block_m
                 w8=dict(gpu_num_warps=8), stages3=dict(gpu_num_stages=3),
                 m128_n32_w8=dict(gpu_block_m=128, gpu_block_n=32, gpu_num_warps=8),
                 m128_w8_s3=dict(gpu_block_m=128, gpu_num_warps=8, gpu_num_stages=3))
+DECODE_VARIANTS = dict(default={}, splits32=dict(gpu_max_kv_splits=32), splits64=dict(gpu_max_kv_splits=64),
+                       splits64_n16=dict(gpu_max_kv_splits=64, gpu_block_n=16),
+                       splits32_p1024=dict(gpu_max_kv_splits=32, gpu_min_programs=1024),
+                       splits64_p1024=dict(gpu_max_kv_splits=64, gpu_min_programs=1024))
+
+
+def decode(batch: int, ctx: int, rng) -> list:
+    """The absorbed MLA decode call at ``batch`` rows of ``ctx`` keys, under DECODE_VARIANTS."""
+    W, bs = 2048, 16
+    per = -(-ctx // bs)
+    cache = jnp.asarray(rng.standard_normal((batch * per + 1, bs, 1, R_LAT + ROPE)), jnp.bfloat16)
+    table = np.zeros((batch, W), np.int32)
+    table[:, :per] = 1 + np.arange(batch * per).reshape(batch, per)
+    table = jnp.asarray(table)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    pos = jnp.full((batch,), ctx - 1, jnp.int32)
+    row = jnp.arange(batch, dtype=jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, H, R_LAT + ROPE)), jnp.bfloat16)
+    out = []
+    for name, kw in DECODE_VARIANTS.items():
+        cfg = PagedAttentionConfig(**kw)
+        f = jax.jit(lambda q, c=cfg: paged_attention(q, cache, None, table, lens, pos, row, v_head_dim=R_LAT,
+                                                      sm_scale=0.1, backend="pallas_gpu", config=c))
+        try:
+            jax.block_until_ready(f(q))
+            t = jax_device_us(lambda: jax.block_until_ready(f(q)), 3, 1)
+        except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+            t = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        out.append(dict(part="decode", batch=batch, context=ctx, variant=name, config=kw, **t))
+        print(f"decode b={batch:3d} ctx={ctx} {name:16s} {t.get('device_us_per_call')} us "
+              f"({t.get('kernels_per_call')} kernels) {t.get('error', '')}", flush=True)
+    return out
 
 
 def main() -> int:
@@ -44,10 +79,14 @@ def main() -> int:
     ap.add_argument("--tokens", default="2048,8192")
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--decode", default="1:1024,1:4096,16:1024")
     a = ap.parse_args()
     rows = []
     rng = np.random.default_rng(0)
-    for T in [int(x) for x in a.tokens.split(",")]:
+    for spec in filter(None, a.decode.split(",")):
+        b, c = spec.split(":")
+        rows += decode(int(b), int(c), rng)
+    for T in [int(x) for x in filter(None, a.tokens.split(","))]:
         D = NOPE + ROPE
         q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16)
         k = jnp.asarray(rng.standard_normal((T, 1, H, D)), jnp.bfloat16)
