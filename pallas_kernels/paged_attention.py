@@ -90,7 +90,8 @@ class PagedAttentionConfig:
         slice of the key chunks, an XLA pass combines them). None: the rule of
         ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
         at most ``gpu_max_kv_splits``, each with two chunks of the table's width.
-      gpu_max_kv_splits, gpu_min_programs: bounds of that rule.
+      gpu_max_kv_splits, gpu_min_programs: bounds of that rule (64 splits let a call of one kv
+        head at batch 1, MLA's absorbed decode, spread a long context over 64 programs).
       gpu_num_warps: Triton warps; None: the rule of ``_fit_registers`` (4, or 8 for MLA's
         prefill tiles).
       gpu_num_stages: software pipelining of the key loop.
@@ -99,7 +100,7 @@ class PagedAttentionConfig:
     gpu_block_m: int | None = None
     gpu_block_n: int | None = None
     gpu_kv_splits: int | None = None
-    gpu_max_kv_splits: int = 16
+    gpu_max_kv_splits: int = 64
     gpu_min_programs: int = 256
     gpu_num_warps: int | None = None
     gpu_num_stages: int = 2
