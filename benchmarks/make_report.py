@@ -1107,6 +1107,23 @@ def mesh_section(results):
     return "\n".join(out)
 
 
+def _ran_matrix(kv_rows) -> dict:
+    """What the kvjax rows measured, per preset: ``decode`` ``[(context, [batches])]``, ``prefill``
+    lengths and ``max_model_len`` (the rows themselves, not a part's requested matrix: a merged
+    file's parts each ran part of it)."""
+    ran = {}
+    for r in kv_rows:
+        mx = ran.setdefault(r["preset"], {"decode": {}, "prefill": [], "max_model_len": r.get("max_model_len")})
+        if r["phase"] == "decode":
+            mx["decode"].setdefault(r["context"], []).append(r["batch"])
+        elif r["context"] not in mx["prefill"]:
+            mx["prefill"].append(r["context"])
+    for mx in ran.values():
+        mx["decode"] = [(c, sorted(set(b))) for c, b in sorted(mx["decode"].items())]
+        mx["prefill"].sort()
+    return ran
+
+
 def model_section(results):
     path, doc = _model_doc(results)
     if doc is None:
@@ -1117,7 +1134,7 @@ def model_section(results):
     kv = [r for r in rows if r["impl"] == "kvjax"]
     tf = {(r["preset"], r["phase"], r["batch"], r["context"]): r for r in rows if r["impl"] == "transformers"}
     gpu = m.get("nvidia_smi", "").split(",")[0] or "GPU"
-    ran = m.get("matrix", {})
+    ran = _ran_matrix(kv)
     out = [f"## Issue 24: real-size models (H100)", "",
            f"{gpu}, JAX {v.get('jax')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
            f"{m['date']}. `python benchmarks/bench_model.py --gpu-run OUTDIR` "
