@@ -71,7 +71,7 @@ from pallas_kernels import gpu_tiling
 from pallas_kernels.attention_math import MASK_VALUE, lse_of, masked_attention
 from pallas_kernels.contract import FP8_DTYPE
 
-__all__ = ["PagedAttentionConfig", "paged_attention", "paged_attention_reference"]
+__all__ = ["PagedAttentionConfig", "paged_attention", "paged_attention_reference", "reads_live_keys_only"]
 
 OP_ATTENTION = "paged_attention"
 
@@ -548,6 +548,13 @@ def paged_attention(
         OP_ATTENTION, choice, q, key_cache, value_cache, block_table, seq_lens, positions,
         token_row, k_scale, v_scale, sm_scale=sm_scale, v_head_dim=v_head_dim,
         return_lse=return_lse, config=config)
+
+
+def reads_live_keys_only(backend: str = "auto", interpret: bool | None = None) -> bool:
+    """Whether :func:`paged_attention` with ``backend`` runs the GPU kernel, which reads only the
+    keys each token sees, rather than the jnp gather of every token's whole table (whose
+    temporaries grow with ``T x W x block_size``)."""
+    return _backend.choose(OP_ATTENTION, backend, interpret).flavor == "gpu"
 
 
 def paged_attention_reference(q, key_cache, value_cache, block_table, seq_lens, positions,

@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import dot_operands, row_padded
-from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention
+from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import routed_ffn
 from kvjax.models.step_context import StepContext
@@ -655,8 +655,9 @@ class DeepseekV3:
       dtype: parameter and activation-cache dtype (``"float32"`` or ``"bfloat16"``); the
         residual stream, norms, softmax and routing are float32.
       fp8_scale: the one scale of an fp8 latent cache (``stored = fp8(x / scale)``).
-      attention_form: ``"split"`` (default: a decode-only step absorbed, otherwise the step's own
-        tokens naive and the cached context absorbed, as vLLM), ``"absorbed"`` or ``"naive"``
+      attention_form: ``"auto"`` (default: ``"split"`` where the paged-attention kernel runs,
+        ``"absorbed"`` elsewhere), ``"split"`` (a decode-only step absorbed, otherwise the step's
+        own tokens naive and the cached context absorbed, as vLLM), ``"absorbed"`` or ``"naive"``
         (the jnp gather over the whole block table: a reference); see :mod:`kvjax.models.hf.mla`.
       model_shards: tensor-parallel shards (:meth:`shard`); heads and MLP widths split over "model".
     """
@@ -664,7 +665,7 @@ class DeepseekV3:
     config: DeepseekV3Config
     dtype: str = "float32"
     fp8_scale: float = 1.0
-    attention_form: str = "split"
+    attention_form: str = "auto"
     model_shards: int = 1
 
     def __post_init__(self):
@@ -776,7 +777,7 @@ class DeepseekV3:
         cache_dt = jnp.dtype(specs[0].dtype)
         scale = jnp.float32(self.fp8_scale) if fp8 else None
         real = ctx.token_real[:, None]
-        form = "absorbed" if self.attention_form == "split" and ctx.decode_only else self.attention_form
+        form = step_form(self.attention_form, backend, ctx.decode_only)
         x = jnp.take(params["embed"], ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)
         for i, lp in enumerate(params["layers"]):
             ap = lp["attn"]

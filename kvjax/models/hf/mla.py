@@ -22,6 +22,10 @@ Three ways to attend, equal up to rounding:
   ``kv_lora_rank`` (about 3.4x fewer FLOPs for DeepSeek-V2's shapes). A decode-only step runs
   the absorbed form.
 
+``"auto"`` (:func:`step_form`): the split form where the paged-attention kernel runs (a GPU)
+and the step may prefill, the absorbed form otherwise: the jnp reference gathers every token's
+keys, and the split form's one-token blocks would make that ``T x T x H x (nope + rope)``.
+
 Masking is on values: invisible latent rows (past the token's position, past the
 row's ``seq_len``, the null block, unused block-table columns, pad tokens) are
 replaced by 0 before any product and their scores by a large negative finite
@@ -44,8 +48,21 @@ import numpy as np
 from kvjax.models.attention import MASK_VALUE, attention_query, dot_operands
 from pallas_kernels.attention_math import merge_attention
 from pallas_kernels.paged_attention import paged_attention as paged_attention_op
+from pallas_kernels.paged_attention import reads_live_keys_only
 
-MLA_FORMS = ("naive", "absorbed", "split")
+MLA_FORMS = ("naive", "absorbed", "split", "auto")
+
+
+def step_form(form: str, backend: str, decode_only: bool) -> str:
+    """The form one step runs (``"naive"``, ``"absorbed"`` or ``"split"``) for a model's
+    ``form`` (:data:`MLA_FORMS`): ``"split"`` runs absorbed in a decode-only step (one new token
+    per row: nothing for the naive products to save); ``"auto"`` is ``"split"`` where
+    :func:`pallas_kernels.paged_attention` runs its kernel on ``backend``, else ``"absorbed"``."""
+    if form not in MLA_FORMS:
+        raise ValueError(f"MLA form must be one of {MLA_FORMS}, got {form!r}")
+    if form == "auto":
+        form = "split" if reads_live_keys_only(backend) else "absorbed"
+    return "absorbed" if form == "split" and decode_only else form
 
 
 def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, attention_factor: float,

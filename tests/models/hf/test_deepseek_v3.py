@@ -426,31 +426,38 @@ def test_split_form_matches_dense_with_nan_poisoned_pools(checkpoints, lora_pois
             np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
 
 
-def test_split_is_the_default_form_and_decode_only_steps_run_absorbed(checkpoints, monkeypatch):
-    """The default model runs the split form in a step that may prefill (``max_prefill_rows``
-    None or > 0) and the absorbed form in a decode-only one (its new tokens are one per row:
-    nothing to gain from the naive products), every layer."""
+@pytest.mark.parametrize("form,backend,want", [
+    ("auto", "pallas_gpu", ("absorbed", "split", "split")),
+    ("auto", "reference", ("absorbed", "absorbed", "absorbed")),
+    ("split", "reference", ("absorbed", "split", "split")),
+    ("absorbed", "pallas_gpu", ("absorbed", "absorbed", "absorbed"))])
+def test_each_step_runs_the_form_its_backend_and_bucket_call_for(checkpoints, monkeypatch, form, backend,
+                                                                   want):
+    """``attention_form="auto"`` (the default) is the split form where the paged-attention
+    kernel runs (the GPU flavour; interpreted here) and the absorbed form on the jnp reference
+    (whose gather of every token's keys the split form's one-token blocks would make T x T);
+    ``"split"`` runs absorbed in a decode-only step (``max_prefill_rows=0``), split otherwise
+    (None: any number of prefill rows; 1), in every layer."""
     ck = checkpoints["lora"]
-    model = ds.DeepseekV3(ck.config)
-    assert model.attention_form == "split"
+    assert ds.DeepseekV3(ck.config).attention_form == "auto"
+    model = ds.DeepseekV3(ck.config, attention_form=form)
     drv = Driver(model, ck.params)
     calls = []
-    for name in ("split_latent_attention", "paged_latent_attention"):
+    for name, tag in (("split_latent_attention", "split"), ("paged_latent_attention", None)):
         real = getattr(ds, name)
-        monkeypatch.setattr(ds, name, lambda *a, _n=name, _f=real, **k: calls.append(
-            (_n, k.get("form"))) or _f(*a, **k))
+        monkeypatch.setattr(ds, name, lambda *a, _t=tag, _f=real, **k: calls.append(
+            _t or k.get("form")) or _f(*a, **k))
     sched = ScheduledBatch(idx_mapping=np.array([2, 0, -1], np.int32),
                            num_scheduled_tokens=np.array([1, 1, 0], np.int32),
                            num_draft_tokens=np.zeros((R,), np.int32))
     batch = BUILD(drv.requests, drv.tables, sched, num_tokens_padded=T, num_logits_padded=R)
     layers = ck.config.num_hidden_layers
-    for mpr, want in ((0, ("paged_latent_attention", "absorbed")), (None, ("split_latent_attention", None)),
-                      (1, ("split_latent_attention", None))):
+    for mpr, w in zip((0, None, 1), want):
         calls.clear()
         ctx = make_step_context(batch, jnp.zeros((R,), jnp.int32), None, kv_group=0, max_prefill_rows=mpr)
-        jax.eval_shape(lambda p, pools, c=ctx: model.apply(p, c, pools, backend="reference", sizes=drv.sizes),
+        jax.eval_shape(lambda p, pools, c=ctx: model.apply(p, c, pools, backend=backend, sizes=drv.sizes),
                        ck.params, drv.pools)
-        assert calls == [want] * layers, (mpr, calls)
+        assert calls == [w] * layers, (mpr, calls)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
