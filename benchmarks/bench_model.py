@@ -204,8 +204,8 @@ def param_shapes(model) -> dict:
                 attn["q_b"] = ((c.q_lora_rank, H, qk), dt)
             attn["kv_a"] = ((d, c.kv_lora_rank + c.qk_rope_head_dim), dt)
             attn["kv_a_norm"] = ((c.kv_lora_rank,), f32)
-            attn["w_uk"] = ((c.kv_lora_rank, H, nope), dt)
-            attn["w_uv"] = ((c.kv_lora_rank, H, v), dt)
+            attn["w_uk"] = ((H, c.kv_lora_rank, nope), dt)
+            attn["w_uv"] = ((H, v, c.kv_lora_rank), dt)
             attn["o"] = ((H, v, d), dt)
             if not c.is_moe_layer(i):
                 F = c.intermediate_size
@@ -272,7 +272,9 @@ def device_params(model, seed: int, sharding):
         if name == "embed":
             std = 1.0
         else:
-            fan_in = shape[0] if len(shape) == 2 or name in ("q", "w_uk", "w_uv") else int(np.prod(shape[:-1]))
+            fan_in = shape[0] if len(shape) == 2 or name == "q" else int(np.prod(shape[:-1]))
+            if name in ("w_uk", "w_uv"):  # the latent rank: their up-projection's contraction
+                fan_in = shape[1] if name == "w_uk" else shape[2]
             if len(shape) == 3 and name in ("w_gate", "w_up", "w_down"):
                 fan_in = shape[1]
             std = 1.0 / math.sqrt(fan_in)

@@ -436,7 +436,7 @@ def params_from_tensors(config: DeepseekV3Config, get: Callable[[str], np.ndarra
     ``embed [V, d]``, ``final_norm [d]``, ``lm_head [d, V]``, ``layers`` a list of dicts:
     ``input_norm``, ``post_norm [d]``; ``attn``: ``q [d, H, qk]`` or ``q_a [d, q_lora]``
     (``q_a_bias``), ``q_a_norm``, ``q_b [q_lora, H, qk]``; ``kv_a [d, r + rope]``
-    (``kv_a_bias``), ``kv_a_norm [r]``, ``w_uk [r, H, nope]``, ``w_uv [r, H, v]``,
+    (``kv_a_bias``), ``kv_a_norm [r]``, ``w_uk [H, r, nope]``, ``w_uv [H, v, r]``,
     ``o [H, v, d]`` (``o_bias [d]``); ``mlp``: ``gate``, ``up [d, F]``, ``down [F, d]``
     (dense), or ``router [d, E]``, ``bias [E]``, ``w_gate``, ``w_up [E, d, F]``,
     ``w_down [E, F, d]``, ``shared_gate``, ``shared_up [d, Fs]``, ``shared_down [Fs, d]``.
@@ -481,8 +481,10 @@ def params_from_tensors(config: DeepseekV3Config, get: Callable[[str], np.ndarra
             attn["kv_a_bias"] = t(a + "kv_a_proj_with_mqa.bias")
         attn["kv_a_norm"] = t(a + "kv_a_layernorm.weight")
         kv_b = t(a + "kv_b_proj.weight", True).reshape(c.kv_lora_rank, H, nope + v)
-        attn["w_uk"] = np.ascontiguousarray(kv_b[..., :nope])
-        attn["w_uv"] = np.ascontiguousarray(kv_b[..., nope:])
+        # heads major, the decode products' contraction minor (q_nope . w_uk over nope, o_lat . w_uv
+        # over r): the layouts XLA:GPU's batched products read without a transpose
+        attn["w_uk"] = np.ascontiguousarray(kv_b[..., :nope].transpose(1, 0, 2))
+        attn["w_uv"] = np.ascontiguousarray(kv_b[..., nope:].transpose(1, 2, 0))
         attn["o"] = t(a + "o_proj.weight", True).reshape(H, v, c.hidden_size)
         if c.attention_bias:
             attn["o_bias"] = t(a + "o_proj.bias")
@@ -636,8 +638,9 @@ def _fp8_round_trip(x, scale):
 # ----------------------------------------------------------------------------- the model
 
 _COL3 = P(None, _MODEL, None)  # [in, H, out]: heads split
+_HEADS_FIRST = P(_MODEL, None, None)  # [H, ...]: heads split
 _PARAM_SPECS = {
-    ("attn", "q"): _COL3, ("attn", "q_b"): _COL3, ("attn", "w_uk"): _COL3, ("attn", "w_uv"): _COL3,
+    ("attn", "q"): _COL3, ("attn", "q_b"): _COL3, ("attn", "w_uk"): _HEADS_FIRST, ("attn", "w_uv"): _HEADS_FIRST,
     ("attn", "o"): P(_MODEL, None, None),
     ("mlp", "gate"): P(None, _MODEL), ("mlp", "up"): P(None, _MODEL), ("mlp", "down"): P(_MODEL, None),
     ("mlp", "shared_gate"): P(None, _MODEL), ("mlp", "shared_up"): P(None, _MODEL),
@@ -841,8 +844,8 @@ def _dense_forward(c: DeepseekV3Config, dtype: str, fp8_scale: float | None, par
         else:  # the cache holds the model dtype
             dt = jnp.dtype(dtype)
             lat_c, k_pe = lat_c.astype(dt).astype(jnp.float32), k_pe.astype(dt).astype(jnp.float32)
-        k_nope = _mm(lat_c, ap["w_uk"], "sr,rhn->shn")
-        v = _mm(lat_c, ap["w_uv"], "sr,rhv->shv")
+        k_nope = _mm(lat_c, ap["w_uk"], "sr,hrn->shn")
+        v = _mm(lat_c, ap["w_uv"], "sr,hvr->shv")
         s = jnp.einsum("thn,shn->hts", q_nope, k_nope) + jnp.einsum("thp,sp->hts", q_pe, k_pe)
         s = jnp.where(causal[None], s * jnp.float32(c.softmax_scale), -jnp.inf)
         o = jnp.einsum("hts,shv->thv", jax.nn.softmax(s, axis=-1), v)

@@ -100,8 +100,8 @@ def latent_attention(
     q_pe: jax.Array,  # float32 [T, H, pe] (rotated)
     latent: jax.Array,  # float32 [T, S, r + pe]: token t's keys, invisible ones anything (NaN too)
     visible: jax.Array,  # bool [T, S]
-    w_uk: jax.Array,  # [r, H, nope]
-    w_uv: jax.Array,  # [r, H, v]
+    w_uk: jax.Array,  # [H, r, nope]
+    w_uv: jax.Array,  # [H, v, r]
     *,
     softmax_scale: float,
     form: str,
@@ -109,21 +109,21 @@ def latent_attention(
     """Attention of each token over its own latent rows -> float32 ``[T, H, v]``."""
     if form not in ("naive", "absorbed"):
         raise ValueError(f"latent_attention's form must be 'naive' or 'absorbed', got {form!r}")
-    r = w_uk.shape[0]
+    r = w_uk.shape[1]
     latent = jnp.where(visible[:, :, None], latent, 0.0)  # values first: NaN never multiplied
     c, k_pe = latent[..., :r], latent[..., r:]
     f32 = jnp.float32
     if form == "naive":
-        k_nope = jnp.einsum("tsr,rhn->tshn", c, w_uk, preferred_element_type=f32)
-        v = jnp.einsum("tsr,rhv->tshv", c, w_uv, preferred_element_type=f32)
+        k_nope = jnp.einsum("tsr,hrn->tshn", c, w_uk, preferred_element_type=f32)
+        v = jnp.einsum("tsr,hvr->tshv", c, w_uv, preferred_element_type=f32)
         s = jnp.einsum("thn,tshn->ths", q_nope, k_nope) + jnp.einsum("thp,tsp->ths", q_pe, k_pe)
         p = _softmax_on_visible(s * f32(softmax_scale), visible)
         return jnp.einsum("ths,tshv->thv", p, v)
-    q_lat = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)
+    q_lat = jnp.einsum("thn,hrn->thr", q_nope, w_uk, preferred_element_type=f32)
     s = jnp.einsum("thr,tsr->ths", q_lat, c) + jnp.einsum("thp,tsp->ths", q_pe, k_pe)
     p = _softmax_on_visible(s * f32(softmax_scale), visible)
     o_lat = jnp.einsum("ths,tsr->thr", p, c)
-    return jnp.einsum("thr,rhv->thv", o_lat, w_uv, preferred_element_type=f32)
+    return jnp.einsum("thr,hvr->thv", o_lat, w_uv, preferred_element_type=f32)
 
 
 def paged_latent_attention(
@@ -157,15 +157,15 @@ def paged_latent_attention(
     form: the jnp gather over the whole block table below.
     """
     if form == "absorbed":
-        q_lat = jnp.einsum("thn,rhn->thr", *dot_operands(q_nope, w_uk),
+        q_lat = jnp.einsum("thn,hrn->thr", *dot_operands(q_nope, w_uk),
                            preferred_element_type=jnp.float32)
         qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
         scale = None if fp8_scale is None else jnp.float32(fp8_scale)
         o_lat = paged_attention_op(
             qf, cache[:, :, None, :], None, block_table, seq_lens, positions, token_row,
-            v_head_dim=w_uk.shape[0], sm_scale=softmax_scale, k_scale=scale, v_scale=scale,
+            v_head_dim=w_uk.shape[1], sm_scale=softmax_scale, k_scale=scale, v_scale=scale,
             backend=backend)
-        return jnp.einsum("thr,rhv->thv", *dot_operands(o_lat, w_uv),
+        return jnp.einsum("thr,hvr->thv", *dot_operands(o_lat, w_uv),
                           preferred_element_type=jnp.float32)
     T = q_nope.shape[0]
     R, W = block_table.shape
@@ -187,8 +187,8 @@ def split_latent_attention(
     q_pe: jax.Array,  # float32 [T, H, pe] (rotated)
     new_latent: jax.Array,  # float32 [T, r + pe]: this step's latent rows as the cache holds them
     cache: jax.Array,  # [num_blocks, block_size, r + pe] (float, or float8_e4m3fn)
-    w_uk: jax.Array,  # [r, H, nope]
-    w_uv: jax.Array,  # [r, H, v]
+    w_uk: jax.Array,  # [H, r, nope]
+    w_uv: jax.Array,  # [H, v, r]
     block_table: jax.Array,  # int32 [R, W] kernel-block ids
     seq_lens: jax.Array,  # int32 [R]: num_computed + query_len
     query_start_loc: jax.Array,  # int32 [R + 1]
@@ -218,14 +218,14 @@ def split_latent_attention(
     """
     T, H, _ = q_nope.shape
     R = seq_lens.shape[0]
-    r = w_uk.shape[0]
+    r = w_uk.shape[1]
     f32 = jnp.float32
     real = token_row < R
     row = jnp.where(real, token_row, 0)  # gather index only; pad tokens see nothing anyway
     # -- this step's tokens, naive
     c, k_pe = new_latent[:, :r], new_latent[:, r:]
-    k_nope = jnp.einsum("tr,rhn->thn", *dot_operands(c, w_uk), preferred_element_type=f32)
-    v = jnp.einsum("tr,rhv->thv", *dot_operands(c, w_uv), preferred_element_type=f32)
+    k_nope = jnp.einsum("tr,hrn->thn", *dot_operands(c, w_uk), preferred_element_type=f32)
+    v = jnp.einsum("tr,hvr->thv", *dot_operands(c, w_uv), preferred_element_type=f32)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None, :], (T, H, k_pe.shape[-1]))], axis=-1)
     dt = attention_query(k, w_uk.dtype).dtype  # bf16 model: bf16 products, as the absorbed kernel
     q = attention_query(jnp.concatenate([q_nope, q_pe], axis=-1), w_uk.dtype)
@@ -240,14 +240,14 @@ def split_latent_attention(
     context_lens = seq_lens - query_len
 
     def context():
-        q_lat = jnp.einsum("thn,rhn->thr", *dot_operands(q_nope, w_uk), preferred_element_type=f32)
+        q_lat = jnp.einsum("thn,hrn->thr", *dot_operands(q_nope, w_uk), preferred_element_type=f32)
         qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
         scale = None if fp8_scale is None else jnp.float32(fp8_scale)
         o_lat, lse = paged_attention_op(
             qf, cache[:, :, None, :], None, block_table, context_lens, positions, token_row,
             v_head_dim=r, sm_scale=softmax_scale, k_scale=scale, v_scale=scale, return_lse=True,
             backend=backend)
-        return jnp.einsum("thr,rhv->thv", *dot_operands(o_lat, w_uv), preferred_element_type=f32), lse
+        return jnp.einsum("thr,hvr->thv", *dot_operands(o_lat, w_uv), preferred_element_type=f32), lse
 
     def no_context():
         return jnp.zeros(o_new.shape, f32), jnp.full(o_new.shape[:2], -jnp.inf, f32)

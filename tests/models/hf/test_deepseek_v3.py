@@ -248,8 +248,8 @@ def test_absorbed_equals_naive_and_nan_never_reaches_visible_rows():
     vis = rng.random((Tq, S)) < 0.6
     vis[0] = False  # a token that sees nothing
     lat[~vis] = np.nan
-    w_uk = jnp.asarray(rng.standard_normal((r, H, nope)), jnp.float32)
-    w_uv = jnp.asarray(rng.standard_normal((r, H, v)), jnp.float32)
+    w_uk = jnp.asarray(rng.standard_normal((H, r, nope)), jnp.float32)
+    w_uv = jnp.asarray(rng.standard_normal((H, v, r)), jnp.float32)
     kw = dict(softmax_scale=0.3)
     naive = np.asarray(latent_attention(q_nope, q_pe, jnp.asarray(lat), jnp.asarray(vis), w_uk, w_uv,
                                         form="naive", **kw))
