@@ -6,17 +6,25 @@ returned: IndexError on the empty ``[0, vocab]`` logits (the bug this guards).""
 
 from __future__ import annotations
 
+import pytest
+
 from kvjax.host.scheduler import Request
 from kvjax.models import TinyHybridConfig
 from kvjax.runner.runner import Runner, RunnerConfig
 from kvjax.runner.serving import run_to_completion
+
+# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
+# (fast_compiles_module, tests/conftest.py), the step with XLA CPU's older fusion emitters too
+# (as tests/runner/test_runner.py's FAST).
+pytestmark = pytest.mark.usefixtures("fast_compiles_module")
+FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 def test_overlap_without_logits_matches_lockstep():
     config = RunnerConfig(block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=3,
                           max_num_batched_tokens=8, token_sizes=(4, 8), return_logits=False,
                           model=TinyHybridConfig(layer_types=("attn", "mamba")))
-    runner = Runner(config)
+    runner = Runner(config, compiler_options=FAST)
     runner.precompile()
     outputs = {}
     for overlap in (False, True):

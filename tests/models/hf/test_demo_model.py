@@ -14,7 +14,7 @@ from kvjax.cli import main as cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # One token size (8): two step programs (decode-only and mixed) per run instead of three; longer
 # prompts are prefilled in chunks of 8 tokens (nothing here depends on the step sizes).
 SIZES = ["--requests", "3", "--max-model-len", "48", "--quiet", "--token-sizes", "8", "--max-num-batched-tokens", "8"]
