@@ -251,6 +251,9 @@ add_check("gqa-16-1-decode", [(700, 1), (33, 2)], qdt="bfloat16", cdt="bfloat16"
 add_lse_check("lse-mixed-bf16", MIXED, qdt="bfloat16", cdt="bfloat16")
 add_lse_check("lse-mixed-f32", MIXED, qdt="float32", cdt="float32")
 add_lse_check("lse-decode-b1-splits", [(1500, 1)], qdt="bfloat16", cdt="bfloat16", W=512)
+add_lse_check("lse-mixed-fp8", MIXED, qdt="bfloat16", cdt="fp8")
+add_lse_check("lse-mixed-f32-q-fp8", MIXED, qdt="float32", cdt="fp8")
+add_lse_check("lse-decode-b8-fp8-splits", [(11 + i, 1) for i in range(8)], qdt="float32", cdt="fp8", Hq=16, Hkv=1)
 
 
 # --------------------------------------------------------------------------

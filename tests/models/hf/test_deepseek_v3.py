@@ -426,22 +426,24 @@ def test_split_form_matches_dense_with_nan_poisoned_pools(checkpoints, lora_pois
             np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
 
 
-@pytest.mark.parametrize("form,backend,want", [
-    ("auto", "pallas_gpu", ("absorbed", "split", "split")),
-    ("auto", "reference", ("absorbed", "absorbed", "absorbed")),
-    ("split", "reference", ("absorbed", "split", "split")),
-    ("absorbed", "pallas_gpu", ("absorbed", "absorbed", "absorbed"))])
+@pytest.mark.parametrize("form,backend,kv,want", [
+    ("auto", "pallas_gpu", "auto", ("absorbed", "split", "split")),
+    ("auto", "pallas_gpu", "fp8", ("absorbed", "absorbed", "absorbed")),
+    ("auto", "reference", "auto", ("absorbed", "absorbed", "absorbed")),
+    ("split", "reference", "auto", ("absorbed", "split", "split")),
+    ("absorbed", "pallas_gpu", "auto", ("absorbed", "absorbed", "absorbed"))])
 def test_each_step_runs_the_form_its_backend_and_bucket_call_for(checkpoints, monkeypatch, form, backend,
-                                                                   want):
+                                                                   kv, want):
     """``attention_form="auto"`` (the default) is the split form where the paged-attention
     kernel runs (the GPU flavour; interpreted here) and the absorbed form on the jnp reference
     (whose gather of every token's keys the split form's one-token blocks would make T x T);
+    with an fp8 cache ``"auto"`` stays absorbed (step_form's docstring says why);
     ``"split"`` runs absorbed in a decode-only step (``max_prefill_rows=0``), split otherwise
     (None: any number of prefill rows; 1), in every layer."""
     ck = checkpoints["lora"]
     assert ds.DeepseekV3(ck.config).attention_form == "auto"
     model = ds.DeepseekV3(ck.config, attention_form=form)
-    drv = Driver(model, ck.params)
+    drv = Driver(model, ck.params, kv_cache_dtype=kv)
     calls = []
     for name, tag in (("split_latent_attention", "split"), ("paged_latent_attention", None)):
         real = getattr(ds, name)
