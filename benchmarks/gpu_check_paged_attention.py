@@ -104,8 +104,9 @@ def make_step(rng, rows, *, Hq, Hkv, D, W, qdt, cdt, num_blocks=None, pad_tokens
     return args, scales
 
 
-def oracle(args, scales):
-    """float64 numpy, one token at a time, from the stored values."""
+def oracle(args, scales, with_lse=False):
+    """float64 numpy, one token at a time, from the stored values. ``with_lse``: also each
+    head's log-sum-exp of its scaled visible scores ``[T, Hq]`` (-inf: none)."""
     q = np.asarray(args["q"].astype(jnp.float32), np.float64)
     k = np.asarray(args["key_cache"].astype(jnp.float32), np.float64)
     v = np.asarray(args["value_cache"].astype(jnp.float32), np.float64)
@@ -117,6 +118,7 @@ def oracle(args, scales):
     Hkv = k.shape[2]
     G = Hq // Hkv
     out = np.zeros((T, Hq, D))
+    lse = np.full((T, Hq), -np.inf)
     for t in range(T):
         b = rows[t]
         if b >= table.shape[0]:
@@ -130,7 +132,8 @@ def oracle(args, scales):
             s = kk[:, h // G] @ q[t, h] / np.sqrt(D)
             p = np.exp(s - s.max())
             out[t, h] = p @ vv[:, h // G] / p.sum()
-    return out
+            lse[t, h] = s.max() + np.log(p.sum())
+    return (out, lse) if with_lse else out
 
 
 def rel_err(got, want):
@@ -181,30 +184,6 @@ def add_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128, config=PagedAttentio
         return "; ".join(msgs)
 
 
-def oracle_lse(args, scales):
-    """float64 log-sum-exp ``[T, Hq]`` of each token's scaled visible scores (-inf: none)."""
-    q = np.asarray(args["q"].astype(jnp.float32), np.float64)
-    k = np.asarray(args["key_cache"].astype(jnp.float32), np.float64)
-    if scales:
-        k = k * float(scales["k_scale"])
-    table, seq = np.asarray(args["block_table"]), np.asarray(args["seq_lens"])
-    pos, rows = np.asarray(args["positions"]), np.asarray(args["token_row"])
-    T, Hq, D = q.shape
-    G = Hq // k.shape[2]
-    out = np.full((T, Hq), -np.inf)
-    for t in range(T):
-        b = rows[t]
-        n = 0 if b >= table.shape[0] else min(seq[b], pos[t] + 1)
-        if n <= 0:
-            continue
-        j = np.arange(n)
-        kk = k[table[b, j // BS], j % BS]
-        for h in range(Hq):
-            sc = kk[:, h // G] @ q[t, h] / np.sqrt(D)
-            out[t, h] = sc.max() + np.log(np.exp(sc - sc.max()).sum())
-    return out
-
-
 def add_lse_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128):
     """``return_lse=True``: the float32 output against the oracle and each head's log-sum-exp
     against the float64 one (absolute error; -inf exactly where the token sees nothing)."""
@@ -215,7 +194,7 @@ def add_lse_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128):
         fn = jax.jit(lambda a: paged_attention(**a, **scales, return_lse=True, backend=GPU,
                                                interpret=INTERPRET))
         out, lse = fn(args)
-        want, want_lse = oracle(args, scales), oracle_lse(args, scales)
+        want, want_lse = oracle(args, scales, with_lse=True)
         tol = TOL["fp8" if cdt == "fp8" else qdt]
         e_k = rel_err(out, want)
         lse = np.asarray(lse, np.float64)

@@ -101,8 +101,9 @@ def make_step(seed, rows, *, T, R, W, N, bs, Hq, Hkv, D, order=None, pads=(),
                 block_table=table, seq_lens=seq, positions=positions, token_row=token_row)
 
 
-def oracle(a, *, sm_scale=None, k_scale=None, v_scale=None):
-    """float64, one token at a time, over exactly the keys it sees."""
+def oracle(a, *, sm_scale=None, k_scale=None, v_scale=None, with_lse=False):
+    """float64, one token at a time, over exactly the keys it sees. ``with_lse``: also each
+    head's log-sum-exp of its scaled visible scores ``[T, Hq]`` (-inf: none)."""
     q = a["q"].astype(np.float64)
     k, v = a["key_cache"].astype(np.float64), a["value_cache"].astype(np.float64)
     if k_scale is not None:
@@ -114,6 +115,7 @@ def oracle(a, *, sm_scale=None, k_scale=None, v_scale=None):
     bs, Hkv = k.shape[1], k.shape[2]
     scale = 1 / np.sqrt(D) if sm_scale is None else sm_scale
     out = np.zeros((T, Hq, v.shape[-1]))
+    lse = np.full((T, Hq), -np.inf)
     for t in range(T):
         b = a["token_row"][t]
         if b == R:
@@ -127,29 +129,8 @@ def oracle(a, *, sm_scale=None, k_scale=None, v_scale=None):
             s = kk[:, h // (Hq // Hkv)] @ q[t, h] * scale
             p = np.exp(s - s.max())
             out[t, h] = p @ vv[:, h // (Hq // Hkv)] / p.sum()
-    return out
-
-
-def oracle_lse(a, *, sm_scale=None):
-    """float64 log-sum-exp ``[T, Hq]`` of each token's scaled visible scores (-inf: none)."""
-    q, k = a["q"].astype(np.float64), a["key_cache"].astype(np.float64)
-    table, seq = a["block_table"], a["seq_lens"]
-    T, Hq, D = q.shape
-    R, W = table.shape
-    bs, Hkv = k.shape[1], k.shape[2]
-    scale = 1 / np.sqrt(D) if sm_scale is None else sm_scale
-    out = np.full((T, Hq), -np.inf)
-    for t in range(T):
-        b = a["token_row"][t]
-        n = 0 if b == R else min(int(seq[b]), int(a["positions"][t]) + 1, W * bs)
-        if n <= 0:
-            continue
-        j = np.arange(n)
-        kk = k[table[b, j // bs], j % bs]
-        for h in range(Hq):
-            s = kk[:, h // (Hq // Hkv)] @ q[t, h] * scale
-            out[t, h] = s.max() + np.log(np.exp(s - s.max()).sum())
-    return out
+            lse[t, h] = s.max() + np.log(p.sum())
+    return (out, lse) if with_lse else out
 
 
 def check(got, want, tol, a):
@@ -430,8 +411,8 @@ def test_return_lse_is_each_heads_log_sum_exp(backend, config):
     out, lse = paged_attention(*a.values(), sm_scale=0.4, return_lse=True, backend=backend,
                                config=config)
     assert out.dtype == np.float32 and lse.shape == a["q"].shape[:2] and lse.dtype == np.float32
-    check(out, oracle(a, sm_scale=0.4), 2e-5, a)
-    want = oracle_lse(a, sm_scale=0.4)
+    want_out, want = oracle(a, sm_scale=0.4, with_lse=True)
+    check(out, want_out, 2e-5, a)
     lse = np.asarray(lse, np.float64)
     assert_bitwise(np.isneginf(lse), np.isneginf(want), "where lse is -inf")
     seen = np.isfinite(want)
@@ -465,8 +446,8 @@ def test_two_halves_merged_equal_the_whole(backend):
     o1, l1 = paged_attention(*first.values(), return_lse=True, backend=backend)
     o2, l2 = paged_attention(*second.values(), return_lse=True, backend=backend)
     o, lse = merge_attention(o1, l1, o2, l2)
-    check(o, oracle(a), 2e-5, a)
-    want = oracle_lse(a)
+    want_out, want = oracle(a, with_lse=True)
+    check(o, want_out, 2e-5, a)
     seen = np.isfinite(want)
     assert_bitwise(np.isneginf(np.asarray(lse)), ~seen, "where lse is -inf")
     np.testing.assert_allclose(np.asarray(lse)[seen], want[seen], atol=2e-5, rtol=0)

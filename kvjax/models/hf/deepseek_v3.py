@@ -793,10 +793,14 @@ class DeepseekV3:
                 kc, kp = lat_c.astype(cache_dt), k_pe.astype(cache_dt)
             pools[name] = concat_and_cache_mla(kc, kp, pools[name], ctx.slot_mapping,
                                                sizes.kv_cache_dtype, scale, backend=backend)
-            if form == "split":  # this step's latent rows as the cache holds them
-                new = (jnp.concatenate([_fp8_round_trip(lat_c, self.fp8_scale),
-                                        _fp8_round_trip(k_pe, self.fp8_scale)], axis=-1) if fp8
-                       else jnp.concatenate([kc, kp], axis=-1).astype(jnp.float32))
+            if form == "split":  # this step's latent rows read back from the cache just written:
+                # the write owns their rounding (model dtype or fp8 with its scale)
+                flat = pools[name].reshape(-1, c.latent_dim)
+                slot = ctx.slot_mapping
+                new = flat[jnp.clip(slot, 0, flat.shape[0] - 1)].astype(jnp.float32)
+                if fp8:
+                    new = new * scale
+                new = jnp.where((slot >= 0)[:, None], new, 0.0)  # PAD slots: no row reads them
                 o = split_latent_attention(
                     q_nope, q_pe, new, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table,
                     ctx.seq_lens, ctx.query_start_loc, ctx.query_len, ctx.positions, ctx.token_row,
