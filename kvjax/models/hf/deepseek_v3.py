@@ -658,8 +658,9 @@ class DeepseekV3:
       dtype: parameter and activation-cache dtype (``"float32"`` or ``"bfloat16"``); the
         residual stream, norms, softmax and routing are float32.
       fp8_scale: the one scale of an fp8 latent cache (``stored = fp8(x / scale)``).
-      attention_form: ``"auto"`` (default: ``"split"`` where the paged-attention kernel runs and
-        the cache is not fp8, ``"absorbed"`` elsewhere; :func:`kvjax.models.hf.mla.step_form`), ``"split"`` (a decode-only step absorbed, otherwise the step's
+      attention_form: ``"auto"`` (default: ``"split"`` where the paged-attention kernel runs,
+        ``"absorbed"`` elsewhere; :func:`kvjax.models.hf.mla.step_form`), ``"split"`` (a
+        decode-only step absorbed, otherwise the step's
         own tokens naive and the cached context absorbed, as vLLM), ``"absorbed"`` or ``"naive"``
         (the jnp gather over the whole block table: a reference); see :mod:`kvjax.models.hf.mla`.
       model_shards: tensor-parallel shards (:meth:`shard`); heads and MLP widths split over "model".
@@ -780,7 +781,7 @@ class DeepseekV3:
         cache_dt = jnp.dtype(specs[0].dtype)
         scale = jnp.float32(self.fp8_scale) if fp8 else None
         real = ctx.token_real[:, None]
-        form = step_form(self.attention_form, backend, ctx.decode_only, fp8_cache=fp8)
+        form = step_form(self.attention_form, backend, ctx.decode_only)
         x = jnp.take(params["embed"], ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)
         for i, lp in enumerate(params["layers"]):
             ap = lp["attn"]

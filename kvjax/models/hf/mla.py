@@ -53,18 +53,15 @@ from pallas_kernels.paged_attention import reads_live_keys_only
 MLA_FORMS = ("naive", "absorbed", "split", "auto")
 
 
-def step_form(form: str, backend: str, decode_only: bool, fp8_cache: bool = False) -> str:
+def step_form(form: str, backend: str, decode_only: bool) -> str:
     """The form one step runs (``"naive"``, ``"absorbed"`` or ``"split"``) for a model's
     ``form`` (:data:`MLA_FORMS`): ``"split"`` runs absorbed in a decode-only step (one new token
     per row: nothing for the naive products to save); ``"auto"`` is ``"split"`` where
-    :func:`pallas_kernels.paged_attention` runs its kernel on ``backend`` and the cache is not
-    fp8, else ``"absorbed"``. (With an fp8 cache the split form matches the dense oracle on the
-    CPU, but compiled on an H100 some decode rows miss it by O(1) logits while the absorbed form
-    does not: ``benchmarks/probe_split_gpu.py``; not yet explained, so ``"auto"`` keeps fp8 absorbed.)"""
+    :func:`pallas_kernels.paged_attention` runs its kernel on ``backend``, else ``"absorbed"``."""
     if form not in MLA_FORMS:
         raise ValueError(f"MLA form must be one of {MLA_FORMS}, got {form!r}")
     if form == "auto":
-        form = "split" if reads_live_keys_only(backend) and not fp8_cache else "absorbed"
+        form = "split" if reads_live_keys_only(backend) else "absorbed"
     return "absorbed" if form == "split" and decode_only else form
 
 

@@ -428,7 +428,7 @@ def test_split_form_matches_dense_with_nan_poisoned_pools(checkpoints, lora_pois
 
 @pytest.mark.parametrize("form,backend,kv,want", [
     ("auto", "pallas_gpu", "auto", ("absorbed", "split", "split")),
-    ("auto", "pallas_gpu", "fp8", ("absorbed", "absorbed", "absorbed")),
+    ("auto", "pallas_gpu", "fp8", ("absorbed", "split", "split")),
     ("auto", "reference", "auto", ("absorbed", "absorbed", "absorbed")),
     ("split", "reference", "auto", ("absorbed", "split", "split")),
     ("absorbed", "pallas_gpu", "auto", ("absorbed", "absorbed", "absorbed"))])
@@ -437,7 +437,7 @@ def test_each_step_runs_the_form_its_backend_and_bucket_call_for(checkpoints, mo
     """``attention_form="auto"`` (the default) is the split form where the paged-attention
     kernel runs (the GPU flavour; interpreted here) and the absorbed form on the jnp reference
     (whose gather of every token's keys the split form's one-token blocks would make T x T);
-    with an fp8 cache ``"auto"`` stays absorbed (step_form's docstring says why);
+    an fp8 cache alike;
     ``"split"`` runs absorbed in a decode-only step (``max_prefill_rows=0``), split otherwise
     (None: any number of prefill rows; 1), in every layer."""
     ck = checkpoints["lora"]
