@@ -15,10 +15,13 @@ in exactly one path; the token outputs are then picked per row:
   (else from zero, never reading the slot);
 * decode rows: ``causal_conv1d_update`` + ``selective_state_update``. Without
   speculation each decode row's single token is gathered into a ``[R, ...]``
-  batch; with speculation (``state_indices [R, 1 + k]``) the decode rows' tokens
-  are packed into a varlen batch and the kernels' speculative path runs (vLLM:
-  token ``i`` stores its SSM state to ``state_indices[b, i]``, the initial state
-  and conv window come from column / offset ``num_accepted_tokens - 1``).
+  batch in a mixed step; a decode-only step runs the kernels over its tokens as
+  they are (token ``t`` reads and writes its row's slot, a pad token the null
+  slot), so nothing is gathered in or out; with speculation (``state_indices
+  [R, 1 + k]``) the decode rows' tokens are packed into a varlen batch and the
+  kernels' speculative path runs (vLLM: token ``i`` stores its SSM state to
+  ``state_indices[b, i]``, the initial state and conv window come from column /
+  offset ``num_accepted_tokens - 1``).
 """
 
 from __future__ import annotations
@@ -120,6 +123,18 @@ def gated_rms_norm(y: jax.Array, weight: jax.Array, eps: float, groups: int) -> 
     return g.reshape(n, d) * weight
 
 
+def decay_rates(a_logs) -> jax.Array:
+    """``A = -exp(A_log)`` (float32) of one or more Mamba layers, stacked ``[layers, H]``.
+
+    A model computes its layers' rates here once per step and hands row ``i`` to layer ``i``'s
+    :func:`mamba_mixer` (``A=``): one kernel for all layers instead of one per layer. The rows
+    are materialised behind an optimisation barrier, so each layer's row is a contiguous slice
+    of one buffer (XLA passes it to the SSM kernel without a copy) instead of a computation
+    XLA would fold back into every layer."""
+    rates = -jnp.exp(jnp.stack([jnp.asarray(a).astype(jnp.float32) for a in a_logs]))
+    return jax.lax.optimization_barrier(rates)
+
+
 def mamba_mixer(
     h: jax.Array,  # [T, d] (normed)
     ctx: StepContext,
@@ -130,6 +145,7 @@ def mamba_mixer(
     *,
     backend: str,
     model_axis: str | None = None,
+    A: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One mixed step of the Mamba2 mixer (see the module docstring). Returns
     ``(out [T, d] float32, conv_state, ssm_state)``; ``out`` of pad tokens is the output
@@ -138,19 +154,24 @@ def mamba_mixer(
     ``w``: ``in_proj [d, in_proj_dim]`` (+ ``in_proj_bias``), ``conv_weight [conv_dim, W]``,
     ``conv_bias`` (or absent), ``dt_bias``, ``A_log``, ``D [H]``, ``gate_norm [d_inner]``,
     ``out_proj [d_inner, d]`` (+ ``out_proj_bias``, added once after the ``model_axis`` sum).
-    The SSM, the conv and the norm run in float32 whatever the weights' dtype.
+    The SSM, the conv and the norm run in float32 whatever the weights' dtype. ``A``: this
+    layer's row of :func:`decay_rates` (None: computed here from ``A_log``).
     """
     T = h.shape[0]
     H, P = spec.num_heads, spec.head_dim
     di = spec.d_inner
     f32 = jnp.float32
-    # the projection comes out in the weights' dtype (a bf16 model's is bf16, as in vLLM: the
-    # step's widest activation at half the bytes); everything after it computes in float32
-    zxbcdt = linear(h, w["in_proj"], w.get("in_proj_bias"), out_dtype=w["in_proj"].dtype).astype(f32)
+    # A step that prefills gets the projection in the weights' dtype (a bf16 model's is bf16, as
+    # in vLLM: the step's widest activation at half the bytes); a decode-only step gets it in
+    # float32 from the product itself, so that its z / xBC / dt column slices are slices of the
+    # product's own buffer (free for one token) rather than one convert each. Everything after
+    # it computes in float32.
+    proj_dtype = f32 if ctx.decode_only else w["in_proj"].dtype
+    zxbcdt = linear(h, w["in_proj"], w.get("in_proj_bias"), out_dtype=proj_dtype).astype(f32)
     z = zxbcdt[:, :di]
     xbc = zxbcdt[:, di : di + spec.conv_dim]
     dt = zxbcdt[:, di + spec.conv_dim :]  # [T, H]
-    A = -jnp.exp(w["A_log"].astype(f32))  # [H]
+    A = decay_rates([w["A_log"]])[0] if A is None else A  # [H]
     k = {
         # in the weights' own dtype: every conv implementation widens them to float32 as it reads
         # them, so a convert here would only add a kernel to every step
@@ -168,7 +189,7 @@ def mamba_mixer(
         dt = jnp.clip(jax.nn.softplus(dt + k["dt_bias"]), lo, hi)
         k["dt_bias"], k["softplus"] = None, False
 
-    decode = _decode_spec if ctx.is_speculative else _decode
+    decode = _decode_spec if ctx.is_speculative else _decode_tokens_as_rows if ctx.decode_only else _decode
     y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     R = ctx.num_rows
     row = gather_index(ctx.token_row, R)  # masked by token_real
@@ -294,6 +315,20 @@ def _decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
     )
     row = gather_index(ctx.token_row, ctx.num_rows)  # masked by the caller
     return y_rows[row], conv_state, ssm_state
+
+
+def _decode_tokens_as_rows(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
+    """A decode-only step: every real token is its row's one token, so the kernels run over the
+    ``T`` tokens in place, token ``t`` on its row's slot (a pad token on the null slot: nothing
+    read or written); ``y [T, H, P]``, pad tokens' rows masked by the caller."""
+    row = gather_index(ctx.token_row, ctx.num_rows)
+    is_dec = ctx.token_real & ctx.decode_row[row]
+    slots = jnp.where(is_dec, ctx.state_slot[row], NULL_BLOCK_ID)
+    return _decode_tokens(
+        spec, k, lambda a: a, xbc, z, dt, A, conv_state, ssm_state, backend,
+        conv={"conv_state_indices": slots},
+        ssm={"state_batch_indices": slots},
+    )
 
 
 def _decode_spec(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):

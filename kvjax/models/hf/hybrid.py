@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import AttnSpec, apply_rope, attention_mixer, attention_query, linear, rms_norm
 from kvjax.models.interface import CacheSizes, PoolSpec
-from kvjax.models.mamba_layer import MambaSpec, gated_rms_norm, mamba_mixer
+from kvjax.models.mamba_layer import MambaSpec, decay_rates, gated_rms_norm, mamba_mixer
 from kvjax.models.moe import MLPSpec, MoESpec, mlp, moe_ffn
 from kvjax.models.step_context import StepContext
 
@@ -424,6 +424,8 @@ class HybridModel:
         if c.embedding_multiplier != 1.0:
             x = x * jnp.float32(c.embedding_multiplier)
         real = ctx.token_real[:, None]
+        mamba = [i for i, b in enumerate(c.blocks) if b.kind == "mamba"]
+        rates = decay_rates([params["blocks"][i]["A_log"] for i in mamba]) if mamba else None
         for i, b in enumerate(c.blocks):
             p = params["blocks"][i]
             h = rms_norm(x, p["norm"], c.rms_eps)
@@ -440,7 +442,7 @@ class HybridModel:
             elif b.kind == "mamba":
                 out, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"] = mamba_mixer(
                     h, ctx, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"], p, c.mamba,
-                    backend=backend, model_axis=model_axis)
+                    backend=backend, model_axis=model_axis, A=rates[mamba.index(i)])
             else:
                 out = self._ffn(b, p, h, expert_axis, backend)
             if b.residual_multiplier != 1.0:
