@@ -511,7 +511,7 @@ def test_loader_places_params_and_ignores_mtp_layers(checkpoints, tmp_path):
 
 
 _MESH_WORKER = r"""
-import json, os, sys
+import dataclasses, json, os, sys
 # backend optimisation level 0 for every compile (the dense oracle's too): LLVM codegen only
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -530,12 +530,13 @@ cfg = RunnerConfig(model=model, block_size=4, num_blocks=32, max_model_len=32, m
                    max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True)
 
 
-def run(D, M):
+def run(D, M, form=None):
     mesh = make_mesh(D, M)
-    runner = Runner(cfg, mesh=mesh, params=params, compiler_options={"xla_backend_optimization_level": 0})
+    c = cfg if form is None else dataclasses.replace(cfg, model=dataclasses.replace(model, attention_form=form))
+    runner = Runner(c, mesh=mesh, params=params, compiler_options={"xla_backend_optimization_level": 0})
     reqs = [Request(f"r{i}", p, n_new, arrival_step=3 * i) for i, p in enumerate(prompts)]
     try:
-        report, _ = serve(cfg, reqs, runner=runner, compile_workers=1, progress_stream=None)
+        report, _ = serve(c, reqs, runner=runner, compile_workers=1, progress_stream=None)
     except SanitizerError as e:
         return {"caught": {"invariant": e.invariant, "array": e.array, "rank": e.rank}}
     return {"nan": report.nan_count, "compiles": report.serving_compiles,
@@ -545,6 +546,8 @@ def run(D, M):
 
 
 print(json.dumps(run(2, 2)), flush=True)
+# the split form (the GPU's default; here on the reference backend) with its heads over model=2
+print(json.dumps(run(1, 2, form="split")), flush=True)
 # vLLM PR 39444: a step with no real row (an idle data rank's dummy step) maps its tokens to
 # slot 0 instead of PAD, writing the null block of every latent pool.
 original = BlockTables.slot_mappings
@@ -560,7 +563,8 @@ def test_mesh_data2_model2_serves_token_for_token(checkpoints):
     """PR 39444's setting: experts over data=2 (idle-rank dummy steps: arrivals staggered), heads
     and MLP widths over model=2, latent cache replicated per model rank; in a fresh process with
     4 host CPU devices. Every logits row matches the unsharded dense oracle and the tokens are
-    transformers' greedy ones. Then on data=2 with PR 39444's bug planted (a dummy step's slot
+    transformers' greedy ones; the same for the split form (``attention_form="split"``, the GPU's
+    "auto") over model=2. Then on data=2 with PR 39444's bug planted (a dummy step's slot
     mapping all 0): the sanitizer catches it."""
     import os  # noqa: PLC0415
     import pathlib  # noqa: PLC0415
@@ -574,9 +578,11 @@ def test_mesh_data2_model2_serves_token_for_token(checkpoints):
     proc = subprocess.run([sys.executable, "-c", _MESH_WORKER, str(ck.path), json.dumps(prompts), str(n_new)],
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    res, planted = map(json.loads, proc.stdout.strip().splitlines()[-2:])
+    res, split, planted = map(json.loads, proc.stdout.strip().splitlines()[-3:])
     assert res["nan"] == 0 and res["compiles"] == 0 and res["dummy_steps"] > 0
-    assert all(res["match"].values()), res["match"]
-    for i, p in enumerate(prompts):
-        assert res["out"][f"r{i}"] == _hf_greedy(ck, p, n_new), i
+    assert split["nan"] == 0 and split["compiles"] == 0
+    for r in (res, split):
+        assert all(r["match"].values()), r["match"]
+        for i, p in enumerate(prompts):
+            assert r["out"][f"r{i}"] == _hf_greedy(ck, p, n_new), i
     assert "caught" in planted, planted  # the sanitizer stops the run with the planted bug
