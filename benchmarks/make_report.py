@@ -1197,6 +1197,12 @@ def model_section(results):
     if os.path.exists(notes):
         with open(notes) as fh:
             out += [fh.read()]
+    # the earlier runs' notes (hand-written, newest first): what was tried before this table
+    older = sorted((p for p in glob.glob(os.path.join(results, "*-model.md")) if p != notes), reverse=True)
+    for old in older:
+        out += [f"### Notes of an earlier run (its table: `{os.path.basename(old)[: -len('.md')]}.json`)", ""]
+        with open(old) as fh:
+            out += [fh.read()]
     return "\n".join(out)
 
 
