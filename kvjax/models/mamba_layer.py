@@ -127,10 +127,10 @@ def decay_rates(a_logs) -> jax.Array:
     """``A = -exp(A_log)`` (float32) of one or more Mamba layers, stacked ``[layers, H]``.
 
     A model computes its layers' rates here once per step and hands row ``i`` to layer ``i``'s
-    :func:`mamba_mixer` (``A=``): one kernel for all layers instead of one per layer. The rows
-    are materialised behind an optimisation barrier, so each layer's row is a contiguous slice
-    of one buffer (XLA passes it to the SSM kernel without a copy) instead of a computation
-    XLA would fold back into every layer."""
+    :func:`mamba_mixer` (``A=``): one kernel for all layers instead of one per layer (Granite's
+    36 Mamba layers: 36 fewer kernels per step on an H100). The rows are materialised behind an
+    optimisation barrier so that XLA keeps them one computation rather than folding each row's
+    slice back into a computation of its own layer."""
     rates = -jnp.exp(jnp.stack([jnp.asarray(a).astype(jnp.float32) for a in a_logs]))
     return jax.lax.optimization_barrier(rates)
 
