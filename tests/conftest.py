@@ -4,6 +4,14 @@ import os
 # Tests run on the CPU; the GPU checks live in benchmarks/.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from kvjax.testing.fast_compile import with_fast_xla_flags  # noqa: E402
+
+# Every XLA compile of the suite, and of the processes it starts (they inherit XLA_FLAGS), at
+# kvjax.testing.fast_compile's settings: LLVM code generation at level 0 and XLA:CPU's older
+# fusion emitters, about half the CPU time of each compile; what programs compute is checked
+# against oracles either way. Read when JAX creates its CPU client, after this.
+os.environ["XLA_FLAGS"] = with_fast_xla_flags(os.environ.get("XLA_FLAGS"))
+
 from kvjax.testing import vllm as _vllm_oracle  # noqa: E402
 
 # Before any test imports transformers (which imports Triton): the vLLM oracle's Triton

@@ -5,6 +5,8 @@ import pathlib
 
 import pytest
 
+from kvjax.testing.fast_compile import with_fast_xla_flags
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -29,14 +31,9 @@ def test_runs_without_error_and_draws_a_figure(path):
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
-    # The kernel (and the processes it starts) compile at XLA's backend optimisation level 0: LLVM
-    # code generation only, the optimised HLO is the same (tests/runner/test_in_place.py), each
-    # compile about twice as fast; the notebooks' own parity checks still run. Also:
-    # xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-    # (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-    # each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-    fast = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    flags = " ".join([os.environ.get("XLA_FLAGS", ""), fast]).strip()
+    # The kernel (and the processes it starts) compile at kvjax.testing.fast_compile's settings,
+    # about half the CPU time of each compile; the notebooks' own parity checks still run.
+    flags = with_fast_xla_flags(os.environ.get("XLA_FLAGS"))
     # the kernel imports kvjax from this checkout whatever the environment's install state
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     client.execute(env={**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path})  # raises CellExecutionError on the first error cell

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvjax.runner
 from kvjax.cli import main as cli
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
 # What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
 # (fast_compiles_module, tests/conftest.py).
@@ -75,10 +76,7 @@ def test_demo_options_end_in_a_clean_refusal_or_a_compile(opts, flags, monkeypat
     assert "Traceback" not in err and "error" in err, (argv, err[-2000:])
 
 
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 
 
 #: Features of the sample's option sets, by ``seed % 4``: KV layout, KV dtype, draft tokens, bucket

@@ -19,13 +19,12 @@ import pathlib
 import re
 import sys
 
-# Level 0 for every compile of this process (the dense oracle and the sanitizer's checks too, not
-# only the runners given FAST_COMPILE): LLVM code generation only, the optimised HLO is the same.
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-                           " --xla_cpu_use_fusion_emitters=false")
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS, with_fast_xla_flags
+
+# 8 host devices, and every compile of this process at kvjax.testing.fast_compile's settings (the
+# dense oracle and the sanitizer's checks too, not only the runners given FAST_COMPILE). Read
+# when JAX creates its CPU client, after this.
+os.environ["XLA_FLAGS"] = with_fast_xla_flags("--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -43,7 +42,7 @@ from kvjax.runner.sanitizer import SanitizerError  # noqa: E402
 from kvjax.state.block_tables import BlockTables  # noqa: E402
 from pallas_kernels import tpu_target  # noqa: E402
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST_COMPILE = FAST_COMPILER_OPTIONS
 
 
 def config(token_sizes=(16,), backend="auto") -> RunnerConfig:

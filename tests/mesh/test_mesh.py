@@ -17,18 +17,13 @@ from kvjax.host.placement import least_loaded
 from kvjax.models import TinyHybridConfig, TinyHybridModel
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner.mesh import force_host_device_count, parse_mesh_shape
+from kvjax.testing.fast_compile import FAST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).with_name("mesh_worker.py")
 WORKLOAD = json.loads(WORKER.with_name("workload.json").read_text())
-# The CLI's processes compile at XLA's backend optimisation level 0, as the worker's runners do
-# (mesh_worker.FAST_COMPILE): it changes LLVM code generation only (the optimised HLO is the same,
-# tests/runner/test_in_place.py) and roughly halves each compile. The demo keeps the flag and adds
-# its host device count. Also:
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# The CLI's processes compile at kvjax.testing.fast_compile's settings, as the worker's runners do
+# (mesh_worker.FAST_COMPILE); the demo keeps the flags and adds its host device count.
 
 
 def run_worker(*cases, timeout=900):

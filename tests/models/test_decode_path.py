@@ -28,16 +28,14 @@ import pytest
 import kvjax.models.mamba_layer as ml
 from kvjax.host.scheduler import Request
 from kvjax.runner import Runner, RunnerConfig
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
 # What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
 # (fast_compiles_module, tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
 TOL = 1e-5
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 # One token size: its decode-only and its mixed bucket are the two programs compared here (a second
 # size would add a third compile and no other kind of step).
 CONFIG = RunnerConfig(block_size=4, num_blocks=20, max_model_len=32, max_num_seqs=3,

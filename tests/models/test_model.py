@@ -35,6 +35,7 @@ from kvjax.models import (
     init_params,
 )
 from kvjax.models.attention import paged_attention
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
 # What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
 # (fast_compiles_module, tests/conftest.py).
@@ -51,13 +52,9 @@ DENSE_LEN = 24  # the oracle runs on a fixed length (causal: a zero tail changes
 TOL = 1e-4
 
 SPEC = KVGroupSpec.for_model_len(BLOCK_SIZE, MAX_MODEL_LEN)
-# XLA's backend optimisation level 0 cuts the CPU compile of a step from ~5 s to ~1 s (the
-# numbers are checked against the oracle either way); the batch build is jitted for the same
-# reason, after an eager validate_schedule of the hand-written schedule.
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# The batch build is jitted (after an eager validate_schedule of the hand-written schedule): one
+# compile instead of many eager ones.
+_FAST_COMPILE = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 STEP = jax.jit(
     forward_step,
     static_argnames=("config", "backend"),

@@ -41,6 +41,7 @@ from kvjax.models.hf.hybrid import Block, HybridConfig, HybridModel
 from kvjax.models.mamba_layer import MambaSpec
 from kvjax.models.moe import MLPSpec
 from kvjax.runner.runner import Runner, RunnerConfig
+from kvjax.testing.fast_compile import DEFAULT_FUSION_OPTIONS, FAST_COMPILER_OPTIONS
 
 CUDA = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
 HF = HybridModel(HybridConfig(
@@ -105,8 +106,9 @@ def unaliased_pool_results(mlir: str, sizes) -> list[str]:
 
 # XLA's backend optimisation level 0 halves the CPU compile; it changes LLVM code generation only:
 # the optimised HLO, copy insertion's copies included, is the same text at either level (checked
-# for hf-rpa and tiny-spec-fp8, byte for byte).
-FAST = {"xla_backend_optimization_level": 0}
+# for hf-rpa and tiny-spec-fp8, byte for byte). XLA:CPU's default fusion emitters, not the suite's
+# older ones (tests/conftest.py): the copies checked are those of the program a user gets.
+FAST = DEFAULT_FUSION_OPTIONS
 
 
 def _runner(case, compiler_options=None, **kw):
@@ -153,9 +155,8 @@ def test_pool_copy_detectors_see_a_copy():
         f"result 1 (37x128) of {line[:160]}"]
 
 
-# The served runs below check what the steps return, not the compiled HLO: XLA CPU's older fusion
-# emitters too (they fuse some reductions differently; each compile faster), as test_runner's FAST.
-SERVE_FAST = {**FAST, "xla_cpu_use_fusion_emitters": False}
+# The served runs below check what the steps return, not the compiled HLO: the suite's settings.
+SERVE_FAST = FAST_COMPILER_OPTIONS
 
 
 def _serve(config):

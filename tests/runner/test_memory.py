@@ -9,6 +9,7 @@ import pytest
 import kvjax.cli.main as cli
 from kvjax.models.caches import KV_LAYOUTS
 from kvjax.runner import Runner, RunnerConfig
+from kvjax.testing.fast_compile import DEFAULT_FUSION_OPTIONS
 from kvjax.runner.memory import (GIB, InsufficientMemoryError, MemoryEstimate, check_fits,
                                  dense_reference_length, estimate_memory)
 
@@ -45,7 +46,9 @@ def test_persistent_parts_are_exact(config):
 # XLA's backend optimisation level 0 changes LLVM code generation only: buffer assignment runs on the
 # same optimised HLO, so memory_analysis() reports the same temporaries at either level (checked for
 # every layout and KV dtype below, and for the dense reference, byte for byte), each compile faster.
-FAST = {"xla_backend_optimization_level": 0}
+# XLA:CPU's default fusion emitters, not the suite's older ones (tests/conftest.py): the
+# temporaries of the program a user gets.
+FAST = DEFAULT_FUSION_OPTIONS
 
 
 def _step_temp_bytes(runner, bucket) -> int:

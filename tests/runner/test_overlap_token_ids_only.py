@@ -12,12 +12,12 @@ from kvjax.host.scheduler import Request
 from kvjax.models import TinyHybridConfig
 from kvjax.runner.runner import Runner, RunnerConfig
 from kvjax.runner.serving import run_to_completion
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
 # What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py), the step with XLA CPU's older fusion emitters too
-# (as tests/runner/test_runner.py's FAST).
+# (fast_compiles_module, tests/conftest.py), the step with XLA CPU's older fusion emitters too.
 pytestmark = pytest.mark.usefixtures("fast_compiles_module")
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 
 
 def test_overlap_without_logits_matches_lockstep():

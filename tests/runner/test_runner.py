@@ -20,17 +20,13 @@ from kvjax.runner.serving import run_to_completion
 from kvjax.host.scheduler import Request
 from kvjax.cli.demo import serve
 from kvjax.cli.workload import WorkloadError, validate_workload
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
 # What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
 # (fast_compiles_module, tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
-# Optimisation level 0 cuts the CPU compile of each step several-fold; results are checked
-# against the dense reference either way.
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 
 BASE = RunnerConfig(block_size=4, num_blocks=14, max_model_len=32, max_num_seqs=3,
                     max_num_batched_tokens=12, token_sizes=(4, 12), poison=True)

@@ -15,15 +15,13 @@ from kvjax.runner import Runner, RunnerConfig
 from kvjax.runner import sanitizer
 from kvjax.runner.sanitizer import SanitizerError
 from kvjax.testing.asserts import assert_bitwise, bits
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
 # What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
 # (fast_compiles_module, tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 # One attention and one Mamba layer, one bucket: the smallest runner that has every kind of memory.
 SMALL = RunnerConfig(model=TinyHybridConfig(layer_types=("attn", "mamba")), block_size=4, num_blocks=12,
                      max_model_len=24, max_num_seqs=2, max_num_batched_tokens=8, token_sizes=(8,), poison=True)

@@ -14,11 +14,9 @@ from jax.sharding import PartitionSpec as P
 from kvjax.host.scheduler import Request
 from kvjax.models.tiny_hybrid import TinyHybridConfig
 from kvjax.runner import Runner, RunnerConfig
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 
 
 def test_each_step_runs_on_its_own_staged_inputs():

@@ -13,13 +13,11 @@ import json
 import os
 import sys
 
-# XLA's backend optimisation level 0 for every compile (the dense oracle's too, not only the
-# Runner's): LLVM code generation only, the optimised HLO is the same; each compile ~2x faster.
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-                           " --xla_cpu_use_fusion_emitters=false")
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS, with_fast_xla_flags
+
+# 4 host devices, and every compile (the dense oracle's too, not only the Runner's) at
+# kvjax.testing.fast_compile's settings. Read when JAX creates its CPU client, after this.
+os.environ["XLA_FLAGS"] = with_fast_xla_flags("--xla_force_host_platform_device_count=4")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -39,8 +37,7 @@ def case(path: str, D: int, M: int, kv_cache_dtype: str) -> dict:
     cfg = RunnerConfig(model=model, block_size=4, num_blocks=32, max_model_len=32, max_num_seqs=3,
                        max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True,
                        kv_cache_dtype=kv_cache_dtype)
-    runner = Runner(cfg, mesh=mesh, params=dense, compiler_options={"xla_backend_optimization_level": 0,
-                                                                 "xla_cpu_use_fusion_emitters": False})
+    runner = Runner(cfg, mesh=mesh, params=dense, compiler_options=FAST_COMPILER_OPTIONS)
     same_placement = all(
         a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(runner.params), strict=True))

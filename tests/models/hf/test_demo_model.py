@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from kvjax.cli import main as cli
+from kvjax.testing.fast_compile import FAST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # One token size (8): two step programs (decode-only and mixed) per run instead of three; longer
 # prompts are prefilled in chunks of 8 tokens (nothing here depends on the step sizes).
 SIZES = ["--requests", "3", "--max-model-len", "48", "--quiet", "--token-sizes", "8", "--max-num-batched-tokens", "8"]
@@ -23,9 +23,8 @@ SIZES = ["--requests", "3", "--max-model-len", "48", "--quiet", "--token-sizes",
 def _demo(args, tmp_path, env_extra=None):
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # XLA's backend optimisation level 0 (LLVM codegen only; the optimised HLO is the same, see
-    # tests/runner/test_in_place.py) roughly halves the CLI's compiles; the demo keeps the flag
-    # and adds its host device count. torch on one thread: on a busy 2-core machine its second
+    # kvjax.testing.fast_compile's settings (about half the CLI's compile time); the demo keeps
+    # the flags and adds its host device count. torch on one thread: on a busy 2-core machine its second
     # thread spin-waits (the --check transformers forward).
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS, OMP_NUM_THREADS="1",
                **(env_extra or {}))

@@ -57,11 +57,9 @@ from kvjax.host.scheduler import Request  # noqa: E402
 from kvjax.models import load_pretrained  # noqa: E402
 from kvjax.runner.runner import Runner, RunnerConfig  # noqa: E402
 from kvjax.runner.serving import PENDING_TOKEN, run_to_completion  # noqa: E402
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS  # noqa: E402
 
-# xla_cpu_use_fusion_emitters=False: XLA CPU's older fusion emitters instead of the MLIR ones
-# (it fuses some reductions differently, so the optimised HLO is not byte for byte the default's);
-# each step compile ~1.2-2x faster, and every result is still checked against its oracle.
-FAST = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 
 # A tiny DeepSeek-V3: q LoRA, one dense layer then one MoE layer (8 experts in 2 groups, top-2).
 DEEPSEEK = dict(

@@ -1,0 +1,54 @@
+"""XLA:CPU settings that make compiles fast, for a test suite and the processes it starts.
+
+On a CPU the test suite is compile-bound (step programs, dense oracles, Pallas kernels run by
+the interpreter). These settings change how XLA:CPU generates code, not what a program
+computes, and every test still checks its results against an oracle:
+
+* ``xla_backend_optimization_level=0`` and ``xla_llvm_disable_expensive_passes``: LLVM code
+  generation only (what JAX's ``jax_disable_most_optimizations`` sets); the optimised HLO is the
+  same text at either level.
+* ``xla_cpu_use_fusion_emitters=false``: XLA:CPU's older fusion emitters instead of the MLIR
+  ones; they fuse some reductions differently (so the optimised HLO is not byte for byte the
+  default's) and compile each program ~1.2-2x faster.
+
+Together they cut the CPU time of a compile-bound test file about in half.
+``tests/conftest.py`` puts :data:`FAST_XLA_FLAGS` in ``XLA_FLAGS`` for the whole suite (child
+processes inherit it); a script that sets ``XLA_FLAGS`` itself adds them with
+:func:`with_fast_xla_flags`. Per-executable ``compiler_options`` override ``XLA_FLAGS``: a test
+of the compiled program's own structure (its HLO, its memory analysis) passes
+:data:`DEFAULT_FUSION_OPTIONS` to check the fusions a user gets; a test of exact numbers passes
+:data:`XLA_DEFAULT_COMPILER_OPTIONS`.
+"""
+
+from __future__ import annotations
+
+#: The settings, as XLA compile options.
+FAST_COMPILER_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+}
+
+#: The same settings in ``XLA_FLAGS`` form.
+FAST_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILER_OPTIONS.items())
+
+#: Per-executable options that restore XLA:CPU's default fusion emitters under
+#: :data:`FAST_XLA_FLAGS` (the optimisation level stays 0: it leaves the optimised HLO as it is).
+DEFAULT_FUSION_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": True}
+
+#: XLA's own defaults of the three options, for a test whose numbers must be those of the program
+#: a user gets on a CPU: level 0 changes how dots accumulate (a float32 ulp or so), and with the
+#: older fusion emitters it flushes some subnormal results of ``kv_write.ieee_divide`` to zero.
+XLA_DEFAULT_COMPILER_OPTIONS = {
+    "xla_backend_optimization_level": 2,
+    "xla_llvm_disable_expensive_passes": False,
+    "xla_cpu_use_fusion_emitters": True,
+}
+
+
+def with_fast_xla_flags(flags: str | None = None) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value; None or empty: none) with :data:`FAST_XLA_FLAGS`
+    instead of any setting of the same options."""
+    names = {f"--{k}" for k in FAST_COMPILER_OPTIONS}
+    kept = [f for f in (flags or "").split() if f.split("=", 1)[0] not in names]
+    return " ".join([*kept, FAST_XLA_FLAGS])
