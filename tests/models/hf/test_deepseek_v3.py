@@ -512,8 +512,9 @@ def test_loader_places_params_and_ignores_mtp_layers(checkpoints, tmp_path):
 
 _MESH_WORKER = r"""
 import dataclasses, json, os, sys
-# backend optimisation level 0 for every compile (the dense oracle's too): LLVM codegen only
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS, with_fast_xla_flags
+# the suite's fast XLA:CPU settings for every compile (the dense oracle's too)
+os.environ["XLA_FLAGS"] = with_fast_xla_flags("--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax.numpy as jnp
 from kvjax.cli.demo import serve
@@ -533,7 +534,7 @@ cfg = RunnerConfig(model=model, block_size=4, num_blocks=32, max_model_len=32, m
 def run(D, M, form=None):
     mesh = make_mesh(D, M)
     c = cfg if form is None else dataclasses.replace(cfg, model=dataclasses.replace(model, attention_form=form))
-    runner = Runner(c, mesh=mesh, params=params, compiler_options={"xla_backend_optimization_level": 0})
+    runner = Runner(c, mesh=mesh, params=params, compiler_options=FAST_COMPILER_OPTIONS)
     reqs = [Request(f"r{i}", p, n_new, arrival_step=3 * i) for i, p in enumerate(prompts)]
     try:
         report, _ = serve(c, reqs, runner=runner, compile_workers=1, progress_stream=None)
