@@ -1,4 +1,3 @@
-import contextlib
 import os
 
 # Tests run on the CPU; the GPU checks live in benchmarks/.
@@ -18,7 +17,6 @@ from kvjax.testing import vllm as _vllm_oracle  # noqa: E402
 # kernels, and Triton's own tl.sum & co., must be decorated for the interpreter on a CPU.
 _vllm_oracle.use_interpreter_without_gpu()
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
 from jax._src.pallas.triton import lowering as triton_lowering  # noqa: E402
 
@@ -39,39 +37,6 @@ def verified_triton_modules(monkeypatch):
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", build_and_verify)
     return built
-
-
-@contextlib.contextmanager
-def _most_optimizations_disabled():
-    flag = "jax_disable_most_optimizations"
-    before = jax.config.read(flag)
-    jax.config.update(flag, True)
-    try:
-        yield
-    finally:
-        jax.config.update(flag, before)
-
-
-@pytest.fixture
-def fast_compiles():
-    """Every XLA compile while the test runs at the backend's optimisation level 0 (JAX's
-    ``jax_disable_most_optimizations``: ``xla_backend_optimization_level=0`` and no expensive LLVM
-    passes; restored after). For tests of what programs compute, not of how fast: it changes LLVM
-    code generation only, the optimised HLO is the same (tests/runner/test_in_place.py), and cuts
-    each CPU compile about in half (the dense oracles', the sanitizer's, jitted state ops, ...;
-    runners given ``compiler_options`` keep theirs). Read at compile time: a program compiled
-    earlier in the process is reused as it is."""
-    with _most_optimizations_disabled():
-        yield
-
-
-@pytest.fixture(scope="module")
-def fast_compiles_module():
-    """``fast_compiles`` for a whole module, its module-scoped fixtures included (with
-    ``pytestmark = pytest.mark.usefixtures("fast_compiles_module")``; hypothesis accepts it
-    beside ``@given``, unlike a function-scoped fixture)."""
-    with _most_optimizations_disabled():
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -49,9 +49,9 @@ def test_every_readme_fence_names_its_language():
     assert not bad, f"label these fences (python, bash, text or json): {bad}"
 
 
-def test_every_readme_python_snippet_runs_as_written(fast_compiles):
-    """Each ```python block runs, in a fresh namespace, from the repository root (XLA at
-    optimisation level 0: ``fast_compiles``, tests/conftest.py)."""
+def test_every_readme_python_snippet_runs_as_written():
+    """Each ```python block runs, in a fresh namespace, from the repository root (at the suite's
+    fast XLA:CPU settings, tests/conftest.py)."""
     snippets = [body for lang, body in _fenced_blocks((ROOT / "README.md").read_text()) if lang == "python"]
     assert snippets
     for i, code in enumerate(snippets):

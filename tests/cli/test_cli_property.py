@@ -27,10 +27,6 @@ import kvjax.runner
 from kvjax.cli import main as cli
 from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
-
 
 class _ReachedCompile(Exception):
     pass

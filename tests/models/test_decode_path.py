@@ -30,9 +30,6 @@ from kvjax.host.scheduler import Request
 from kvjax.runner import Runner, RunnerConfig
 from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
 TOL = 1e-5
 FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)

@@ -37,9 +37,6 @@ from kvjax.models import (
 from kvjax.models.attention import paged_attention
 from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
 CONFIG = TinyHybridConfig()
 BLOCK_SIZE = 4

@@ -6,17 +6,12 @@ returned: IndexError on the empty ``[0, vocab]`` logits (the bug this guards).""
 
 from __future__ import annotations
 
-import pytest
-
 from kvjax.host.scheduler import Request
 from kvjax.models import TinyHybridConfig
 from kvjax.runner.runner import Runner, RunnerConfig
 from kvjax.runner.serving import run_to_completion
 from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py), the step with XLA CPU's older fusion emitters too.
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 
 

@@ -22,9 +22,6 @@ from kvjax.runner.sanitizer import SanitizerError
 from kvjax.state import RequestState
 from pallas_kernels import kv_write
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 

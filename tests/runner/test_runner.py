@@ -22,9 +22,6 @@ from kvjax.cli.demo import serve
 from kvjax.cli.workload import WorkloadError, validate_workload
 from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
 FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 

@@ -7,11 +7,6 @@ import pytest
 
 from kvjax.runner.sampling import sample_and_verify, sample_rows
 
-# What the sampler computes is checked, not its speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py; the lowered text test_sampling_runs_no_sort reads is the
-# same at any level).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
-
 
 def _rows(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, position=None):
     L = logits.shape[0]

@@ -17,9 +17,6 @@ from kvjax.runner.sanitizer import SanitizerError
 from kvjax.testing.asserts import assert_bitwise, bits
 from kvjax.testing.fast_compile import FAST_COMPILER_OPTIONS
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
 FAST = FAST_COMPILER_OPTIONS  # kvjax.testing.fast_compile (also in XLA_FLAGS, tests/conftest.py)
 # One attention and one Mamba layer, one bucket: the smallest runner that has every kind of memory.

@@ -12,10 +12,6 @@ from jax.experimental import checkify
 import kvjax
 from kvjax import NULL_BLOCK_ID, PAD_SLOT_ID, BlockTables, KVGroupSpec, compute_slot_mapping
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
-
 
 def numpy_slot_mapping(table, idx_mapping, qsl, positions, block_size, T):
     """Independent loop implementation of the slot-mapping rule."""
@@ -115,7 +111,6 @@ def test_gather_sliding_window_nulls_invisible_leading_blocks():
     np.testing.assert_array_equal(g, [[0, 0, 5, 6]])
     (g,) = bt.gather(jnp.array([0]))  # no positions given: nothing nulled
     np.testing.assert_array_equal(g, [[3, 4, 5, 6]])
-
 
 
 def test_slot_mapping_values():

@@ -13,9 +13,6 @@ from kvjax import (
     build_step_batch, dummy_step_batch,
 )
 
-# What the programs compute is checked, not their speed: XLA compiles at optimisation level 0
-# (fast_compiles_module, tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compiles_module")
 
 SPECS = (KVGroupSpec(block_size=4, max_num_blocks=4), KVGroupSpec(block_size=8, max_num_blocks=2, kernel_block_size=4))
 

@@ -72,8 +72,8 @@ def test_compare_arrays_reports_bits_ulps_and_the_first_difference():
     assert not ints.ok and ints.max_abs == 1 and "kvjax -1, other 0" in ints.reason
 
 
-def test_api_against_torch_passes_on_every_op(fast_compiles):
-    """(XLA at optimisation level 0: ``fast_compiles``, tests/conftest.py.)"""
+def test_api_against_torch_passes_on_every_op():
+    """(At the suite's fast XLA:CPU settings, tests/conftest.py.)"""
     report = dt.difftest(against="torch", cases=1, seed=3, backend="reference")
     assert report.ok, report.table()
     assert {r.op for r in report.rows} == set(sc.OPS)

@@ -98,12 +98,6 @@ def hf_greedy(hf, prompt, n, torch) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles_here(fast_compiles_module):
-    """Every test here checks what the models compute (against transformers, the dense oracle):
-    XLA compiles at optimisation level 0 (``fast_compiles`` of tests/conftest.py)."""
-
-
 @pytest.fixture(autouse=True)
 def _torch_on_one_thread():
     """torch's CPU ops on one thread during each test here (restored after): these models are
