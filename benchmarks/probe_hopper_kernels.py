@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/probe_hopper_kernels.py [--tokens 8192] [--json OUT.json]
 
-In one process on one GPU, DeepSeek-V2-Lite's shapes, bf16, timed back to back (median of 10
-calls after 3 warm-ups, each call synchronised; jit-compiled):
+In one process on one GPU, DeepSeek-V2-Lite's shapes, bf16, timed back to back (``bench_moe.timed``:
+the median of 20 calls after one warm-up, each call synchronised; jit-compiled):
 
 * the split form's self-attention of one 8k-token request (16 heads, keys 192, values 128, causal):
   kvjax's ``paged_attention`` over one-token blocks (as ``split_latent_attention`` calls it) against
@@ -23,26 +23,24 @@ import argparse
 import functools
 import json
 import math
-import statistics
+import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.grouped_matmul import grouped_matmul
-from pallas_kernels.paged_attention import paged_attention
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_moe  # noqa: E402
+
+from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
+from pallas_kernels.paged_attention import paged_attention  # noqa: E402
 
 
-def timed(f, *args, reps=10):
-    for _ in range(3):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
+def timed(f, *args):
+    """Median microseconds of ``f(*args)`` (:func:`bench_moe.timed`)."""
+    return bench_moe.timed(f, *args) * 1e6
 
 
 def attention_rows(T, H=16, dqk=192, dv=128):

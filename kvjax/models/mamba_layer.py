@@ -27,6 +27,7 @@ in exactly one path; the token outputs are then picked per row:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -189,11 +190,16 @@ def mamba_mixer(
         dt = jnp.clip(jax.nn.softplus(dt + k["dt_bias"]), lo, hi)
         k["dt_bias"], k["softplus"] = None, False
 
-    decode = _decode_spec if ctx.is_speculative else _decode_tokens_as_rows if ctx.decode_only else _decode
-    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     R = ctx.num_rows
     row = gather_index(ctx.token_row, R)  # masked by token_real
     is_dec = ctx.token_real & ctx.decode_row[row]
+    if ctx.is_speculative:
+        decode = _decode_spec
+    elif ctx.decode_only:
+        decode = functools.partial(_decode_tokens_as_rows, row=row, is_dec=is_dec)
+    else:
+        decode = _decode
+    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     y = jnp.where(is_dec[:, None, None], y_dec, 0.0)
     if not ctx.decode_only:
         y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
@@ -317,12 +323,11 @@ def _decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
     return y_rows[row], conv_state, ssm_state
 
 
-def _decode_tokens_as_rows(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
+def _decode_tokens_as_rows(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend, *, row, is_dec):
     """A decode-only step: every real token is its row's one token, so the kernels run over the
-    ``T`` tokens in place, token ``t`` on its row's slot (a pad token on the null slot: nothing
-    read or written); ``y [T, H, P]``, pad tokens' rows masked by the caller."""
-    row = gather_index(ctx.token_row, ctx.num_rows)
-    is_dec = ctx.token_real & ctx.decode_row[row]
+    ``T`` tokens in place, token ``t`` on its row's slot (``row[t]``; a token not ``is_dec``, a
+    pad token, on the null slot: nothing read or written); ``y [T, H, P]``, pad tokens' rows
+    masked by the caller."""
     slots = jnp.where(is_dec, ctx.state_slot[row], NULL_BLOCK_ID)
     return _decode_tokens(
         spec, k, lambda a: a, xbc, z, dt, A, conv_state, ssm_state, backend,

@@ -424,7 +424,7 @@ class HybridModel:
         if c.embedding_multiplier != 1.0:
             x = x * jnp.float32(c.embedding_multiplier)
         real = ctx.token_real[:, None]
-        mamba = [i for i, b in enumerate(c.blocks) if b.kind == "mamba"]
+        mamba = {i: j for j, i in enumerate(i for i, b in enumerate(c.blocks) if b.kind == "mamba")}
         rates = decay_rates([params["blocks"][i]["A_log"] for i in mamba]) if mamba else None
         for i, b in enumerate(c.blocks):
             p = params["blocks"][i]
@@ -442,7 +442,7 @@ class HybridModel:
             elif b.kind == "mamba":
                 out, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"] = mamba_mixer(
                     h, ctx, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"], p, c.mamba,
-                    backend=backend, model_axis=model_axis, A=rates[mamba.index(i)])
+                    backend=backend, model_axis=model_axis, A=rates[mamba[i]])
             else:
                 out = self._ffn(b, p, h, expert_axis, backend)
             if b.residual_multiplier != 1.0:
