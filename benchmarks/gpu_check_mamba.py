@@ -42,6 +42,7 @@ import numpy as np
 
 from pallas_kernels.mamba_scan import ScanConfig
 from pallas_kernels.mamba import (
+    Columns,
     causal_conv1d_update,
     causal_conv1d_varlen,
     selective_scan_varlen,
@@ -306,6 +307,53 @@ def conv_cases(rng, interp, big):
         check_state(s, s2, cs, {2}, 2e-5, "conv_state")
 
 
+def columns_cases(rng, interp, big):
+    """The decode-only step's operands as Columns of one projection ``[z | xBC | dt]`` (Granite's
+    head shapes when ``big``): conv and SSM under one jit with the projection donated, bitwise
+    what the same kernels give for the sliced arrays; the columns no operand names unchanged."""
+    H, P, N, G = (48, 64, 128, 1) if big else (2, 4, 8, 1)
+    T, W, L = (16, 4, 40) if big else (3, 4, 6)
+    di, cd = H * P, H * P + 2 * G * N
+    width = di + cd + H
+    parent = f32(rng, T, width)
+    rows = rng.permutation(np.arange(1, L))[:T].astype(np.int32)
+    rows[rng.random(T) < 0.25] = NULL
+    cs, st = f32(rng, L, cd, W - 1), f32(rng, L, H, P, N)
+    w, bias = f32(rng, cd, W), f32(rng, cd)
+    A, D, dtb = -np.exp(f32(rng, H, 1, 1, scale=0.5)), f32(rng, H, 1), f32(rng, H, 1, scale=0.5)
+
+    def step(par, cs, st, views):
+        xbc = Columns(par, di, (T, cd)) if views else par[:, di:di + cd]
+        out, cs = causal_conv1d_update(xbc, cs, w, bias, "silu", rows, backend="pallas_gpu", interpret=interp)
+        if views:
+            p = out.parent
+            ops = (Columns(p, di, (T, H, P)), Columns(p, di + cd, (T, H, 1)), Columns(p, 2 * di, (T, G, N)),
+                   Columns(p, 2 * di + G * N, (T, G, N)), Columns(p, 0, (T, H, P)))
+        else:
+            p = par
+            ops = (out[:, :di].reshape(T, H, P), par[:, di + cd:].reshape(T, H, 1),
+                   out[:, di:di + G * N].reshape(T, G, N), out[:, di + G * N:].reshape(T, G, N),
+                   par[:, :di].reshape(T, H, P))
+        x, dt, B, C, z = ops
+        y, st = selective_state_update(st, x, dt, A, B, C, D=D, dt_bias=dtb, z=z, dt_softplus=True,
+                                       state_batch_indices=rows, backend="pallas_gpu", interpret=interp)
+        return (out.parent if views else out), cs, st, y
+
+    @case(f"columns of one projection read in place (T={T} H={H} P={P} N={N})")
+    def _():
+        got = jax.jit(lambda a, b, c: step(a, b, c, True), donate_argnums=(0, 1, 2))(
+            jnp.asarray(parent), jnp.asarray(cs), jnp.asarray(st))
+        want = jax.jit(lambda a, b, c: step(a, b, c, False))(jnp.asarray(parent), jnp.asarray(cs), jnp.asarray(st))
+        got_par, got_cs, got_st, got_y = (np.asarray(v) for v in got)
+        want_out, want_cs, want_st, want_y = (np.asarray(v) for v in want)
+        require(np.array_equal(bits(got_par[:, di:di + cd]), bits(want_out)), "conv out differs")
+        keep = np.r_[0:di, di + cd:width]
+        require(np.array_equal(bits(got_par[:, keep]), bits(parent[:, keep])), "z / dt columns changed")
+        require(np.array_equal(bits(got_cs), bits(want_cs)), "conv_state differs")
+        require(np.array_equal(bits(got_st), bits(want_st)), "ssm state differs")
+        require(np.array_equal(bits(got_y), bits(want_y)), "ssm out differs")
+
+
 # --------------------------------------------------------------------------- #
 # prefill (jnp on the device): chunked scan vs token scan, conv varlen
 # --------------------------------------------------------------------------- #
@@ -517,6 +565,7 @@ def main() -> int:
         return 0
     ssu_cases(rng, interp, big)
     conv_cases(rng, interp, big)
+    columns_cases(rng, interp, big)
     prefill_cases(rng, big)
     try:
         timings(rng, interp)

@@ -355,13 +355,160 @@ def serve(a, log) -> dict:
             "long_events": [{"t": x[0], "dur": x[1], "name": x[2], "thread": x[3]} for x in long_]}
 
 
+def _patch_row_pad(how: str) -> None:
+    """An experiment on :func:`kvjax.models.attention.row_padded` (every module's reference):
+    ``broadcast``, the one row repeated instead of padded with zeros; ``none``, no padding."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.models import attention, moe
+    from kvjax.models.hf import deepseek_v3
+
+    def row_padded(f, x, axis=0):
+        if x.shape[axis] != 1:
+            return f(x)
+        if how == "none":
+            return f(x)
+        shape = list(x.shape)
+        shape[axis] = 2
+        return jax.lax.slice_in_dim(f(jnp.broadcast_to(x, shape)), 0, 1, axis=axis)
+
+    for m in (attention, moe, deepseek_v3):
+        m.row_padded = row_padded
+
+
+def _looped(r, prepared, stage, same, K, b, log) -> dict:
+    """The step ``K`` times inside one executable (a ``fori_loop``): its device time per step
+    with no host between steps."""
+    import jax
+
+    fn, args, _ = r.jitted_step(prepared.bucket)
+    fn = fn.__wrapped__  # the traced function: compiler options go on the outer jit only
+
+    def looped(params, rows, pools):
+        return jax.lax.fori_loop(0, K, lambda i, c: tuple(fn(params, c[0], c[1])[:2]), (rows, pools))
+
+    with jax.default_matmul_precision(r.config.matmul_precision):
+        lo = jax.jit(looped, donate_argnums=(1, 2), compiler_options=r.compiler_options).lower(*args)
+    t0 = time.perf_counter()
+    lexe = lo.compile()
+    log(f"  compiled the {K}-step loop in {time.perf_counter() - t0:.1f} s")
+    r._rows = stage(r._rows, same)
+    for _ in range(2):
+        r._rows, r._pools = lexe(r.params, r._rows, r._pools)
+    jax.block_until_ready(r._rows)
+    walls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            r._rows, r._pools = lexe(r.params, r._rows, r._pools)
+        jax.block_until_ready(r._rows)
+        walls.append((time.perf_counter() - t0) / (4 * K) * 1e6)
+    log(f"b{b:<3d} {K}-step fori_loop   per step  {statistics.median(walls):7.0f} {[round(w) for w in walls]}")
+    return {"us_per_step": statistics.median(walls), "walls": walls, "K": K}
+
+
+def gap(a, log) -> dict:
+    """Where a batch-``--batch`` step's time above its kernels goes: the step back to back as the
+    Runner launches it (stage, step, fetch), then with parts left out, each call's host time, and
+    the same step ``--loop`` times inside one executable (a ``fori_loop``: no host between
+    steps); then a device-only trace of the launched steps: the idle time at each boundary between
+    two steps and the device events in it."""
+    import jax
+
+    from _trace import record
+
+    if a.row_pad != "zeros":
+        _patch_row_pad(a.row_pad)
+        log(f"row_padded patched: {a.row_pad}")
+    bench, r, steps = _decode_steps(a)
+    res = {}
+    for b, plan, prepared, exe, stage, fetch in steps:
+        same = r.put_inputs(prepared)
+        parts = {"stage_step_fetch": ("stage", "step", "fetch"), "stage_step": ("stage", "step"),
+                 "step": ("step",), "step_fetch": ("step", "fetch")}
+        for variant, use in parts.items():
+            times = collections.defaultdict(list)
+
+            def one(rec=True):
+                t = [time.perf_counter()]
+                if "stage" in use:
+                    r._rows = stage(r._rows, same)
+                t.append(time.perf_counter())
+                r._rows, r._pools, _c = exe(r.params, r._rows, r._pools)
+                t.append(time.perf_counter())
+                if "fetch" in use:
+                    fetch(r._rows)
+                t.append(time.perf_counter())
+                if rec:
+                    for k, (x, y) in zip(("stage", "step", "fetch"), zip(t, t[1:])):
+                        times[k].append((y - x) * 1e6)
+
+            walls = [_timed_steps(one, r, a.steps, warm=3)[0] for _ in range(3)]
+            med = {k: statistics.median(v) for k, v in times.items() if k.split("_")[0] in use}
+            res[f"b{b}-{variant}"] = {"wall_per_step_us": statistics.median(walls), "walls": walls, "host_us": med}
+            log(f"b{b:<3d} {variant:18s} wall/step {statistics.median(walls):7.0f} {[round(w) for w in walls]} | "
+                + " ".join(f"{k} {v:6.0f}" for k, v in med.items()))
+        if a.loop:
+            res[f"b{b}-device_loop"] = _looped(r, prepared, stage, same, a.loop, b, log)
+        # device-only trace of launched steps: idle time at each boundary
+        for variant, use in (("stage_step_fetch", True), ("step", False)):
+            def body():
+                for _ in range(6):
+                    if use:
+                        r._rows = stage(r._rows, same)
+                    r._rows, r._pools, _c = exe(r.params, r._rows, r._pools)
+                    if use:
+                        fetch(r._rows)
+                jax.block_until_ready(r._rows)
+
+            body()
+            events, pname, tname, gpu = record(body, device_only=True)
+            ev = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "")[:60])
+                        for e in events if e.get("ph") == "X" and e.get("pid") in gpu
+                        and not tname.get((e["pid"], e.get("tid")), "").startswith(
+                            ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")))
+            if not ev:
+                log(f"b{b:<3d} trace {variant}: no device events (not a GPU)")
+                continue
+            rows_, prev_end = [], None
+            for ts, du, nm in ev:
+                g = 0.0 if prev_end is None else ts - prev_end
+                prev_end = max(prev_end or 0.0, ts + du)
+                rows_.append((ts - ev[0][0], du, g, nm))
+            busy = sum(x[1] for x in rows_)
+            span = rows_[-1][0] + rows_[-1][1]
+            big = [x for x in rows_ if x[2] > 15]
+            log(f"b{b:<3d} trace {variant}: {len(rows_)} device events in 6 steps, span {span:.0f} us "
+                f"({span / 6:.0f} per step), busy {busy / 6:.0f} per step, idle > 15 us: {len(big)} gaps, "
+                f"{sum(x[2] for x in big) / 6:.0f} us per step")
+            for x in big[:20]:
+                log(f"      at {x[0]:9.1f} idle {x[2]:7.1f} us before {x[3]}")
+            res[f"b{b}-trace-{variant}"] = {"span_per_step": span / 6, "busy_per_step": busy / 6,
+                                            "gaps": [{"t": x[0], "idle": x[2], "before": x[3]} for x in big]}
+            if variant == "step":  # the fourth step's events, every kind, in order
+                starts = [i for i, x in enumerate(rows_) if x[2] > 100 or i == 0]
+                lo_, hi_ = (starts[3], starts[4]) if len(starts) > 4 else (0, len(rows_))
+                with open(os.path.join(a.out, f"events-{a.preset}-b{b}{a.tag}.tsv"), "w") as f:
+                    f.write("name\tdur_us\tgap_before_us\n")
+                    for x in rows_[lo_:hi_]:
+                        f.write(f"{x[3]}\t{x[1]:.2f}\t{x[2]:.2f}\n")
+        with open(os.path.join(a.out, f"hlo-{a.preset}-b{b}{a.tag}.txt"), "w") as f:
+            f.write(exe.as_text())
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("timeline", "loop", "launches", "serve"))
+    ap.add_argument("mode", choices=("timeline", "loop", "launches", "serve", "gap"))
     ap.add_argument("--preset", default="granite-4.0-h-micro")
     ap.add_argument("--batch", default="1")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--loop", type=int, default=8, help="gap: steps in the looped executable (0: none)")
+    ap.add_argument("--row-pad", default="zeros", choices=("zeros", "broadcast", "none"),
+                    help="gap: an experiment on the one-row products' padding")
+    ap.add_argument("--tag", default="", help="gap: suffix of the written file names")
     ap.add_argument("--variants", default="launch_drop,replica_drop_buf,replica_keep_both,alternate,alternate_keep_both",
                     help="launches: the launch patterns")
     ap.add_argument("--out", required=True)
@@ -369,8 +516,8 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     from bench_model import log
 
-    res = {"timeline": timeline, "loop": loop, "launches": launches, "serve": serve}[a.mode](a, log)
-    with open(os.path.join(a.out, f"{a.mode}-{a.preset}.json"), "w") as f:
+    res = {"timeline": timeline, "loop": loop, "launches": launches, "serve": serve, "gap": gap}[a.mode](a, log)
+    with open(os.path.join(a.out, f"{a.mode}-{a.preset}{a.tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0
 

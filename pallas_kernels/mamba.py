@@ -11,6 +11,8 @@ updated arrays instead of writing them in place — donate them at the enclosing
   packed batch; fresh requests start from zero, null rows are skipped (jnp).
 * :func:`causal_conv1d_varlen` (``mamba_conv.py``) — conv prefill over a packed
   batch, same masking (jnp).
+* :class:`Columns` (``mamba_common.py``) — a decode operand given as columns of a wider
+  array (vLLM's strided views of one projection), read in place by the GPU kernels.
 
 Sentinel: a state index equal to ``null_block_id`` (``NULL_BLOCK_ID = 0``) names the
 reserved null row. It is never read (a zero state / window is used instead) and never
@@ -21,11 +23,13 @@ written, whatever the implementation; tests poison it with NaN.
 
 from __future__ import annotations
 
+from pallas_kernels.mamba_common import Columns
 from pallas_kernels.mamba_conv import ConvConfig, causal_conv1d_update, causal_conv1d_varlen
 from pallas_kernels.mamba_scan import DEFAULT_CHUNK_SIZE, selective_scan_varlen
 from pallas_kernels.mamba_ssu import SSUConfig, selective_state_update
 
 __all__ = [
+    "Columns",
     "ConvConfig",
     "DEFAULT_CHUNK_SIZE",
     "SSUConfig",

@@ -1,10 +1,15 @@
 """Helpers shared by the Mamba ops (``mamba_ssu``, ``mamba_conv``, ``mamba_scan``).
 
 Argument checks for index tables and packed batches, the null-row predicate,
-token -> sequence lookup for packed batches, and vLLM's softplus.
+token -> sequence lookup for packed batches, vLLM's softplus, and :class:`Columns`
+(an operand read in place from a wider array's columns).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +37,66 @@ def check_int_arg(name: str, value) -> int:
 
 def check_float(name: str, arr) -> None:
     contract.check_dtype(name, arr, "floating")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parent"], meta_fields=["start", "shape"])
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """An operand that is columns ``[start, start + width)`` of a 2-D array ``parent [n, C]``,
+    read as an array of ``shape`` (``shape[0] == n``; ``width = prod(shape[1:])``, row-major).
+
+    What a strided torch view of a projection is to vLLM's kernels: the GPU kernels of
+    :func:`~pallas_kernels.mamba.causal_conv1d_update` and
+    :func:`~pallas_kernels.mamba.selective_state_update` read such an operand from ``parent``
+    in place (no copy of the slice before the kernel); every other implementation reads
+    :meth:`value`. ``start`` and ``shape`` are static.
+    """
+
+    parent: jax.Array
+    start: int
+    shape: tuple
+
+    def __post_init__(self):
+        shape = tuple(self.shape)
+        object.__setattr__(self, "shape", shape)
+        start = check_int_arg("Columns start", self.start)
+        object.__setattr__(self, "start", start)
+        if not hasattr(self.parent, "shape"):  # a placeholder leaf while JAX rebuilds the tree
+            return
+        if np.ndim(self.parent) != 2:
+            raise ValueError(f"Columns parent must have rank 2 [n, C], got shape {tuple(np.shape(self.parent))}")
+        n, width = np.shape(self.parent)
+        if len(shape) < 2 or shape[0] != n or any(not isinstance(d, (int, np.integer)) or d < 1 for d in shape[1:]):
+            raise ValueError(f"Columns shape must be [{n}, ...] with positive sizes (parent shape {[n, width]}), "
+                             f"got {list(shape)}")
+        if start < 0 or start + self.width > width:
+            raise ValueError(f"Columns [{start}, {start + self.width}) must lie within the parent's {width} columns")
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return self.parent.dtype
+
+    def value(self) -> jax.Array:
+        """The operand as an array of its own (a slice of ``parent``)."""
+        return jax.lax.slice_in_dim(self.parent, self.start, self.start + self.width, axis=1).reshape(self.shape)
+
+    def with_value(self, v: jax.Array) -> Columns:
+        """The same columns of a new parent: ``parent`` with them set to ``v`` (cast to its dtype)."""
+        v = jnp.asarray(v).reshape(self.shape[0], self.width).astype(self.parent.dtype)
+        return Columns(jax.lax.dynamic_update_slice(self.parent, v, (0, self.start)), self.start, self.shape)
+
+
+def values(*args):
+    """Each argument's array: a :class:`Columns` materialised, anything else as it is."""
+    return tuple(a.value() if isinstance(a, Columns) else a for a in args)
 
 
 def index_array(name: str, arr, ranks, *, fill: int = -1) -> jax.Array:

@@ -385,6 +385,9 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
     nb = a.bos.shape[0]
     if nb == 0 or T == 0:
         return a.x, a.conv_state
+    # x as columns c0 .. c0 + dim of a wider array: read and written there (in place)
+    cols = isinstance(a.x, mc.Columns)
+    xarr, c0 = (a.x.parent, a.x.start) if cols else (a.x, 0)
     spec, silu = a.spec, a.silu
     has_bias = a.bias is not None
     BD = min(config.gpu_block_dim, mc.pow2(dim))
@@ -392,7 +395,7 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
     inputs = [a.bos, a.lens, a.idx, a.ok.astype(jnp.int32), a.off, a.weight]
     if has_bias:
         inputs.append(a.bias)
-    inputs += [a.x, a.conv_state]
+    inputs += [xarr, a.conv_state]
     n_in = len(inputs)
 
     def kernel(*refs):
@@ -408,6 +411,7 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
         offs = d0 + jnp.arange(BD)
         dmask = offs < dim
         dsl = pl.ds(d0, BD)
+        xsl = pl.ds(c0 + d0, BD)
 
         @pl.when(ok_ref[b] != 0)
         def _():
@@ -417,7 +421,7 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
             off = off_ref[b]
 
             def load_x(t, m):
-                v = _backend.triton.load(out_ref.at[t, dsl], mask=dmask & m, other=0.0)
+                v = _backend.triton.load(out_ref.at[t, xsl], mask=dmask & m, other=0.0)
                 return v.astype(sd).astype(f32)
 
             hist = []
@@ -463,7 +467,7 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
                     acc = acc + ws[j] * win[j]
                 if silu:
                     acc = _silu(acc)
-                _backend.triton.store(out_ref.at[t0 + i, dsl], acc.astype(out_ref.dtype), mask=dmask)
+                _backend.triton.store(out_ref.at[t0 + i, xsl], acc.astype(out_ref.dtype), mask=dmask)
                 return tuple(win[1:]) + (xi,)
 
             jax.lax.fori_loop(0, n, body, tuple(hist))
@@ -471,13 +475,13 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
     out, cs = pl.pallas_call(
         kernel,
         grid=(nb, pl.cdiv(dim, BD)),
-        out_shape=[jax.ShapeDtypeStruct(a.x.shape, a.x.dtype),
+        out_shape=[jax.ShapeDtypeStruct(xarr.shape, xarr.dtype),
                    jax.ShapeDtypeStruct(a.conv_state.shape, a.conv_state.dtype)],
         input_output_aliases={n_in - 2: 0, n_in - 1: 1},
         compiler_params=_backend.gpu_compiler_params(config.gpu_num_warps),
         interpret=interpret,
     )(*inputs)
-    return out, cs
+    return (mc.Columns(out, c0, a.x.shape) if cols else out), cs
 
 
 def causal_conv1d_update(
@@ -521,6 +525,11 @@ def causal_conv1d_update(
     Unlike vLLM, ``num_accepted_tokens == 0`` reads the window at offset 0 (vLLM reads
     column -1, i.e. the previous channel's memory).
 
+    ``x`` may be a 2-D :class:`~pallas_kernels.mamba_common.Columns` (columns of a wider
+    array, as vLLM's ``x`` may be a strided view of the projection): ``out`` is then the same
+    columns of a new parent, whose other columns are ``x.parent``'s unchanged; the GPU kernel
+    reads and writes them in place (donate the parent).
+
     ``backend``/``interpret``: see :mod:`pallas_kernels._backend`; ``config``:
     :class:`ConvConfig` GPU tuning knobs (static).
 
@@ -530,10 +539,18 @@ def causal_conv1d_update(
     choice = _backend.choose(OP_CONV_UPDATE, backend, interpret)
     if not isinstance(config, ConvConfig):
         raise ValueError(f"config must be a ConvConfig, got {config!r}")
+    cols = x if isinstance(x, mc.Columns) else None
+    if cols is not None:
+        if cols.ndim != 2:
+            raise ValueError(f"x given as Columns must be 2-D [batch or num_tokens, dim], got shape {list(cols.shape)}")
+        if choice.flavor != "gpu":  # only the GPU kernel reads the columns in place
+            x = cols.value()
     args, layout = _normalize_update(x, conv_state, weight, bias, activation,
                                      conv_state_indices, num_accepted_tokens,
                                      query_start_loc, max_query_len, null_block_id)
     out, cs = _backend.run(OP_CONV_UPDATE, choice, args, config=config)
+    if cols is not None and not isinstance(out, mc.Columns):
+        out = cols.with_value(out)
     if layout[0] == "3d":
         _, nb, q = layout
         out = jnp.swapaxes(out.reshape(nb, q, -1), 1, 2)

@@ -612,9 +612,14 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
     null = a.null
     NB = mc.pow2(N)
 
+    def operand(v):  # (array the kernel reads, its first column) for a Columns operand
+        return (v.parent, v.start) if isinstance(v, mc.Columns) else (v, None)
+
+    (xa, xc), (dta, dtc), (Ba, Bc), (Ca, Cc) = (operand(v) for v in (a.x, a.dt, a.B, a.C))
+    za, zc = operand(a.z) if has_z else (None, None)
     optional = [a.cu, a.sbi, a.dsbi, a.na]
-    inputs = [v for v in optional if v is not None] + [a.x, a.dt, a.B, a.C, a.A]
-    inputs += [v for v in (a.D, a.dt_bias, a.z) if v is not None]
+    inputs = [v for v in optional if v is not None] + [xa, dta, Ba, Ca, a.A]
+    inputs += [v for v in (a.D, a.dt_bias, za) if v is not None]
     inputs.append(state)
 
     def kernel(*refs):
@@ -666,11 +671,19 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
             src = sbi_ref[b, jnp.where(col_ok, col, zero)]
             src_ok = _reads(col_ok, src, L, null)
 
-        def load_vec(ref, t, width):
-            # row [t, h, :] of a [T, H, width] array, width in {1, P}
+        def load_vec(ref, c0, t, width):
+            # row [t, h, :] of a [T, H, width] array, width in {1, P}; with a first column c0,
+            # of columns c0 .. c0 + H * width of a 2-D array
             if width == 1:
-                return _backend.triton.load(ref.at[t, h, pl.ds(zero, 1)]).astype(f32)
-            return _backend.triton.load(ref.at[t, h, ds_m], mask=mask_m, other=0.0).astype(f32)
+                at = ref.at[t, h, pl.ds(zero, 1)] if c0 is None else ref.at[t, pl.ds(c0 + h, 1)]
+                return _backend.triton.load(at).astype(f32)
+            at = ref.at[t, h, ds_m] if c0 is None else ref.at[t, pl.ds(c0 + h * width + m0, BM)]
+            return _backend.triton.load(at, mask=mask_m, other=0.0).astype(f32)
+
+        def load_group(ref, c0, t):
+            # row [t, g, :] of a [T, G, Ns] array (or of columns c0 .. c0 + G * Ns)
+            at = ref.at[t, g, ds_n] if c0 is None else ref.at[t, pl.ds(c0 + g * Ns, BN)]
+            return _backend.triton.load(at, mask=mask_n, other=0.0).astype(f32)
 
         def load_head_vec(ref, width):
             if width == 1:
@@ -706,15 +719,15 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
 
         def body(i, hc):
             t = t0 + i
-            x = load_vec(x_ref, t, P)
-            dt = load_vec(dt_ref, t, Pdt)
+            x = load_vec(x_ref, xc, t, P)
+            dt = load_vec(dt_ref, dtc, t, Pdt)
             if has_bias:
                 dt = dt + bias
             if softplus:
                 dt = mc.softplus(dt)
             dA = jnp.exp(A * dt[:, None])
-            Bv = _backend.triton.load(B_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
-            Cv = _backend.triton.load(C_ref.at[t, g, ds_n], mask=mask_n, other=0.0).astype(f32)
+            Bv = load_group(B_ref, Bc, t)
+            Cv = load_group(C_ref, Cc, t)
             hn = hc * dA + (Bv[None, :] * dt[:, None]) * x[:, None]
             if per_token and Wd > 0:
                 @pl.when(i < Wd)
@@ -728,7 +741,7 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
             if has_D:
                 y = y + x * D
             if has_z:
-                zz = load_vec(z_ref, t, P)
+                zz = load_vec(z_ref, zc, t, P)
                 y = y * (zz * jax.nn.sigmoid(zz))
             _backend.triton.store(out_ref.at[t, h, ds_m], y.astype(out_ref.dtype), mask=mask_m)
             return hn
@@ -809,6 +822,10 @@ def selective_state_update(
     Without heads drop the ``H`` axis everywhere (``state [L, P, Ns]``, ``x [T, P]``,
     ``A [P, Ns]``, ``B [T, Ns]``, ``D [P]``...): it is treated as ``H = G = 1``.
 
+    ``x``, ``dt``, ``B``, ``C`` and ``z`` may each be a
+    :class:`~pallas_kernels.mamba_common.Columns` of that shape (columns of a wider 2-D array,
+    as vLLM's may be strided views of one projection): the GPU kernel reads them in place.
+
     Index tables (any integer dtype; computed in int32):
 
     * ``state_batch_indices``: ``[N]`` or ``[N, W]`` (extra rows beyond N are ignored);
@@ -868,6 +885,12 @@ def selective_state_update(
     choice = _backend.choose(OP_SSU, backend, interpret)
     if not isinstance(config, SSUConfig):
         raise ValueError(f"config must be an SSUConfig, got {config!r}")
+    for name, v in (("state", state), ("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if isinstance(v, mc.Columns):
+            raise ValueError(f"{name} cannot be given as Columns (only x, dt, B, C and z can)")
+    if any(isinstance(v, mc.Columns) for v in (x, dt, B, C, z)) and (
+            choice.flavor != "gpu" or np.ndim(state) != 4):  # only the GPU kernel reads them in place
+        x, dt, B, C, z = mc.values(x, dt, B, C, z)
     args = _normalize(state, x, dt, A, B, C, D, dt_bias, z, dt_softplus,
                       state_batch_indices, dst_state_batch_indices, null_block_id,
                       num_accepted_tokens, cu_seqlens)

@@ -17,7 +17,8 @@ in exactly one path; the token outputs are then picked per row:
   speculation each decode row's single token is gathered into a ``[R, ...]``
   batch in a mixed step; a decode-only step runs the kernels over its tokens as
   they are (token ``t`` reads and writes its row's slot, a pad token the null
-  slot), so nothing is gathered in or out; with speculation (``state_indices
+  slot), so nothing is gathered in or out, and they read z / xBC / dt as columns of the
+  projection in place (:class:`~pallas_kernels.mamba.Columns`); with speculation (``state_indices
   [R, 1 + k]``) the decode rows' tokens are packed into a varlen batch and the
   kernels' speculative path runs (vLLM: token ``i`` stores its SSM state to
   ``state_indices[b, i]``, the initial state and conv window come from column /
@@ -40,6 +41,7 @@ from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
 from kvjax.state.padding import gather_index, token_rows
 from pallas_kernels.mamba import (
+    Columns,
     causal_conv1d_update,
     causal_conv1d_varlen,
     selective_scan_varlen,
@@ -164,9 +166,8 @@ def mamba_mixer(
     f32 = jnp.float32
     # A step that prefills gets the projection in the weights' dtype (a bf16 model's is bf16, as
     # in vLLM: the step's widest activation at half the bytes); a decode-only step gets it in
-    # float32 from the product itself, so that its z / xBC / dt column slices are slices of the
-    # product's own buffer (free for one token) rather than one convert each. Everything after
-    # it computes in float32.
+    # float32 from the product itself: its kernels read z / xBC / dt from that buffer in place
+    # and the conv writes its float32 output there. Everything after it computes in float32.
     proj_dtype = f32 if ctx.decode_only else w["in_proj"].dtype
     zxbcdt = linear(h, w["in_proj"], w.get("in_proj_bias"), out_dtype=proj_dtype).astype(f32)
     z = zxbcdt[:, :di]
@@ -197,6 +198,11 @@ def mamba_mixer(
         decode = _decode_spec
     elif ctx.decode_only:
         decode = functools.partial(_decode_tokens_as_rows, row=row, is_dec=is_dec)
+        # the kernels read z / xBC / dt in place from the projection (no copy of each slice;
+        # the conv writes its output over xBC's columns)
+        xbc, z = Columns(zxbcdt, di, (T, spec.conv_dim)), Columns(zxbcdt, 0, (T, di))
+        if not spec.clips_dt:
+            dt = Columns(zxbcdt, di + spec.conv_dim, (T, H))
     else:
         decode = _decode
     y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
@@ -223,9 +229,14 @@ def mamba_mixer(
 
 
 def _split_xbc(spec: MambaSpec, xbc):
-    """``[n, conv_dim]`` -> x ``[n, H, P]``, B, C ``[n, G, N]``."""
+    """``[n, conv_dim]`` -> x ``[n, H, P]``, B, C ``[n, G, N]`` (of a :class:`Columns`: the
+    same columns of its parent)."""
     n = xbc.shape[0]
     G, N, di = spec.n_groups, spec.d_state, spec.d_inner
+    if isinstance(xbc, Columns):
+        p, s = xbc.parent, xbc.start
+        return (Columns(p, s, (n, spec.num_heads, spec.head_dim)), Columns(p, s + di, (n, G, N)),
+                Columns(p, s + di + G * N, (n, G, N)))
     xs = xbc[:, :di].reshape(n, spec.num_heads, spec.head_dim)
     B = xbc[:, di : di + G * N].reshape(n, G, N)
     C = xbc[:, di + G * N :].reshape(n, G, N)
@@ -274,7 +285,9 @@ def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
 
 def _decode_tokens(spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backend, **idx):
     """The two decode kernels on the tokens ``gather`` picks from ``xbc``, ``z``, ``dt``;
-    ``y [n, H, P]``."""
+    ``y [n, H, P]``. Given as :class:`Columns` of one projection (``gather`` the identity), the
+    three are read in place: the conv writes its output over xBC's columns, and the SSM reads
+    x, B, C, z and dt as columns of that new buffer."""
     xbc_d, z_d, dt_d = gather(xbc), gather(z), gather(dt)
     n = xbc_d.shape[0]
     H, P = spec.num_heads, spec.head_dim
@@ -288,16 +301,22 @@ def _decode_tokens(spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backen
         **idx["conv"],
     )
     xs, B, C = _split_xbc(spec, conv_out)
+
+    def view(v, shape):  # v read as shape; columns of the conv's input now live in its output
+        if not isinstance(v, Columns):
+            return v.reshape(shape)
+        return Columns(conv_out.parent if v.parent is xbc_d.parent else v.parent, v.start, shape)
+
     y, ssm_state = selective_state_update(
         ssm_state,
         xs,
-        dt_d[:, :, None],  # per-head scalar dt, broadcast over P (vLLM's TIE_HDIM)
+        view(dt_d, (n, H, 1)),  # per-head scalar dt, broadcast over P (vLLM's TIE_HDIM)
         A[:, None, None],
         B,
         C,
         D=k["D"][:, None],
         dt_bias=None if k["dt_bias"] is None else k["dt_bias"][:, None],
-        z=z_d.reshape(n, H, P),
+        z=view(z_d, (n, H, P)),
         dt_softplus=k["softplus"],
         backend=backend,
         **idx["ssm"],

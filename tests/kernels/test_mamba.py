@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvjax.testing.asserts import assert_no_races
 from pallas_kernels import mamba
 from pallas_kernels.mamba_scan import ScanConfig, _chunk_len
+from pallas_kernels.mamba_ssu import SSUConfig
 from pallas_kernels.mamba import (
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -635,6 +636,84 @@ def test_conv_update_validation_errors():
                              query_start_loc=np.array([0, 1, 3], np.int32), max_query_len=1)
     with pytest.raises(ValueError, match="x must have rank 2 or 3"):
         causal_conv1d_update(f32(rng, 4), cs, w)
+
+
+# --------------------------------------------------------------------------- #
+# operands as Columns of one projection (read in place by the GPU kernels)
+# --------------------------------------------------------------------------- #
+
+
+def _projection_case(rng, T=5, H=2, P=4, G=1, N=8, W=4, L=7):
+    """One Mamba decode step's operands as columns of one array, laid out as the mixer's
+    projection ``[z | x B C | dt]`` with a poisoned column before and after."""
+    di, conv_dim = H * P, H * P + 2 * G * N
+    width = 1 + di + conv_dim + H + 1
+    parent = f32(rng, T, width)
+    parent[:, 0] = parent[:, -1] = np.nan  # columns no operand names: must come back unchanged
+    return dict(parent=parent, T=T, H=H, P=P, G=G, N=N, W=W, L=L, di=di, conv_dim=conv_dim,
+                cs=f32(rng, L, conv_dim, W - 1), weight=f32(rng, conv_dim, W), bias=f32(rng, conv_dim),
+                state=f32(rng, L, H, P, N), A=-np.exp(f32(rng, H, 1, 1, scale=0.5)),
+                D=f32(rng, H, 1), dt_bias=f32(rng, H, 1, scale=0.5),
+                rows=np.array([3, NULL, 6, 1, 2][:T], np.int32))
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_columns_operands_match_sliced_arrays(flavor):
+    # the conv reads x from the projection's xBC columns and writes its output there; the SSU
+    # reads x, B, C from those columns and z, dt from the projection: bitwise what the same
+    # kernels give for the sliced arrays, the other columns of the parent unchanged
+    from pallas_kernels.mamba_common import Columns
+
+    c = _projection_case(np.random.default_rng(40))
+    T, H, P, G, N, di, conv_dim = (c[k] for k in ("T", "H", "P", "G", "N", "di", "conv_dim"))
+    parent = jnp.asarray(c["parent"])
+    z0, x0, dt0 = 1, 1 + di, 1 + di + conv_dim
+
+    out_cols, cs_cols = run(causal_conv1d_update, flavor, Columns(parent, x0, (T, conv_dim)), c["cs"],
+                            c["weight"], c["bias"], "silu", c["rows"])
+    out_arr, cs_arr = run(causal_conv1d_update, flavor, parent[:, x0:x0 + conv_dim], c["cs"],
+                          c["weight"], c["bias"], "silu", c["rows"])
+    assert isinstance(out_cols, Columns) and out_cols.start == x0
+    assert np.array_equal(_bits(out_cols.value()), _bits(out_arr))
+    assert np.array_equal(_bits(cs_cols), _bits(cs_arr))
+    new_parent = np.asarray(out_cols.parent)
+    for lo, hi in ((0, x0), (x0 + conv_dim, parent.shape[1])):
+        assert np.array_equal(_bits(new_parent[:, lo:hi]), _bits(c["parent"][:, lo:hi])), (lo, hi)
+
+    p = out_cols.parent
+    views = dict(x=Columns(p, x0, (T, H, P)), B=Columns(p, x0 + di, (T, G, N)),
+                 C=Columns(p, x0 + di + G * N, (T, G, N)), z=Columns(p, z0, (T, H, P)),
+                 dt=Columns(p, dt0, (T, H, 1)))
+    arrays = {k: v.value() for k, v in views.items()}
+    # block_m 2 < P: each head's rows are read in two blocks (the column offset of the second)
+    kw = dict(D=c["D"], dt_bias=c["dt_bias"], dt_softplus=True, state_batch_indices=c["rows"],
+              config=SSUConfig(gpu_block_m=2))
+    got = run(selective_state_update, flavor, c["state"], views["x"], views["dt"], c["A"], views["B"],
+              views["C"], z=views["z"], **kw)
+    want = run(selective_state_update, flavor, c["state"], arrays["x"], arrays["dt"], c["A"], arrays["B"],
+               arrays["C"], z=arrays["z"], **kw)
+    for g, w, what in zip(got, want, ("out", "state")):
+        assert np.array_equal(_bits(g), _bits(w)), what
+    assert np.isfinite(np.asarray(got[0])).all()  # the poisoned columns were never read
+
+
+def test_columns_errors():
+    from pallas_kernels.mamba_common import Columns
+
+    c = _projection_case(np.random.default_rng(41))
+    parent = jnp.asarray(c["parent"])
+    T = c["T"]
+    with pytest.raises(ValueError, match=r"Columns \[33, 37\) must lie within the parent's 36 columns"):
+        Columns(parent, 33, (T, 4))
+    with pytest.raises(ValueError, match=r"Columns shape must be \[5, \.\.\.\]"):
+        Columns(parent, 0, (T + 1, 4))
+    with pytest.raises(ValueError, match=r"Columns parent must have rank 2"):
+        Columns(parent[None], 0, (1, 4))
+    x3 = Columns(parent, 1, (T, 4, 2))
+    with pytest.raises(ValueError, match=r"x given as Columns must be 2-D"):
+        causal_conv1d_update(x3, c["cs"][:, :4], c["weight"][:4], activation="silu")
+    with pytest.raises(ValueError, match=r"A cannot be given as Columns"):
+        selective_state_update(c["state"], x3, x3, Columns(parent, 0, (T, 1, 1)), x3, x3)
 
 
 # --------------------------------------------------------------------------- #

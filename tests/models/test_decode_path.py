@@ -116,11 +116,14 @@ def _serve_in(runner, requests, mixed_only: bool):
     return steps
 
 
-def test_decode_only_programs_match_mixed():
+@pytest.mark.parametrize("backend", ["auto", "pallas_gpu"])
+def test_decode_only_programs_match_mixed(backend):
     """The same workload with decode steps in decode-only buckets and with every step in a mixed
     bucket: tokens identical, logits and pools within float32 rounding (XLA fuses and orders the
-    two programs' float32 arithmetic differently; the differences are a few ulps)."""
-    runner = Runner(CONFIG, compiler_options=FAST)
+    two programs' float32 arithmetic differently; the differences are a few ulps). With the GPU
+    kernels (interpreted) the decode-only step's conv and SSM read their operands as columns of
+    the projection in place, where the mixed step gathers them."""
+    runner = Runner(dataclasses.replace(CONFIG, backend=backend), compiler_options=FAST)
     split = _serve_in(runner, _workload(), mixed_only=False)
     state_split = [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
     runner.reset()  # the initial device state again; its executables (every bucket's) compiled once
