@@ -335,7 +335,10 @@ def columns_cases(rng, interp, big):
                    out[:, di:di + G * N].reshape(T, G, N), out[:, di + G * N:].reshape(T, G, N),
                    par[:, :di].reshape(T, H, P))
         x, dt, B, C, z = ops
-        y, st = selective_state_update(st, x, dt, A, B, C, D=D, dt_bias=dtb, z=z, dt_softplus=True,
+        # A: column 1 of a [H, 3] table of rates (as the hybrid hands each layer its column)
+        a = Columns(jnp.concatenate([jnp.full((H, 1), jnp.nan), jnp.asarray(A).reshape(H, 1),
+                                     jnp.full((H, 1), jnp.nan)], 1), 1, (H, 1, 1)) if views else A
+        y, st = selective_state_update(st, x, dt, a, B, C, D=D, dt_bias=dtb, z=z, dt_softplus=True,
                                        state_batch_indices=rows, backend="pallas_gpu", interpret=interp)
         return (out.parent if views else out), cs, st, y
 

@@ -155,11 +155,14 @@ def _timed_steps(one, r, steps: int, warm: int) -> tuple[float, float]:
 def _decode_steps(a):
     """``(bench, runner, steps)``: a Bench of ``--preset`` compiled for decode at each ``--batch``
     (context ``--context``); ``steps`` yields, per batch, ``(batch, plan, prepared, step
-    executable, staging program, fetch program)`` after one step through the Runner's own path."""
+    executable, staging program, fetch program)`` after one step through the Runner's own path.
+    ``--bucket-tokens`` (gap mode): the runner's decode buckets have that many tokens, whatever
+    the batch (a batch of 1 in a bucket of 2: its second token is padding)."""
     from bench_model import Bench
 
     batches = [int(x) for x in a.batch.split(",")]
-    bench = Bench(a.preset, {"decode": [(a.context, tuple(batches))], "prefill": (), "max_model_len": 32768})
+    sizes = [getattr(a, "bucket_tokens", 0) or b for b in batches]
+    bench = Bench(a.preset, {"decode": [(a.context, tuple(sizes))], "prefill": (), "max_model_len": 32768})
     bench.compile_all()
     r = bench.runner
 
@@ -421,6 +424,15 @@ def gap(a, log) -> dict:
     if a.row_pad != "zeros":
         _patch_row_pad(a.row_pad)
         log(f"row_padded patched: {a.row_pad}")
+    if a.rates == "list":
+        import jax
+        import jax.numpy as jnp
+
+        from kvjax.models.hf import hybrid
+
+        hybrid.decay_rates = lambda a_logs: jax.lax.optimization_barrier(
+            [-jnp.exp(jnp.asarray(x).astype(jnp.float32)) for x in a_logs])
+        log("decay_rates patched: one array per layer")
     bench, r, steps = _decode_steps(a)
     res = {}
     for b, plan, prepared, exe, stage, fetch in steps:
@@ -508,6 +520,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loop", type=int, default=8, help="gap: steps in the looped executable (0: none)")
     ap.add_argument("--row-pad", default="zeros", choices=("zeros", "broadcast", "none"),
                     help="gap: an experiment on the one-row products' padding")
+    ap.add_argument("--rates", default="stacked", choices=("stacked", "list"),
+                    help="gap: an experiment on the hybrid's decay rates (one stacked array or one per layer)")
+    ap.add_argument("--bucket-tokens", type=int, default=0, help="gap: the decode buckets' token count")
     ap.add_argument("--tag", default="", help="gap: suffix of the written file names")
     ap.add_argument("--variants", default="launch_drop,replica_drop_buf,replica_keep_both,alternate,alternate_keep_both",
                     help="launches: the launch patterns")

@@ -68,7 +68,7 @@ def _silu(v):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["x", "conv_state", "weight", "bias", "bos", "lens", "idx", "ok", "off"],
-    meta_fields=["silu", "spec", "q"],
+    meta_fields=["silu", "spec", "q", "regular"],
 )
 @dataclasses.dataclass(frozen=True)
 class _ConvArgs:
@@ -84,6 +84,7 @@ class _ConvArgs:
     silu: bool
     spec: bool
     q: int  # static max tokens per sequence
+    regular: bool = False  # not varlen: sequence b is tokens b*q .. b*q + q - 1 (bos, lens implied)
 
 
 def _normalize_update(x, conv_state, weight, bias, activation, conv_state_indices,
@@ -167,7 +168,7 @@ def _normalize_update(x, conv_state, weight, bias, activation, conv_state_indice
         off = jnp.zeros((nb,), jnp.int32)
     lens = jnp.minimum(lens, q)  # only reachable under jit with inconsistent inputs
     ok = valid & (lens > 0)
-    args = _ConvArgs(xt, conv_state, weight, bias, bos, lens, idx, ok, off, silu, spec, q)
+    args = _ConvArgs(xt, conv_state, weight, bias, bos, lens, idx, ok, off, silu, spec, q, not varlen)
     return args, layout
 
 
@@ -392,7 +393,11 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
     has_bias = a.bias is not None
     BD = min(config.gpu_block_dim, mc.pow2(dim))
 
-    inputs = [a.bos, a.lens, a.idx, a.ok.astype(jnp.int32), a.off, a.weight]
+    # a regular layout's sequence bounds are b * q and q, its window offset 0 off the
+    # speculative path: computed in the kernel rather than passed (no index arrays built per call)
+    regular = a.regular
+    inputs = ([] if regular else [a.bos, a.lens]) + [a.idx, a.ok.astype(jnp.int32)]
+    inputs += ([a.off] if spec or not regular else []) + [a.weight]
     if has_bias:
         inputs.append(a.bias)
     inputs += [xarr, a.conv_state]
@@ -400,7 +405,10 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
 
     def kernel(*refs):
         it = iter(refs)
-        bos_ref, len_ref, idx_ref, ok_ref, off_ref, w_ref = (next(it) for _ in range(6))
+        bos_ref, len_ref = (None, None) if regular else (next(it), next(it))
+        idx_ref, ok_ref = next(it), next(it)
+        off_ref = next(it) if spec or not regular else None
+        w_ref = next(it)
         bias_ref = next(it) if has_bias else None
         next(it), next(it)
         out_ref, cs_ref = next(it), next(it)
@@ -416,9 +424,9 @@ def _conv_update_gpu(a: _ConvArgs, *, config: ConvConfig, interpret: bool):
         @pl.when(ok_ref[b] != 0)
         def _():
             r = idx_ref[b]
-            t0 = bos_ref[b]
-            n = len_ref[b]
-            off = off_ref[b]
+            t0 = b * q if regular else bos_ref[b]
+            n = jnp.int32(q) if regular else len_ref[b]
+            off = off_ref[b] if off_ref is not None else jnp.int32(0)
 
             def load_x(t, m):
                 v = _backend.triton.load(out_ref.at[t, xsl], mask=dmask & m, other=0.0)

@@ -617,8 +617,9 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
 
     (xa, xc), (dta, dtc), (Ba, Bc), (Ca, Cc) = (operand(v) for v in (a.x, a.dt, a.B, a.C))
     za, zc = operand(a.z) if has_z else (None, None)
+    Aa, Ac = operand(a.A)  # Columns only of shape [H, 1, 1]: column Ac of an [H, *] array
     optional = [a.cu, a.sbi, a.dsbi, a.na]
-    inputs = [v for v in optional if v is not None] + [xa, dta, Ba, Ca, a.A]
+    inputs = [v for v in optional if v is not None] + [xa, dta, Ba, Ca, Aa]
     inputs += [v for v in (a.D, a.dt_bias, za) if v is not None]
     inputs.append(state)
 
@@ -690,7 +691,9 @@ def _ssu_gpu(a: _SSUArgs, *, config: SSUConfig, interpret: bool):
                 return _backend.triton.load(ref.at[h, pl.ds(zero, 1)]).astype(f32)
             return _backend.triton.load(ref.at[h, ds_m], mask=mask_m, other=0.0).astype(f32)
 
-        if Pa == 1 and Na == 1:
+        if Ac is not None:
+            A = _backend.triton.load(A_ref.at[pl.ds(h, 1), pl.ds(Ac, 1)]).astype(f32)
+        elif Pa == 1 and Na == 1:
             A = _backend.triton.load(A_ref.at[h, pl.ds(zero, 1), pl.ds(zero, 1)]).astype(f32)
         else:
             am = (mask_m if Pa > 1 else jnp.ones((1,), bool))[:, None] & (
@@ -822,9 +825,10 @@ def selective_state_update(
     Without heads drop the ``H`` axis everywhere (``state [L, P, Ns]``, ``x [T, P]``,
     ``A [P, Ns]``, ``B [T, Ns]``, ``D [P]``...): it is treated as ``H = G = 1``.
 
-    ``x``, ``dt``, ``B``, ``C`` and ``z`` may each be a
+    ``x``, ``dt``, ``B``, ``C``, ``z`` and ``A`` may each be a
     :class:`~pallas_kernels.mamba_common.Columns` of that shape (columns of a wider 2-D array,
-    as vLLM's may be strided views of one projection): the GPU kernel reads them in place.
+    as vLLM's may be strided views of one projection; ``A [H, 1, 1]``, one column of an
+    ``[H, layers]`` table of every layer's rates): the GPU kernel reads them in place.
 
     Index tables (any integer dtype; computed in int32):
 
@@ -885,12 +889,14 @@ def selective_state_update(
     choice = _backend.choose(OP_SSU, backend, interpret)
     if not isinstance(config, SSUConfig):
         raise ValueError(f"config must be an SSUConfig, got {config!r}")
-    for name, v in (("state", state), ("A", A), ("D", D), ("dt_bias", dt_bias)):
+    for name, v in (("state", state), ("D", D), ("dt_bias", dt_bias)):
         if isinstance(v, mc.Columns):
-            raise ValueError(f"{name} cannot be given as Columns (only x, dt, B, C and z can)")
-    if any(isinstance(v, mc.Columns) for v in (x, dt, B, C, z)) and (
+            raise ValueError(f"{name} cannot be given as Columns (only x, dt, A, B, C and z can)")
+    if any(isinstance(v, mc.Columns) for v in (x, dt, A, B, C, z)) and (
             choice.flavor != "gpu" or np.ndim(state) != 4):  # only the GPU kernel reads them in place
-        x, dt, B, C, z = mc.values(x, dt, B, C, z)
+        x, dt, A, B, C, z = mc.values(x, dt, A, B, C, z)
+    elif isinstance(A, mc.Columns) and tuple(A.shape[1:]) != (1, 1):
+        A = A.value()  # the kernel reads a per-head scalar in place, a wider A as an array
     args = _normalize(state, x, dt, A, B, C, D, dt_bias, z, dt_softplus,
                       state_batch_indices, dst_state_batch_indices, null_block_id,
                       num_accepted_tokens, cu_seqlens)

@@ -127,15 +127,22 @@ def gated_rms_norm(y: jax.Array, weight: jax.Array, eps: float, groups: int) -> 
 
 
 def decay_rates(a_logs) -> jax.Array:
-    """``A = -exp(A_log)`` (float32) of one or more Mamba layers, stacked ``[layers, H]``.
+    """``A = -exp(A_log)`` (float32) of one or more Mamba layers with the same heads, heads
+    major: ``[H, layers]``.
 
-    A model computes its layers' rates here once per step and hands row ``i`` to layer ``i``'s
-    :func:`mamba_mixer` (``A=``): one kernel for all layers instead of one per layer (Granite's
-    36 Mamba layers: 36 fewer kernels per step on an H100). The rows are materialised behind an
-    optimisation barrier so that XLA keeps them one computation rather than folding each row's
-    slice back into a computation of its own layer."""
-    rates = -jnp.exp(jnp.stack([jnp.asarray(a).astype(jnp.float32) for a in a_logs]))
+    A model computes its layers' rates here once per step and hands layer ``j``'s column,
+    :func:`decay_rate` ``(rates, j)``, to that layer's :func:`mamba_mixer` (``A=``): one kernel
+    for all layers, and the GPU SSM kernel reads its column in place (a row of a stacked array
+    or a per-layer ``-exp`` is one copy or one kernel per layer: 36 per step in Granite). The
+    table is materialised behind an optimisation barrier so that XLA keeps it one
+    computation."""
+    rates = -jnp.exp(jnp.stack([jnp.asarray(a).astype(jnp.float32) for a in a_logs], axis=1))
     return jax.lax.optimization_barrier(rates)
+
+
+def decay_rate(rates: jax.Array, j: int) -> Columns:
+    """Layer ``j``'s rates in :func:`decay_rates`' table, as the SSM's ``A [H, 1, 1]``."""
+    return Columns(rates, j, (rates.shape[0], 1, 1))
 
 
 def mamba_mixer(
@@ -148,7 +155,7 @@ def mamba_mixer(
     *,
     backend: str,
     model_axis: str | None = None,
-    A: jax.Array | None = None,
+    A: jax.Array | Columns | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One mixed step of the Mamba2 mixer (see the module docstring). Returns
     ``(out [T, d] float32, conv_state, ssm_state)``; ``out`` of pad tokens is the output
@@ -158,7 +165,7 @@ def mamba_mixer(
     ``conv_bias`` (or absent), ``dt_bias``, ``A_log``, ``D [H]``, ``gate_norm [d_inner]``,
     ``out_proj [d_inner, d]`` (+ ``out_proj_bias``, added once after the ``model_axis`` sum).
     The SSM, the conv and the norm run in float32 whatever the weights' dtype. ``A``: this
-    layer's row of :func:`decay_rates` (None: computed here from ``A_log``).
+    layer's :func:`decay_rate` or its rates ``[H]`` (None: computed here from ``A_log``).
     """
     T = h.shape[0]
     H, P = spec.num_heads, spec.head_dim
@@ -173,7 +180,10 @@ def mamba_mixer(
     z = zxbcdt[:, :di]
     xbc = zxbcdt[:, di : di + spec.conv_dim]
     dt = zxbcdt[:, di + spec.conv_dim :]  # [T, H]
-    A = decay_rates([w["A_log"]])[0] if A is None else A  # [H]
+    A = decay_rate(decay_rates([w["A_log"]]), 0) if A is None else A
+    # the SSM decode kernel's A [H, 1, 1] (a Columns is read in place) and the scan's A [H]
+    A3 = A if isinstance(A, Columns) else jnp.asarray(A).reshape(H, 1, 1)
+    A1 = (A.value() if isinstance(A, Columns) else jnp.asarray(A)).reshape(H)
     k = {
         # in the weights' own dtype: every conv implementation widens them to float32 as it reads
         # them, so a convert here would only add a kernel to every step
@@ -205,10 +215,10 @@ def mamba_mixer(
             dt = Columns(zxbcdt, di + spec.conv_dim, (T, H))
     else:
         decode = _decode
-    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A3, conv_state, ssm_state, backend)
     y = jnp.where(is_dec[:, None, None], y_dec, 0.0)
     if not ctx.decode_only:
-        y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
+        y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A1, conv_state, ssm_state, backend)
         is_pre = ctx.token_real & ctx.prefill_row[row]
         y = jnp.where(is_pre[:, None, None], y_pre, y)
     y = y.reshape(T, H * P)
@@ -311,7 +321,7 @@ def _decode_tokens(spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backen
         ssm_state,
         xs,
         view(dt_d, (n, H, 1)),  # per-head scalar dt, broadcast over P (vLLM's TIE_HDIM)
-        A[:, None, None],
+        A,  # [H, 1, 1]
         B,
         C,
         D=k["D"][:, None],

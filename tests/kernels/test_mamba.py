@@ -684,13 +684,16 @@ def test_columns_operands_match_sliced_arrays(flavor):
     views = dict(x=Columns(p, x0, (T, H, P)), B=Columns(p, x0 + di, (T, G, N)),
                  C=Columns(p, x0 + di + G * N, (T, G, N)), z=Columns(p, z0, (T, H, P)),
                  dt=Columns(p, dt0, (T, H, 1)))
+    # A: one column of an [H, layers] table of rates
+    table = jnp.concatenate([jnp.full((H, 1), jnp.nan), jnp.asarray(c["A"]).reshape(H, 1), jnp.full((H, 1), jnp.nan)], 1)
+    views["A"] = Columns(table, 1, (H, 1, 1))
     arrays = {k: v.value() for k, v in views.items()}
     # block_m 2 < P: each head's rows are read in two blocks (the column offset of the second)
     kw = dict(D=c["D"], dt_bias=c["dt_bias"], dt_softplus=True, state_batch_indices=c["rows"],
               config=SSUConfig(gpu_block_m=2))
-    got = run(selective_state_update, flavor, c["state"], views["x"], views["dt"], c["A"], views["B"],
+    got = run(selective_state_update, flavor, c["state"], views["x"], views["dt"], views["A"], views["B"],
               views["C"], z=views["z"], **kw)
-    want = run(selective_state_update, flavor, c["state"], arrays["x"], arrays["dt"], c["A"], arrays["B"],
+    want = run(selective_state_update, flavor, c["state"], arrays["x"], arrays["dt"], arrays["A"], arrays["B"],
                arrays["C"], z=arrays["z"], **kw)
     for g, w, what in zip(got, want, ("out", "state")):
         assert np.array_equal(_bits(g), _bits(w)), what
@@ -712,8 +715,8 @@ def test_columns_errors():
     x3 = Columns(parent, 1, (T, 4, 2))
     with pytest.raises(ValueError, match=r"x given as Columns must be 2-D"):
         causal_conv1d_update(x3, c["cs"][:, :4], c["weight"][:4], activation="silu")
-    with pytest.raises(ValueError, match=r"A cannot be given as Columns"):
-        selective_state_update(c["state"], x3, x3, Columns(parent, 0, (T, 1, 1)), x3, x3)
+    with pytest.raises(ValueError, match=r"D cannot be given as Columns"):
+        selective_state_update(c["state"], x3, x3, c["A"], x3, x3, D=Columns(parent, 0, (T, 1)))
 
 
 # --------------------------------------------------------------------------- #

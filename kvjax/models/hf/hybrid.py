@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import AttnSpec, apply_rope, attention_mixer, attention_query, linear, rms_norm
 from kvjax.models.interface import CacheSizes, PoolSpec
-from kvjax.models.mamba_layer import MambaSpec, decay_rates, gated_rms_norm, mamba_mixer
+from kvjax.models.mamba_layer import MambaSpec, decay_rate, decay_rates, gated_rms_norm, mamba_mixer
 from kvjax.models.moe import MLPSpec, MoESpec, mlp, moe_ffn
 from kvjax.models.step_context import StepContext
 
@@ -442,7 +442,7 @@ class HybridModel:
             elif b.kind == "mamba":
                 out, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"] = mamba_mixer(
                     h, ctx, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"], p, c.mamba,
-                    backend=backend, model_axis=model_axis, A=rates[mamba[i]])
+                    backend=backend, model_axis=model_axis, A=decay_rate(rates, mamba[i]))
             else:
                 out = self._ffn(b, p, h, expert_axis, backend)
             if b.residual_multiplier != 1.0:
