@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/probe_decode_step.py timeline --preset granite-4.0-h-micro --batch 1 --out DIR
     PYTHONPATH=. python benchmarks/probe_decode_step.py loop --preset granite-4.0-h-micro --batch 16,64 --out DIR
+    PYTHONPATH=. python benchmarks/probe_decode_step.py gap --preset granite-4.0-h-micro --batch 1 --out DIR
 
 ``timeline``: the decode step of ``--batch`` requests (context ``--context``) traced over three
 calls; writes the middle call's kernels in launch order (name, XLA op, duration, idle time before
@@ -13,6 +14,12 @@ N's outputs read), each of the Runner's launch calls timed on the host (input ``
 staging program, the step, the output copy, ``copy_to_host_async``, the read of the step before),
 in variants (a fresh input per step or one input kept; the previous outputs read or not); then a
 host trace of a few loop iterations summed by event name, with every event over 300 us listed.
+
+``gap``: where the step's time above its kernels goes: the step back to back with the staging
+and fetch programs left out in turn, the step ``--loop`` times inside one executable (no host
+between steps), and a device-only trace (no host tracer) whose fourth step's events of every
+kind, memcpys included, go to ``events-<preset>-b<batch><tag>.tsv``; ``--bucket-tokens`` runs
+the batch in a bucket of that many tokens.
 """
 
 from __future__ import annotations
@@ -358,28 +365,6 @@ def serve(a, log) -> dict:
             "long_events": [{"t": x[0], "dur": x[1], "name": x[2], "thread": x[3]} for x in long_]}
 
 
-def _patch_row_pad(how: str) -> None:
-    """An experiment on :func:`kvjax.models.attention.row_padded` (every module's reference):
-    ``broadcast``, the one row repeated instead of padded with zeros; ``none``, no padding."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvjax.models import attention, moe
-    from kvjax.models.hf import deepseek_v3
-
-    def row_padded(f, x, axis=0):
-        if x.shape[axis] != 1:
-            return f(x)
-        if how == "none":
-            return f(x)
-        shape = list(x.shape)
-        shape[axis] = 2
-        return jax.lax.slice_in_dim(f(jnp.broadcast_to(x, shape)), 0, 1, axis=axis)
-
-    for m in (attention, moe, deepseek_v3):
-        m.row_padded = row_padded
-
-
 def _looped(r, prepared, stage, same, K, b, log) -> dict:
     """The step ``K`` times inside one executable (a ``fori_loop``): its device time per step
     with no host between steps."""
@@ -421,18 +406,6 @@ def gap(a, log) -> dict:
 
     from _trace import record
 
-    if a.row_pad != "zeros":
-        _patch_row_pad(a.row_pad)
-        log(f"row_padded patched: {a.row_pad}")
-    if a.rates == "list":
-        import jax
-        import jax.numpy as jnp
-
-        from kvjax.models.hf import hybrid
-
-        hybrid.decay_rates = lambda a_logs: jax.lax.optimization_barrier(
-            [-jnp.exp(jnp.asarray(x).astype(jnp.float32)) for x in a_logs])
-        log("decay_rates patched: one array per layer")
     bench, r, steps = _decode_steps(a)
     res = {}
     for b, plan, prepared, exe, stage, fetch in steps:
@@ -518,10 +491,6 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--loop", type=int, default=8, help="gap: steps in the looped executable (0: none)")
-    ap.add_argument("--row-pad", default="zeros", choices=("zeros", "broadcast", "none"),
-                    help="gap: an experiment on the one-row products' padding")
-    ap.add_argument("--rates", default="stacked", choices=("stacked", "list"),
-                    help="gap: an experiment on the hybrid's decay rates (one stacked array or one per layer)")
     ap.add_argument("--bucket-tokens", type=int, default=0, help="gap: the decode buckets' token count")
     ap.add_argument("--tag", default="", help="gap: suffix of the written file names")
     ap.add_argument("--variants", default="launch_drop,replica_drop_buf,replica_keep_both,alternate,alternate_keep_both",
