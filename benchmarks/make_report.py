@@ -1198,7 +1198,8 @@ def model_section(results):
         with open(notes) as fh:
             out += [fh.read()]
     # the earlier runs' notes (hand-written, newest first): what was tried before this table
-    older = sorted((p for p in glob.glob(os.path.join(results, "*-model.md")) if p != notes), reverse=True)
+    # (a table replaced the same day keeps its notes as <date>-<gpu>-model-<pass>.md beside its JSON)
+    older = sorted((p for p in glob.glob(os.path.join(results, "*-model*.md")) if p != notes), reverse=True)
     for old in older:
         out += [f"### Notes of an earlier run (its table: `{os.path.basename(old)[: -len('.md')]}.json`)", ""]
         with open(old) as fh:

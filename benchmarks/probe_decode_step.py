@@ -472,8 +472,8 @@ def gap(a, log) -> dict:
             res[f"b{b}-trace-{variant}"] = {"span_per_step": span / 6, "busy_per_step": busy / 6,
                                             "gaps": [{"t": x[0], "idle": x[2], "before": x[3]} for x in big]}
             if variant == "step":  # the fourth step's events, every kind, in order
-                starts = [i for i, x in enumerate(rows_) if x[2] > 100 or i == 0]
-                lo_, hi_ = (starts[3], starts[4]) if len(starts) > 4 else (0, len(rows_))
+                per = len(rows_) // 6  # every step launches the same events
+                lo_, hi_ = 3 * per, 4 * per
                 with open(os.path.join(a.out, f"events-{a.preset}-b{b}{a.tag}.tsv"), "w") as f:
                     f.write("name\tdur_us\tgap_before_us\n")
                     for x in rows_[lo_:hi_]:
