@@ -234,7 +234,8 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
 
 def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, gated: bool = True,
                   activation: str = "silu", first: jax.Array | int = 0,
-                  path: str = "auto", backend: str = "reference") -> jax.Array:
+                  path: str = "auto", backend: str = "reference",
+                  token_mask: jax.Array | None = None) -> jax.Array:
     """``y[t] = sum_j weight[t, j] * expert_{idx[t, j]}(h[t])`` over the experts held in ``w``
     (float32 ``[T, d]``), the one rule every MoE here applies its routed experts by.
 
@@ -254,13 +255,20 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
         order; they differ only in the float32 accumulation order of the products.
       backend: the grouped-matmul kernel's backend (:mod:`pallas_kernels.backend`); it also
         decides ``"auto"``.
+      token_mask: ``bool [T]``; a token not in it (a step's padding) adds 0 and its choices
+        name no expert: the grouped path gives them no tile, so an expert only padding chose is
+        not read (its row of the result is 0).
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     T, k = idx.shape
+    if token_mask is not None and tuple(token_mask.shape) != (T,):
+        raise ValueError(f"token_mask must have shape [{T}] (one per token of idx), got {list(token_mask.shape)}")
     El = w["w_up"].shape[0]
     local = idx.astype(jnp.int32) - first
     valid = (local >= 0) & (local < El)
+    if token_mask is not None:
+        valid = valid & token_mask.astype(bool)[:, None]
     local = jnp.where(valid, local, 0)
     gate_w = w["w_gate"] if gated else None
     if path == "auto":
@@ -287,36 +295,39 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
 def routed_ffn(h: jax.Array, route_fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
                w: dict, *, gated: bool = True, activation: str = "silu",
                expert_axis: str | None = None, route_input: jax.Array | None = None,
-               path: str = "auto", backend: str = "reference") -> jax.Array:
+               path: str = "auto", backend: str = "reference",
+               token_mask: jax.Array | None = None) -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``): ``route_fn(r) -> (idx [T, k],
     weight [T, k])`` chooses on ``r = route_input`` (default ``h``), :func:`apply_experts`
     applies them. With ``expert_axis`` (see the module docstring) ``w`` holds this member's
-    ``E / S`` experts and every member's tokens are routed and applied here. ``path`` and
-    ``backend``: as :func:`apply_experts`."""
+    ``E / S`` experts and every member's tokens are routed and applied here. ``path``,
+    ``backend`` and ``token_mask [T]`` (a step's real tokens: padding reads no expert): as
+    :func:`apply_experts`."""
     r = h if route_input is None else route_input
     if expert_axis is None:
         idx, weight = route_fn(r)
         return apply_experts(h, idx, weight, w, gated=gated, activation=activation, path=path,
-                             backend=backend)
+                             backend=backend, token_mask=token_mask)
     El = w["w_up"].shape[0]
     h_all = jax.lax.all_gather(h, expert_axis, tiled=True)  # [S * T, d]: every member's tokens
     r_all = h_all if route_input is None else jax.lax.all_gather(r, expert_axis, tiled=True)
+    mask_all = None if token_mask is None else jax.lax.all_gather(token_mask, expert_axis, tiled=True)
     idx, weight = route_fn(r_all)
     first = jax.lax.axis_index(expert_axis) * El
     part = apply_experts(h_all, idx, weight, w, gated=gated, activation=activation, first=first,
-                         path=path, backend=backend)
+                         path=path, backend=backend, token_mask=mask_all)
     return jax.lax.psum_scatter(part, expert_axis, scatter_dimension=0, tiled=True)  # [T, d]
 
 
 def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None,
             route_input: jax.Array | None = None, path: str = "auto",
-            backend: str = "reference") -> jax.Array:
+            backend: str = "reference", token_mask: jax.Array | None = None) -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``; see the module docstring for
     ``expert_axis``). ``w``: ``router [d_r, E]``, optional ``e_bias [E]`` (sigmoid routing), the
     expert stacks of :func:`apply_experts` (``E / axis size`` of them under ``expert_axis``).
     ``route_input [T, d_r]``: what the router reads when it is not ``h`` (Nemotron-H's latent
-    experts are routed on the hidden state before the latent projection). ``path``, ``backend``:
-    as :func:`apply_experts`."""
+    experts are routed on the hidden state before the latent projection). ``path``, ``backend``,
+    ``token_mask``: as :func:`apply_experts`."""
 
     def route_fn(hh):
         router = w["router"]
@@ -327,7 +338,7 @@ def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None
 
     return routed_ffn(h, route_fn, w, gated=spec.gated, activation=spec.activation,
                       expert_axis=expert_axis, route_input=route_input, path=path,
-                      backend=backend)
+                      backend=backend, token_mask=token_mask)
 
 
 def _stacked_init(key, shape, dtype=jnp.float32):
@@ -370,5 +381,5 @@ class MoELayer(nn.Module):
         h = rms_norm(x, self.norm, c.rms_eps)
         spec = MoESpec(c.moe_num_experts, c.moe_top_k, c.moe_ffn_dim)
         w = {"router": self.router, "w_gate": self.w_gate, "w_up": self.w_up, "w_down": self.w_down}
-        y = moe_ffn(h, w, spec, self.expert_axis, backend=backend)
+        y = moe_ffn(h, w, spec, self.expert_axis, backend=backend, token_mask=token_real)
         return x + jnp.where(token_real[:, None], y, 0.0)

@@ -117,6 +117,46 @@ def test_a_holder_applies_only_its_own_experts(path):
     np.testing.assert_allclose(y + other, whole, atol=LOOP_TOL, rtol=0)
 
 
+@pytest.mark.parametrize("path,backend", [("dense", "reference"), ("sparse", "reference"),
+                                          ("grouped", "reference"), ("grouped", "pallas_gpu")])
+def test_masked_tokens_add_zero_and_leave_real_ones_bitwise(path, backend):
+    """A step's padding (``token_mask`` False) adds exactly 0; every real token's row is bitwise
+    what the unmasked call gives it."""
+    T = 6
+    w = _weights(11)
+    h = np.random.default_rng(12).standard_normal((T, D)).astype(np.float32)
+    idx, weight = _routing(13, T)
+    mask = np.array([True, False, True, True, False, True])
+    f = functools.partial(moe.apply_experts, path=path, backend=backend)
+    y = np.asarray(f(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w))
+    ym = np.asarray(f(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, token_mask=jnp.asarray(mask)))
+    assert np.all(ym[~mask] == 0) and np.all(y[~mask] != 0)
+    assert np.array_equal(ym[mask].view(np.uint32), y[mask].view(np.uint32))
+    with pytest.raises(ValueError, match=r"token_mask must have shape \[6\]"):
+        f(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, token_mask=jnp.ones((5,), bool))
+
+
+def test_padding_reads_no_expert_on_the_grouped_path(monkeypatch):
+    """Experts 6 and 7, chosen only by a pad token, get no tile of the grouped products (their
+    weights are not read); unmasked, they do."""
+    tiles = []
+    real_gm = moe.grouped_matmul
+
+    def spy(a, w, tile_group, **kw):
+        tiles.append(set(np.asarray(tile_group).tolist()))
+        return real_gm(a, w, tile_group, **kw)
+
+    monkeypatch.setattr(moe, "grouped_matmul", spy)
+    h = np.random.default_rng(14).standard_normal((3, D)).astype(np.float32)
+    idx = np.array([[0, 1], [6, 7], [1, 2]], np.int32)
+    weight = np.ones((3, K), np.float32)
+    for mask, expect in ((None, {6, 7}), (np.array([True, False, True]), set())):
+        tiles.clear()
+        moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), _weights(15), path="grouped",
+                          backend="pallas_gpu", token_mask=None if mask is None else jnp.asarray(mask))
+        assert tiles and all(t & {6, 7} == expect for t in tiles), (mask, tiles)
+
+
 def test_auto_path_is_a_static_choice_from_shapes_and_backend():
     assert moe.sparse_pays(1, 6, 64) and moe.sparse_pays(3, 6, 64) and not moe.sparse_pays(4, 6, 64)
     assert not moe.sparse_pays(1, 2, 4) and moe.sparse_pays(1, 2, 8)
@@ -290,6 +330,15 @@ for path in ("dense", "sparse"):
                       mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False)
     got = jax.jit(f)(h, w)
     out[path] = {"max_err": float(jnp.max(jnp.abs(got - ref))), "ref": np.asarray(ref).tolist()}
+# padding on both members (token_mask gathered with the tokens): exactly 0 there, the rest as unmasked
+mask = jnp.asarray(np.arange(2 * T) % 4 != 1)
+f = jax.shard_map(lambda hh, ww, mm: moe.routed_ffn(hh, route_fn, ww, expert_axis="data", token_mask=mm),
+                  mesh=mesh, in_specs=(P("data"), P("data"), P("data")), out_specs=P("data"), check_vma=False)
+got = np.asarray(jax.jit(f)(h, w, mask))
+ref = np.asarray(moe.routed_ffn(h, route_fn, w))
+m = np.asarray(mask)
+out["masked"] = {"pad_rows_zero": bool(np.all(got[~m] == 0)), "pads": int((~m).sum()),
+                 "max_err": float(np.max(np.abs(got[m] - ref[m])))}
 print(json.dumps(out))
 """
 
@@ -310,6 +359,14 @@ def test_expert_parallel_over_two_members_matches_one_device(ep_results, path):
     single-device result to float32 rounding."""
     assert ep_results[path]["max_err"] <= PATH_TOL, ep_results[path]["max_err"]
     assert np.max(np.abs(ep_results[path]["ref"])) > 0.1
+
+
+def test_expert_parallel_padding_is_masked_on_every_member(ep_results):
+    """``token_mask`` is gathered with the tokens: each member's pad tokens add exactly 0, the
+    real ones match the unmasked single-device result."""
+    r = ep_results["masked"]
+    assert r["pads"] == 3 and r["pad_rows_zero"], r
+    assert r["max_err"] <= PATH_TOL, r
 
 
 @pytest.mark.parametrize("axis", [0, 1])

@@ -579,18 +579,21 @@ def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> tuple[jax.Array, jax.A
     return idx, w * jnp.float32(c.routed_scaling_factor)
 
 
-def _moe(mp, c, h, expert_axis, model_axis, backend):
+def _moe(mp, c, h, expert_axis, model_axis, backend, token_mask=None):
     shared = _swiglu(h, mp["shared_gate"], mp["shared_up"], mp["shared_down"])
     if model_axis is not None:
         shared = jax.lax.psum(shared, model_axis)
-    routed = routed_ffn(h, lambda r: route(r, mp, c), mp, expert_axis=expert_axis, backend=backend)
+    routed = routed_ffn(h, lambda r: route(r, mp, c), mp, expert_axis=expert_axis, backend=backend,
+                        token_mask=token_mask)
     return routed + shared
 
 
-def _mlp(lp, c, i, h, expert_axis, model_axis, backend="reference"):
+def _mlp(lp, c, i, h, expert_axis, model_axis, backend="reference", token_mask=None):
+    """Layer ``i``'s feed-forward block; ``token_mask [T]``: the step's real tokens (padding is
+    routed to no expert)."""
     mp = lp["mlp"]
     if c.is_moe_layer(i):
-        return _moe(mp, c, h, expert_axis, model_axis, backend)
+        return _moe(mp, c, h, expert_axis, model_axis, backend, token_mask)
     y = _swiglu(h, mp["gate"], mp["up"], mp["down"])
     return y if model_axis is None else jax.lax.psum(y, model_axis)
 
@@ -814,7 +817,7 @@ class DeepseekV3:
                     fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
             x = x + jnp.where(real, _out(ap, o, model_axis), 0.0)
             h = _rms(x, lp["post_norm"], c.rms_norm_eps)
-            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend), 0.0)
+            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend, ctx.token_real), 0.0)
         hl = _rms(x[ctx.logits_indices], params["final_norm"], c.rms_norm_eps)
         return _mm(hl, params["lm_head"]), pools
 

@@ -444,19 +444,21 @@ class HybridModel:
                     h, ctx, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"], p, c.mamba,
                     backend=backend, model_axis=model_axis, A=decay_rate(rates, mamba[i]))
             else:
-                out = self._ffn(b, p, h, expert_axis, backend)
+                out = self._ffn(b, p, h, expert_axis, backend, token_mask=ctx.token_real)
             if b.residual_multiplier != 1.0:
                 out = out * jnp.float32(b.residual_multiplier)
             x = x + jnp.where(real, out, 0.0)
         return self._head(params, x[ctx.logits_indices]), pools
 
-    def _ffn(self, b: Block, p: dict, h, expert_axis, backend: str = "reference"):
+    def _ffn(self, b: Block, p: dict, h, expert_axis, backend: str = "reference", token_mask=None):
+        """Block ``b``'s MLP or MoE; ``token_mask [T]``: the step's real tokens (padding is routed
+        to no expert)."""
         c = self.config
         if b.kind == "mlp":
             return mlp(h, p, c.mlp)
         hl = linear(h, p["fc1"], p.get("fc1_b")) if c.moe_latent is not None else h
         out = moe_ffn(hl, p, c.moe, expert_axis, route_input=None if c.moe_latent is None else h,
-                      backend=backend)
+                      backend=backend, token_mask=token_mask)
         if c.moe_latent is not None:
             out = linear(out, p["fc2"], p.get("fc2_b"))
         if c.moe_shared is not None:
