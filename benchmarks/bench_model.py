@@ -916,6 +916,26 @@ def _git_head() -> str | None:
         return None
 
 
+def _source_sha() -> str:
+    """sha256 (first 12 hex digits) of the library's source as it runs here (every ``.py`` under
+    ``kvjax/`` and ``pallas_kernels/``, paths and bytes): names the code measured even where the
+    working tree was copied to a machine whose git HEAD is stale (``commit`` then misleads)."""
+    import hashlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for pkg in ("kvjax", "pallas_kernels"):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, pkg))):
+            dirnames.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as fh:
+                        h.update(fh.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def _versions() -> dict:
     out = {"python": sys.version.split()[0]}
     for name in ("jax", "jaxlib", "torch", "transformers", "triton"):
@@ -980,7 +1000,7 @@ def driver(presets, matrices, outdir, *, peers: bool, profile: bool, budget_s: f
             "matrix": {p: matrices[p] for p in presets}, "versions": _versions(), **_device_meta(),
             "block_size": BLOCK_SIZE, "nominal_bf16_tflops": NOMINAL_BF16_TFLOPS,
             "method": METHOD, "method_short": METHOD_SHORT,
-            "commit": os.environ.get("KVJAX_COMMIT") or _git_head()}
+            "commit": os.environ.get("KVJAX_COMMIT") or _git_head(), "source_sha": _source_sha()}
     status = {}
     for preset, impl in procs:
         left = budget_s - (time.perf_counter() - t_start)

@@ -7,7 +7,8 @@
 #     KVJAX_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_model_matrix.sh OUTDIR [PART ...]
 #
 # (KVJAX_COMMIT names the code in every row: expand it where the commit was made; a copy of the
-# working tree sent to another machine may carry a stale HEAD, as on 2026-11-28.)
+# working tree sent to another machine may carry a stale HEAD, as on 2026-11-28; each run also
+# records `source_sha`, a hash of the library source it ran).
 #
 # Every part is too much for one 10-minute device call: name the parts of each call (default:
 # all). Each part has its own time limit, so one that fails leaves the others' JSON; join the
