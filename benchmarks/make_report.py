@@ -1148,6 +1148,8 @@ def model_section(results):
                 + (" (the same rows at a short `max_model_len`, the attention comparison)" if p["baseline"] else "")
                 + (" (its prefill rows, profiled, replace the other parts' prefill rows of these presets)"
                    if p.get("prefill_from") else "")
+                + (" (a later run of some rows: each replaces the earlier parts' row of the same shape)"
+                   if p.get("replaces_rows") else "")
                 for p in m["parts"]] + [""]
     c0 = next((r for r in kv if r.get("copy_bw_TBps")), {})
     out += ["**Method.** " + m.get("method_short", "") + (

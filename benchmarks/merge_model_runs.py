@@ -13,7 +13,10 @@ A real-size run of every preset, its transformers peers and its profiles does no
 kvjax prefill rows of the same presets (a later run on newer code); its other rows are kept
 under ``impl: "kvjax-prefill-run"``. ``--replace-presets PART.json`` (repeatable) takes every row
 of the presets that part measured, kvjax and transformers, in place of the other parts' rows of
-those presets (a later run of a whole preset, its peers in the same run).
+those presets (a later run of a whole preset, its peers in the same run). ``--replace-rows
+PART.json`` (repeatable): each of that part's rows replaces the other parts' row of the same
+preset, impl, phase, batch, context and ``max_model_len``; rows it did not measure are kept (a
+later run of some rows, e.g. the kvjax rows without their peers).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import json
 import os
 
 
+def _key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in ("preset", "impl", "phase", "batch", "context", "max_model_len"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -30,12 +37,13 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", action="append", default=[])
     ap.add_argument("--prefill-from")
     ap.add_argument("--replace-presets", action="append", default=[])
+    ap.add_argument("--replace-rows", action="append", default=[])
     a = ap.parse_args(argv)
     rows, parts, meta = [], [], None
     # (path, mode): "part", "baseline", "prefill" (--prefill-from) or "replace" (--replace-presets)
     inputs = ([(p, "part") for p in a.parts] + [(p, "baseline") for p in a.baseline]
               + ([(a.prefill_from, "prefill")] if a.prefill_from else [])
-              + [(p, "replace") for p in a.replace_presets])
+              + [(p, "replace") for p in a.replace_presets] + [(p, "rows") for p in a.replace_rows])
     for path, mode in inputs:
         doc = json.load(open(path))
         m = doc["meta"]
@@ -43,7 +51,8 @@ def main(argv=None) -> int:
         parts.append({"source": os.path.basename(path), "commit": m.get("commit"), "date": m.get("date"),
                       "presets": m.get("presets"), "matrix": m.get("matrix"), "gpu": m.get("nvidia_smi"),
                       "total_wall_s": m.get("total_wall_s"), "baseline": mode == "baseline",
-                      "prefill_from": mode == "prefill", "replaces_presets": mode == "replace"})
+                      "prefill_from": mode == "prefill", "replaces_presets": mode == "replace",
+                      "replaces_rows": mode == "rows"})
         if mode == "replace":
             mine = {r["preset"] for r in doc["rows"]}
             rows = [q for q in rows if q["preset"] not in mine]
@@ -57,6 +66,8 @@ def main(argv=None) -> int:
                     r["impl"] = "kvjax-prefill-run"
             elif mode == "baseline":
                 r["impl"] = "kvjax-short-table"
+            elif mode == "rows":
+                rows = [q for q in rows if _key(q) != _key(r)]
             rows.append(r)
     meta["parts"] = parts
     meta["presets"] = sorted({r["preset"] for r in rows})
