@@ -16,7 +16,8 @@ CPU), with smaller sizes, to dry-run this script without a GPU.
 
 Recorded runs (NVIDIA H100 80GB HBM3, jax 0.11.2, Pallas Triton lowering): all 15
 checks PASS (13 correctness cases, 2 in-place checks), with the first SSU kernel and,
-on 2026-11-22, with the one of BENCHMARKS.md (32 rows of dim per program, no zero-filled
+on 2026-11-22, with the one of BENCHMARKS.md; on 2026-11-28, 18/18 with the case of the
+decode operands as ``Columns`` of one projection (``benchmarks/results/2026-11-28-h100-checks-mamba-columns.log``) (32 rows of dim per program, no zero-filled
 output). Timings, per call, donated pool, 20 iterations, host-synchronised (the
 device-side figures are in BENCHMARKS.md):
 
