@@ -8,7 +8,6 @@ token -> sequence lookup for packed batches, vLLM's softplus, and :class:`Column
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -39,7 +38,7 @@ def check_float(name: str, arr) -> None:
     contract.check_dtype(name, arr, "floating")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["parent"], meta_fields=["start", "shape"])
+@jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Columns:
     """An operand that is columns ``[start, start + width)`` of a 2-D array ``parent [n, C]``,
@@ -56,21 +55,33 @@ class Columns:
     start: int
     shape: tuple
 
-    def __post_init__(self):
+    def __post_init__(self):  # the checks run where a caller builds one, not where JAX rebuilds one
         shape = tuple(self.shape)
-        object.__setattr__(self, "shape", shape)
         start = check_int_arg("Columns start", self.start)
-        object.__setattr__(self, "start", start)
-        if not hasattr(self.parent, "shape"):  # a placeholder leaf while JAX rebuilds the tree
-            return
         if np.ndim(self.parent) != 2:
             raise ValueError(f"Columns parent must have rank 2 [n, C], got shape {tuple(np.shape(self.parent))}")
         n, width = np.shape(self.parent)
-        if len(shape) < 2 or shape[0] != n or any(not isinstance(d, (int, np.integer)) or d < 1 for d in shape[1:]):
-            raise ValueError(f"Columns shape must be [{n}, ...] with positive sizes (parent shape {[n, width]}), "
+        if (len(shape) < 2 or any(isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 1
+                                  for d in shape) or shape[0] != n):
+            raise ValueError(f"Columns shape must be [{n}, ...] of positive ints (parent shape {[n, width]}), "
                              f"got {list(shape)}")
+        shape = tuple(int(d) for d in shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "start", start)
         if start < 0 or start + self.width > width:
             raise ValueError(f"Columns [{start}, {start + self.width}) must lie within the parent's {width} columns")
+
+    def tree_flatten(self):
+        return (self.parent,), (self.start, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        # no checks: JAX rebuilds with placeholder or batched (vmap) leaves
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "parent", children[0])
+        object.__setattr__(obj, "start", aux[0])
+        object.__setattr__(obj, "shape", aux[1])
+        return obj
 
     @property
     def width(self) -> int:

@@ -708,8 +708,13 @@ def test_columns_errors():
     T = c["T"]
     with pytest.raises(ValueError, match=r"Columns \[33, 37\) must lie within the parent's 36 columns"):
         Columns(parent, 33, (T, 4))
-    with pytest.raises(ValueError, match=r"Columns shape must be \[5, \.\.\.\]"):
-        Columns(parent, 0, (T + 1, 4))
+    for bad in ((T + 1, 4), (float(T), 4), (T, True), (T, 0)):
+        with pytest.raises(ValueError, match=r"Columns shape must be \[5, \.\.\.\] of positive ints"):
+            Columns(parent, 0, bad)
+    # JAX rebuilds a Columns without the checks: one can come out of vmap (a batched parent)
+    stacked = jnp.stack([parent, parent])
+    out = jax.vmap(lambda q: Columns(q, 1, (T, 4, 2)))(stacked)
+    assert out.parent.shape == (2,) + parent.shape and out.start == 1 and out.shape == (T, 4, 2)
     with pytest.raises(ValueError, match=r"Columns parent must have rank 2"):
         Columns(parent[None], 0, (1, 4))
     x3 = Columns(parent, 1, (T, 4, 2))
