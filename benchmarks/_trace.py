@@ -43,6 +43,29 @@ def record(body, *, device_only: bool = False):
     return events, pname, tname, gpu_pids
 
 
+#: Profiler threads that re-list device events (per XLA op, module, step...) rather than record them.
+DERIVED_THREADS = ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")
+
+
+def device_timeline(got) -> list[dict]:
+    """Every device event (kernels, copies, memsets) of :func:`record`'s result in time order:
+    ``t`` (from the first event), ``dur``, ``gap`` (idle time before it), ``name``, ``module``;
+    none when no trace was written."""
+    if got is None:
+        return []
+    events, _, tname, gpu_pids = got
+    ev = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "")[:70],
+                 (e.get("args") or {}).get("hlo_module", "")[:40])
+                for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
+                and not tname.get((e["pid"], e.get("tid")), "").startswith(DERIVED_THREADS))
+    rows, prev_end = [], None
+    for ts, dur, name, mod in ev:
+        gap = 0.0 if prev_end is None else ts - prev_end
+        prev_end = max(prev_end or 0.0, ts + dur)
+        rows.append({"t": ts - ev[0][0], "dur": dur, "gap": gap, "name": name, "module": mod})
+    return rows
+
+
 def trace_device(run, n: int) -> dict:
     """Device kernels and memcpys of ``n`` calls of ``run()`` (profiler trace, CUPTI)."""
     jax.block_until_ready(run())
@@ -57,7 +80,6 @@ def trace_device(run, n: int) -> dict:
     if got is None:
         return {"error": "no perfetto trace written"}
     events, pname, tname, gpu_pids = got
-    derived = ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")
     kernels, copies = [], []
     threads = collections.Counter()
     for e in events:
@@ -65,7 +87,7 @@ def trace_device(run, n: int) -> dict:
             continue
         th = tname.get((e["pid"], e.get("tid")), "")
         threads[th] += 1
-        if any(th.startswith(x) for x in derived):
+        if th.startswith(DERIVED_THREADS):
             continue
         name = e.get("name", "")
         args = e.get("args", {}) or {}

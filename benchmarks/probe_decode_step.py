@@ -47,7 +47,7 @@ def _boundaries(call, log) -> list:
     back-to-back calls: name, start relative to the first event, duration, idle time before it."""
     import jax
 
-    from _trace import record
+    from _trace import device_timeline, record
 
     jax.block_until_ready(call())
 
@@ -57,25 +57,9 @@ def _boundaries(call, log) -> list:
             o = call()
         jax.block_until_ready(o)
 
-    events, pname, tname, gpu = record(body)
-    derived = ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")
-    ev = []
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu:
-            continue
-        if any(tname.get((e["pid"], e.get("tid")), "").startswith(x) for x in derived):
-            continue
-        ev.append((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "")[:70],
-                   (e.get("args") or {}).get("hlo_module", "")[:40]))
-    ev.sort()
-    if not ev:
+    rows = device_timeline(record(body))
+    if not rows:
         return []
-    t0 = ev[0][0]
-    rows, prev_end = [], None
-    for ts, dur, name, mod in ev:
-        gap = 0.0 if prev_end is None else ts - prev_end
-        prev_end = max(prev_end or 0.0, ts + dur)
-        rows.append({"t": ts - t0, "dur": dur, "gap": gap, "name": name, "module": mod})
     big = [r for r in rows if r["gap"] > 20]
     log(f"  {len(rows)} device events over 3 calls, span {rows[-1]['t'] + rows[-1]['dur']:.0f} us; "
         f"idle gaps > 20 us: {len(big)}, {sum(r['gap'] for r in big):.0f} us")
@@ -168,7 +152,7 @@ def _decode_steps(a):
     from bench_model import Bench
 
     batches = [int(x) for x in a.batch.split(",")]
-    sizes = [getattr(a, "bucket_tokens", 0) or b for b in batches]
+    sizes = [a.bucket_tokens or b for b in batches]
     bench = Bench(a.preset, {"decode": [(a.context, tuple(sizes))], "prefill": (), "max_model_len": 32768})
     bench.compile_all()
     r = bench.runner
@@ -404,7 +388,7 @@ def gap(a, log) -> dict:
     two steps and the device events in it."""
     import jax
 
-    from _trace import record
+    from _trace import device_timeline, record
 
     bench, r, steps = _decode_steps(a)
     res = {}
@@ -448,19 +432,10 @@ def gap(a, log) -> dict:
                 jax.block_until_ready(r._rows)
 
             body()
-            events, pname, tname, gpu = record(body, device_only=True)
-            ev = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "")[:60])
-                        for e in events if e.get("ph") == "X" and e.get("pid") in gpu
-                        and not tname.get((e["pid"], e.get("tid")), "").startswith(
-                            ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Source", "Framework", "Launch Stats")))
-            if not ev:
+            rows_ = [(x["t"], x["dur"], x["gap"], x["name"]) for x in device_timeline(record(body, device_only=True))]
+            if not rows_:
                 log(f"b{b:<3d} trace {variant}: no device events (not a GPU)")
                 continue
-            rows_, prev_end = [], None
-            for ts, du, nm in ev:
-                g = 0.0 if prev_end is None else ts - prev_end
-                prev_end = max(prev_end or 0.0, ts + du)
-                rows_.append((ts - ev[0][0], du, g, nm))
             busy = sum(x[1] for x in rows_)
             span = rows_[-1][0] + rows_[-1][1]
             big = [x for x in rows_ if x[2] > 15]

@@ -155,7 +155,7 @@ def mamba_mixer(
     *,
     backend: str,
     model_axis: str | None = None,
-    A: jax.Array | Columns | None = None,
+    A: Columns | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One mixed step of the Mamba2 mixer (see the module docstring). Returns
     ``(out [T, d] float32, conv_state, ssm_state)``; ``out`` of pad tokens is the output
@@ -165,7 +165,7 @@ def mamba_mixer(
     ``conv_bias`` (or absent), ``dt_bias``, ``A_log``, ``D [H]``, ``gate_norm [d_inner]``,
     ``out_proj [d_inner, d]`` (+ ``out_proj_bias``, added once after the ``model_axis`` sum).
     The SSM, the conv and the norm run in float32 whatever the weights' dtype. ``A``: this
-    layer's :func:`decay_rate` or its rates ``[H]`` (None: computed here from ``A_log``).
+    layer's :func:`decay_rate` (None: computed here from ``A_log``).
     """
     T = h.shape[0]
     H, P = spec.num_heads, spec.head_dim
@@ -177,13 +177,15 @@ def mamba_mixer(
     # and the conv writes its float32 output there. Everything after it computes in float32.
     proj_dtype = f32 if ctx.decode_only else w["in_proj"].dtype
     zxbcdt = linear(h, w["in_proj"], w.get("in_proj_bias"), out_dtype=proj_dtype).astype(f32)
-    z = zxbcdt[:, :di]
-    xbc = zxbcdt[:, di : di + spec.conv_dim]
-    dt = zxbcdt[:, di + spec.conv_dim :]  # [T, H]
-    A = decay_rate(decay_rates([w["A_log"]]), 0) if A is None else A
-    # the SSM decode kernel's A [H, 1, 1] (a Columns is read in place) and the scan's A [H]
-    A3 = A if isinstance(A, Columns) else jnp.asarray(A).reshape(H, 1, 1)
-    A1 = (A.value() if isinstance(A, Columns) else jnp.asarray(A)).reshape(H)
+    # a decode-only step's kernels read z / xBC / dt in place from the projection (no copy of
+    # each slice; the conv writes its output over xBC's columns); the other paths slice it
+    in_place = ctx.decode_only and not ctx.is_speculative
+    cd = spec.conv_dim
+    if in_place:
+        z, xbc, dt = Columns(zxbcdt, 0, (T, di)), Columns(zxbcdt, di, (T, cd)), Columns(zxbcdt, di + cd, (T, H))
+    else:
+        z, xbc, dt = zxbcdt[:, :di], zxbcdt[:, di : di + cd], zxbcdt[:, di + cd :]  # dt [T, H]
+    A = decay_rate(decay_rates([w["A_log"]]), 0) if A is None else A  # [H, 1, 1], read in place
     k = {
         # in the weights' own dtype: every conv implementation widens them to float32 as it reads
         # them, so a convert here would only add a kernel to every step
@@ -198,7 +200,7 @@ def mamba_mixer(
     }
     if spec.clips_dt:  # clip after softplus: pass the kernels the final dt
         lo, hi = spec.dt_limit
-        dt = jnp.clip(jax.nn.softplus(dt + k["dt_bias"]), lo, hi)
+        dt = jnp.clip(jax.nn.softplus((dt.value() if in_place else dt) + k["dt_bias"]), lo, hi)
         k["dt_bias"], k["softplus"] = None, False
 
     R = ctx.num_rows
@@ -206,19 +208,15 @@ def mamba_mixer(
     is_dec = ctx.token_real & ctx.decode_row[row]
     if ctx.is_speculative:
         decode = _decode_spec
-    elif ctx.decode_only:
+    elif in_place:
         decode = functools.partial(_decode_tokens_as_rows, row=row, is_dec=is_dec)
-        # the kernels read z / xBC / dt in place from the projection (no copy of each slice;
-        # the conv writes its output over xBC's columns)
-        xbc, z = Columns(zxbcdt, di, (T, spec.conv_dim)), Columns(zxbcdt, 0, (T, di))
-        if not spec.clips_dt:
-            dt = Columns(zxbcdt, di + spec.conv_dim, (T, H))
     else:
         decode = _decode
-    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A3, conv_state, ssm_state, backend)
+    y_dec, conv_state, ssm_state = decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend)
     y = jnp.where(is_dec[:, None, None], y_dec, 0.0)
     if not ctx.decode_only:
-        y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A1, conv_state, ssm_state, backend)
+        y_pre, conv_state, ssm_state = _prefill(spec, k, ctx, xbc, z, dt, A.value().reshape(H), conv_state,
+                                                ssm_state, backend)
         is_pre = ctx.token_real & ctx.prefill_row[row]
         y = jnp.where(is_pre[:, None, None], y_pre, y)
     y = y.reshape(T, H * P)
