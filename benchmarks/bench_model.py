@@ -448,8 +448,8 @@ class Bench:
             self.max_model_len = max(self.max_model_len, int(matrix["max_model_len"]))
         blocks_decode = max(b * math.ceil((c + SLACK) / BLOCK_SIZE) for c, bs in matrix["decode"] for b in bs)
         blocks_prefill = max([math.ceil(n / BLOCK_SIZE) for n in prefills] or [0])
-        num_blocks = 1 + max(blocks_decode, blocks_prefill)
-        max_seqs = max(batches)
+        num_blocks = max(1 + max(blocks_decode, blocks_prefill), int(matrix.get("num_blocks", 0)))
+        max_seqs = max(batches + [int(matrix.get("max_num_seqs", 0))])
         token_sizes = tuple(sorted(set(batches) | set(prefills)))
         global RETURN_LOGITS
         if "return_logits" not in {f.name for f in dataclasses.fields(RunnerConfig)}:

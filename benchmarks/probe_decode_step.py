@@ -153,7 +153,8 @@ def _decode_steps(a):
 
     batches = [int(x) for x in a.batch.split(",")]
     sizes = [a.bucket_tokens or b for b in batches]
-    bench = Bench(a.preset, {"decode": [(a.context, tuple(sizes))], "prefill": (), "max_model_len": 32768})
+    bench = Bench(a.preset, {"decode": [(a.context, tuple(sizes))], "prefill": (), "max_model_len": a.max_model_len,
+                             "max_num_seqs": a.max_num_seqs, "num_blocks": a.num_blocks})
     bench.compile_all()
     r = bench.runner
 
@@ -467,6 +468,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--loop", type=int, default=8, help="gap: steps in the looped executable (0: none)")
     ap.add_argument("--bucket-tokens", type=int, default=0, help="gap: the decode buckets' token count")
+    ap.add_argument("--max-model-len", type=int, default=32768, help="gap: the table's width in tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="gap: request rows (0: the largest batch)")
+    ap.add_argument("--num-blocks", type=int, default=0, help="gap: KV blocks (0: what the batches need)")
     ap.add_argument("--tag", default="", help="gap: suffix of the written file names")
     ap.add_argument("--variants", default="launch_drop,replica_drop_buf,replica_keep_both,alternate,alternate_keep_both",
                     help="launches: the launch patterns")

@@ -65,14 +65,20 @@ def scatter_index(idx, num_rows: int):
     return jnp.where(is_real_row(idx, num_rows), idx, num_rows)
 
 
+# Widest row (int32 words) scatter_rows joins with other fields into one scatter. A wider field is
+# scattered on its own: joined, every step would rewrite all of it (``R`` rows) into the joined
+# table and back, where its own scatter writes only the ``U`` rows named, in place.
+JOIN_MAX_WORDS = 16
+
+
 def scatter_rows(dest: jax.Array, updates: dict) -> dict:
     """``{name: field.at[dest].set(values, mode="drop")}`` for ``updates = {name: (field,
-    values)}``, done as one scatter: every field (``[R, ...]``, a 32-bit dtype) is viewed as
-    int32 columns, the columns are concatenated, scattered once and split back (bit-exact).
-
-    One scatter instead of one per field: on a GPU each is a kernel launch of its own.
+    values)}``. Fields (``[R, ...]``, a 32-bit dtype) of at most :data:`JOIN_MAX_WORDS` words a
+    row are viewed as int32 columns, concatenated, scattered once and split back (bit-exact: on
+    a GPU each scatter is a kernel launch of its own); a wider field (a token or block table) is
+    scattered alone, so only its named rows are written.
     """
-    parts, vals, layout = [], [], []
+    parts, vals, layout, out = [], [], [], {}
     U = dest.shape[0]
     for name, (field, values) in updates.items():
         if np.dtype(field.dtype).itemsize != 4:
@@ -80,15 +86,19 @@ def scatter_rows(dest: jax.Array, updates: dict) -> dict:
         R = field.shape[0]
         cols = int(np.prod(field.shape[1:], dtype=np.int64))
         values = jnp.broadcast_to(jnp.asarray(values).astype(field.dtype), (U,) + field.shape[1:])
+        if cols > JOIN_MAX_WORDS:
+            out[name] = field.at[dest].set(values, mode="drop")
+            continue
         parts.append(jax.lax.bitcast_convert_type(field, jnp.int32).reshape(R, cols))
         vals.append(jax.lax.bitcast_convert_type(values, jnp.int32).reshape(U, cols))
         layout.append((name, cols, field.shape, field.dtype))
-    table = jnp.concatenate(parts, axis=1).at[dest].set(jnp.concatenate(vals, axis=1), mode="drop")
-    out, start = {}, 0
-    for name, cols, shape, dtype in layout:
-        out[name] = jax.lax.bitcast_convert_type(table[:, start:start + cols].reshape(shape), dtype)
-        start += cols
-    return out
+    if parts:
+        table = jnp.concatenate(parts, axis=1).at[dest].set(jnp.concatenate(vals, axis=1), mode="drop")
+        start = 0
+        for name, cols, shape, dtype in layout:
+            out[name] = jax.lax.bitcast_convert_type(table[:, start:start + cols].reshape(shape), dtype)
+            start += cols
+    return {name: out[name] for name in updates}
 
 
 def token_rows(query_start_loc, num_tokens_padded: int):

@@ -75,6 +75,10 @@ def test_scatter_rows_is_one_bit_exact_scatter_per_field():
         "m": (jnp.asarray(rng.integers(0, 99, (R, 4)), jnp.int32), jnp.asarray(rng.integers(100, 200, (3, 4)), jnp.int32)),
         "z": (jnp.zeros((R, 0), jnp.int32), 0),
         "s": (jnp.asarray(rng.standard_normal(R), jnp.float32), 2.5),
+        # wider than JOIN_MAX_WORDS: scattered alone (a token table; float32 NaN payloads too)
+        "w": (jnp.asarray(rng.integers(0, 99, (R, 40)), jnp.int32), jnp.asarray(rng.integers(100, 200, (3, 40)), jnp.int32)),
+        "wf": (jnp.asarray(rng.standard_normal((R, 5, 4)), jnp.float32),
+               jnp.asarray(np.resize(nan_bits, (3, 5, 4)))),
     }
     dest = scatter_index(jnp.asarray([4, PAD_ROW_ID, 1]), R)
     got = jax.jit(scatter_rows)(dest, fields)
@@ -86,3 +90,17 @@ def test_scatter_rows_is_one_bit_exact_scatter_per_field():
                                       err_msg=name)
     with pytest.raises(TypeError, match="'b'.*32-bit"):
         scatter_rows(dest, {"b": (jnp.zeros((R,), jnp.bool_), True)})
+
+
+def test_scatter_rows_leaves_wide_fields_out_of_the_joined_table():
+    """A field wider than JOIN_MAX_WORDS is never concatenated with the others: joined, each step
+    would rewrite the whole token table (``R x max_model_len``) to update a few rows."""
+    import jax
+    from kvjax.state.padding import JOIN_MAX_WORDS, scatter_rows
+
+    R, W = 6, JOIN_MAX_WORDS + 1
+    fields = {"n": (jnp.zeros((R,), jnp.int32), 1), "t": (jnp.zeros((R, W), jnp.int32), 2),
+              "k": (jnp.zeros((R, 2), jnp.float32), 0.5)}
+    jaxpr = jax.make_jaxpr(scatter_rows)(jnp.asarray([1, R], jnp.int32), fields)
+    joined = [e.outvars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "concatenate"]
+    assert joined and all(shape[-1] <= 3 for shape in joined), joined
