@@ -513,24 +513,22 @@ class Bench:
 
     # -- state fabrication
     def _rows(self, rank: int = 0):
-        from kvjax.runner.packing import unpack
+        """Rank ``rank``'s ``(RequestState, BlockTables)`` on the host (the pools stay put)."""
         from kvjax.runner.runner import _local_rows
 
-        r = self.runner
-        rows = _local_rows(r._rows)[rank]
-        return unpack(rows[: r._rows_spec.size], r._rows_spec)
+        return self.jax.tree.map(lambda a: _local_rows(a)[rank], self.runner._rows[:2])
 
     def _put_rows(self, req, tables, rank: int = 0):
         from kvjax.runner.mesh import global_array
-        from kvjax.runner.packing import pack
 
         np, r = self.np, self.runner
-        buf, spec = pack(self.jax.device_get((req, tables)))
-        assert spec == r._rows_spec
-        rows = np.array(self.jax.device_get(r._rows))
-        rows[rank, : buf.size] = buf
-        rows[rank, buf.size:] = 0
-        r._rows = global_array(r._rows.sharding, rows.shape, rows)
+
+        def put(a, value):
+            host = np.array(self.jax.device_get(a))
+            host[rank] = np.asarray(value)
+            return global_array(a.sharding, host.shape, host)
+
+        r._rows = (*self.jax.tree.map(put, r._rows[:2], (req, tables)), *r._rows[2:])
 
     def fabricate_decode_ranks(self, batch: int, context: int) -> dict:
         """``batch`` decoding requests split evenly over every data rank (``batch`` a multiple of

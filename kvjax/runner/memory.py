@@ -117,9 +117,9 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     T = max(b.num_tokens for b in c.bucket_spec.buckets)
     S = g.table_width * g.kernel_block_size
     model_temp = m.step_temp_bytes(T, S, c.cache_sizes) if hasattr(m, "step_temp_bytes") else 0
-    # The state buffer's input area holds the new requests' token rows ([U, max_model_len]); its
-    # output area the largest bucket's outputs (with return_logits, [L, vocab] float32 logits);
-    # post_update may hold a second copy of the request rows.
+    # The input area holds the new requests' token rows ([U, max_model_len]); the output area the
+    # largest bucket's outputs (with return_logits, [L, vocab] float32 logits); counted as well:
+    # a second copy of the request rows (the rows are updated in place, so this over-counts).
     output_area = 4 * output_area_words(c, m.vocab_size)
     step = model_temp + 4 * c.max_new_requests * c.max_model_len + output_area + _nbytes(rows)
 

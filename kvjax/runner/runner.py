@@ -404,7 +404,7 @@ def step_output_spec(config: RunnerConfig, bucket: Bucket, vocab_size: int) -> P
     """The packed layout of a step's outputs but the checks: ``(sampled int32 [R, 1 + k],
     num_sampled int32 [R], logits float32 [L, vocab_size] (0 rows without
     ``config.return_logits``), dummy bool)`` for ``bucket``'s ``R`` rows and ``L`` logits rows
-    (:func:`step_fn`'s; the Runner sizes its state buffer's output area by it before tracing)."""
+    (:func:`step_fn`'s; the Runner sizes its output area by it before tracing)."""
     R, k = bucket.num_reqs, config.num_speculative_tokens
     L = bucket.num_logits if config.return_logits else 0
     S = jax.ShapeDtypeStruct
@@ -413,7 +413,7 @@ def step_output_spec(config: RunnerConfig, bucket: Bucket, vocab_size: int) -> P
 
 
 def output_area_words(config: RunnerConfig, vocab_size: int) -> int:
-    """int32 words of the state buffer's output area: the largest of the buckets'
+    """int32 words of the output area: the largest of the buckets'
     :func:`step_output_spec` (the Runner allocates it; the memory estimate counts it)."""
     return max(step_output_spec(config, b, vocab_size).size for b in config.bucket_spec.buckets)
 
@@ -550,14 +550,22 @@ class Runner:
         return self._output_specs[bucket]
 
     def _initial_state(self):
-        """``(rows, pools)``: every rank's request rows and tables (one int32 buffer per rank; the
-        step-input area, then the step-output area after them), and the pools, zeroed (checked
-        mode: poisoned), made sharded on the devices."""
-        buf, _ = pack(self._initial_rows())
-        extra = self._input_words + self._output_words + 1  # + 1: never a whole-buffer update
-        rows = np.concatenate([buf, np.zeros((extra,), np.int32)])
-        rows = np.broadcast_to(rows[None], (self.num_ranks, rows.size))
-        rows = global_array(NamedSharding(self.mesh, P(DATA)), rows.shape, rows)
+        """``(rows, pools)``: ``rows = (requests, tables, inputs, outputs)``, every rank's request
+        rows and block tables (each field an array ``[D, ...]`` of its own, so that a step updates
+        the rows it names in place), its int32 step-input area ``[D, I]`` and step-output area
+        ``[D, O + 1]`` (+ 1: the largest output is still an update of the buffer, in place); the
+        pools, zeroed (checked mode: poisoned). All sharded on the devices over "data"."""
+        data = NamedSharding(self.mesh, P(DATA))
+
+        def per_rank(a):
+            a = np.asarray(a)
+            a = np.broadcast_to(a[None], (self.num_ranks,) + a.shape)
+            return global_array(data, a.shape, a)
+
+        req, tables = jax.tree.map(per_rank, self._initial_rows())
+        inputs = per_rank(np.zeros((self._input_words,), np.int32))
+        outputs = per_rank(np.zeros((self._output_words + 1,), np.int32))
+        rows = (req, tables, inputs, outputs)
         shapes = {s.name: (self._global_pool_shape(s), jnp.dtype(s.dtype)) for s in self.pool_specs}
         poison = self.config.poison
 
@@ -577,8 +585,7 @@ class Runner:
     def read_state(self, rank: int = 0) -> DeviceState:
         """A host (numpy) copy of data rank ``rank``'s state (every head shard's pools joined)."""
         self._check_rank(rank)
-        rows = _local_rows(self._rows)[rank]
-        req, tables = unpack(rows[: self._rows_spec.size], self._rows_spec)
+        req, tables = jax.tree.map(lambda a: _local_rows(a)[rank], self._rows[:2])
         pools = {name: _local_rows(a)[rank] for name, a in self._pools.items()}
         return DeviceState(requests=req, tables=tables, pools=pools)
 
@@ -586,19 +593,20 @@ class Runner:
         """Replace data rank ``rank``'s state (None: every rank's) with ``state`` (host or device
         arrays, shaped as :meth:`read_state` returns them). For tests and notebooks."""
         ranks = range(self.num_ranks) if rank is None else [self._check_rank(rank)]
-        buf, spec = pack(jax.device_get((state.requests, state.tables)))
-        if spec != self._rows_spec:
+        host = jax.device_get((state.requests, state.tables))
+        if spec_of(host) != self._rows_spec:
             raise ValueError("state's request rows / block tables do not match this runner's layout")
         if set(state.pools) != set(self._pools):
             raise ValueError(f"state's pools {sorted(state.pools)} are not this runner's {sorted(self._pools)}")
-        rows = np.array(jax.device_get(self._rows))
-        pools = {n: np.array(jax.device_get(a)) for n, a in self._pools.items()}
-        for d in ranks:
-            rows[d, : buf.size] = buf
-            for n in pools:
-                pools[n][d] = np.asarray(state.pools[n])
-        self._rows = global_array(self._rows.sharding, rows.shape, rows)
-        self._pools = {n: global_array(self._pools[n].sharding, a.shape, a) for n, a in pools.items()}
+
+        def put(a, value):
+            a_host = np.array(jax.device_get(a))
+            for d in ranks:
+                a_host[d] = np.asarray(value)
+            return global_array(a.sharding, a_host.shape, a_host)
+
+        self._rows = (*jax.tree.map(put, self._rows[:2], host), *self._rows[2:])
+        self._pools = {n: put(a, state.pools[n]) for n, a in self._pools.items()}
 
     def _check_rank(self, rank: int) -> int:
         if rank not in self.local_ranks:
@@ -714,8 +722,8 @@ class Runner:
         arguments, and one rank's input layout.
 
         ``fn(params, rows, pools) -> (rows, pools, checks)``: each rank's :class:`StepInputs` are
-        read from its rows buffer's input area (written there by :meth:`_stage`), its outputs
-        but the checks are written to the output area (laid out by :meth:`output_spec`,
+        read from its input area (``rows[2]``, written there by :meth:`_stage`), its outputs but
+        the checks are written to its output area (``rows[3]``) (laid out by :meth:`output_spec`,
         read back by :meth:`_fetch`); ``checks`` int32 ``[D, c, w]``. Every buffer the step
         reads or writes is then a donated one or the params: the same addresses at every step,
         so on a GPU its CUDA graph need not be updated between launches (a new input or output
@@ -725,27 +733,25 @@ class Runner:
         platform.
         """
         _, in_spec = pack(self.pack(None, bucket))
-        n, m, area = self._rows_spec.size, in_spec.size, self._rows_spec.size + self._input_words
+        m = in_spec.size
         out_spec = self.output_spec(bucket)
         D, M = self.num_ranks, self.model_size
         step = functools.partial(
             step_fn, model=self.shard_model, config=self.config, bucket=bucket, pool_specs=self.pool_specs,
             expert_axis=DATA if D > 1 else None, model_axis=MODEL if M > 1 else None,
             record_checks=self._record_check_layout)
-        rows_spec = self._rows_spec
 
         def per_rank(params, rows, pools):
-            rows = rows[0]
-            inp = unpack(rows[n: n + m], in_spec)
-            req, tables = unpack(rows[:n], rows_spec)
+            req, tables, inputs, outputs = jax.tree.map(lambda a: a[0], rows)
+            inp = unpack(inputs[:m], in_spec)
             new, out = step(params, DeviceState(req, tables, {k: v[0] for k, v in pools.items()}), inp)
             *main, checks = out
             if spec_of(tuple(main)) != out_spec:
                 raise AssertionError(f"bucket {bucket}: the step's outputs {spec_of(tuple(main))} differ from "
                                      f"step_output_spec's {out_spec}, which sized the output area")
-            rows = jax.lax.dynamic_update_slice(rows, pack_device((new.requests, new.tables)), (0,))
-            rows = jax.lax.dynamic_update_slice(rows, pack_device(tuple(main)), (area,))
-            return rows[None], {k: v[None] for k, v in new.pools.items()}, checks[None]
+            outputs = jax.lax.dynamic_update_slice(outputs, pack_device(tuple(main)), (0,))
+            rows = jax.tree.map(lambda a: a[None], (new.requests, new.tables, inputs, outputs))
+            return rows, {k: v[None] for k, v in new.pools.items()}, checks[None]
 
         def sm(params, rows, pools):
             # check_vma=False: the kernels' scans start from unsharded (invariant) carries; the
@@ -778,13 +784,13 @@ class Runner:
     @functools.cached_property
     def _stage(self) -> jax.stages.Compiled:
         """``(rows, inputs) -> rows`` (rows donated): each rank's step inputs, int32 ``[D, I]``
-        (in :attr:`_transfer_sharding`'s memory), written into its rows buffer's input area (the
-        only program that reads a fresh buffer)."""
-        n = self._rows_spec.size
+        (in :attr:`_transfer_sharding`'s memory), written into its input area (the only program
+        that reads a fresh buffer; the other buffers pass through, aliased)."""
         named = NamedSharding(self.mesh, P(DATA))
 
         def stage(rows, buf):
-            return jax.lax.dynamic_update_slice(rows, jax.device_put(buf, named), (0, n))
+            req, tables, inputs, outputs = rows
+            return req, tables, jax.lax.dynamic_update_slice(inputs, jax.device_put(buf, named), (0, 0)), outputs
 
         fn = jax.jit(stage, donate_argnums=0, out_shardings=named)
         arg = jax.ShapeDtypeStruct((self.num_ranks, self._input_words), jnp.int32,
@@ -795,8 +801,7 @@ class Runner:
         """``rows -> int32 [D, words]``: a copy of the first ``words`` of each rank's output area,
         in :attr:`_transfer_sharding`'s memory (compiled once per size)."""
         if words not in self._fetches:
-            start = self._rows_spec.size + self._input_words
-            fn = jax.jit(lambda rows: rows[:, start: start + words], out_shardings=self._transfer_sharding)
+            fn = jax.jit(lambda rows: rows[3][:, :words], out_shardings=self._transfer_sharding)
             self._fetches[words] = fn.lower(self._rows).compile()
         return self._fetches[words]
 
@@ -908,7 +913,7 @@ class Runner:
 
     def _enqueue(self, bucket: Bucket, buf: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Stage ``buf`` (:meth:`put_inputs`'s array), run ``bucket``'s step and copy its outputs
-        out of the state buffer: ``(packed outputs [D, n], checks [D, c, w])``, both possibly not
+        out of the output area: ``(packed outputs [D, n], checks [D, c, w])``, both possibly not
         yet computed; the outputs in :attr:`_transfer_sharding`'s memory, the checks on the
         devices."""
         exe, _ = self.executables[bucket]

@@ -23,7 +23,7 @@ After the step:
   device table and no live recurrent slot holds NaN (poison or anything
   computed from it);
 * ``free_row_not_reset``: free request rows hold :meth:`RequestState.create`'s
-  values, bitwise;
+  values, bitwise, in every field :meth:`RequestState.clear_rows` resets;
 * ``device_table_differs`` / ``device_count_differs``: the device block tables
   equal the host's (:class:`HostMirror`, built from the plans sent);
 * ``idle_rank_changed``: a data rank that ran the dummy step left its whole state
@@ -230,9 +230,9 @@ def post_step_checks(req: RequestState, tables, kv: dict, states: dict, *, expec
     out[("device_count_differs", "num_blocks")] = _first(tables.num_blocks != expect_num_blocks)
     empty = RequestState.create(1, req.max_model_len, req.num_speculative_tokens)
     free = ~live_rows
-    for field in dataclasses.fields(req):
-        f, e = getattr(req, field.name), getattr(empty, field.name)
-        out[("free_row_not_reset", field.name)] = _first(_rows(free, f) & (bits(f) != bits(e)))
+    for name in req.reset_on_clear():
+        f, e = getattr(req, name), getattr(empty, name)
+        out[("free_row_not_reset", name)] = _first(_rows(free, f) & (bits(f) != bits(e)))
     tbl, cnt = tables.tables[kv_group], tables.num_blocks[kv_group]
     col = jnp.arange(tbl.shape[1], dtype=jnp.int32)[None, :]
     owned_ids = jnp.where(live_rows[:, None] & (col < cnt[:, None]), tbl, -1)

@@ -37,7 +37,8 @@ class RequestState:
         outputs for a resumed request); ``prefill_len >= prompt_len``.
       total_len: int32 ``[R]`` tokens known so far (prefill + sampled).
       num_computed_tokens: int32 ``[R]`` tokens whose K/V is in the cache.
-      all_token_ids: int32 ``[R, max_model_len]``; 0 past ``total_len``.
+      all_token_ids: int32 ``[R, max_model_len]``; 0 past ``total_len`` in a live row (a
+        cleared row keeps its old tokens until :meth:`add_requests` rewrites the whole row).
       last_sampled_tokens: int32 ``[R]`` the token the next decode step feeds.
       draft_tokens: int32 ``[R, num_speculative_tokens]``.
       num_accepted_tokens: int32 ``[R]`` tokens accepted in the last step (>= 1),
@@ -162,14 +163,24 @@ class RequestState:
         return self.add_requests(new)
 
     def clear_rows(self, rows: jax.Array) -> "RequestState":
-        """Reset rows to the empty state (the requests left); ``-1`` entries ignored."""
+        """Reset rows to the empty state (the requests left); ``-1`` entries ignored.
+
+        Every field but ``all_token_ids`` is reset: a cleared row's tokens are never read
+        (``total_len`` is 0) and :meth:`add_requests` rewrites the whole row, zeros after the new
+        tokens, so nothing of them survives. Zeroing them here would write ``max_model_len``
+        words for each of the rows a step may clear (every row) at every step."""
         validation.check_rank("rows", rows, 1)
         rows = narrow_rows("rows", rows, self.max_num_reqs)
         dest = scatter_index(rows, self.max_num_reqs)
-        empty = RequestState.create(1, self.max_model_len, self.num_speculative_tokens)
+        empty = RequestState.create(1, 1, self.num_speculative_tokens)
         return self.replace(**scatter_rows(dest, {
-            f.name: (getattr(self, f.name), getattr(empty, f.name)[0]) for f in dataclasses.fields(self)
+            name: (getattr(self, name), getattr(empty, name)[0]) for name in self.reset_on_clear()
         }))
+
+    @classmethod
+    def reset_on_clear(cls) -> tuple[str, ...]:
+        """The fields :meth:`clear_rows` resets to :meth:`create`'s values (all but the tokens)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "all_token_ids")
 
     def set_draft_tokens(self, idx_mapping: jax.Array, drafts: jax.Array) -> "RequestState":
         """Write proposed drafts, integer ``[R_padded, num_speculative_tokens]``, for the batch rows.

@@ -71,14 +71,14 @@ def test_step_estimate_agrees_with_xla_memory_analysis_for_every_layout(layout, 
 
 
 def test_step_estimate_counts_the_logits_output_area_of_the_state_buffer():
-    """With ``return_logits`` the state buffer keeps an output area of ``[L, vocab]`` float32
+    """With ``return_logits`` the runner keeps an output area of ``[L, vocab]`` float32
     logits beside the rows (no XLA temporary counts it): the estimate grows by exactly what the
     runner's buffer grows by."""
     c = dict(max_model_len=64, num_blocks=20, token_sizes=(8, 16))
     with_logits, ids_only = RunnerConfig(**c), RunnerConfig(**c, return_logits=False)
     grown = estimate_memory(with_logits).step - estimate_memory(ids_only).step
-    buffers = [Runner(cfg)._rows for cfg in (with_logits, ids_only)]
-    assert grown == (buffers[0].shape[1] - buffers[1].shape[1]) * 4 > 0
+    outputs = [Runner(cfg)._rows[3] for cfg in (with_logits, ids_only)]  # the output areas
+    assert grown == (outputs[0].shape[1] - outputs[1].shape[1]) * 4 > 0
     L = max(b.num_logits for b in with_logits.bucket_spec.buckets)
     assert grown == L * with_logits.model.vocab_size * 4
 

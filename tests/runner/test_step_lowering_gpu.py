@@ -51,14 +51,17 @@ def test_every_bucket_lowers_for_cuda_with_verified_triton_kernels(name, verifie
 
 
 def test_step_lowers_for_cuda_with_its_state_donated(verified_triton_modules):
-    """The rows buffer and every pool are donated (aliased to outputs), and the step reads nothing
-    else but the params: its inputs are staged into the rows buffer by another program, so on a
-    GPU every launch of the step's CUDA graph sees the same buffers."""
+    """The rows' arrays (request fields, block tables, input and output areas) and every pool are
+    donated (aliased to outputs), and the step reads nothing else but the params: its inputs are
+    staged into the input area by another program, so on a GPU every launch of the step's CUDA
+    graph sees the same buffers."""
     config = CONFIGS["plain"]
     runner = Runner(config)
     bucket = runner.buckets.buckets[-1]
     fn, args, _ = runner.jitted_step(bucket)
     text = _lower_for_cuda(fn, args, config)
     assert _triton_calls(text) >= 5
-    assert text.count("tf.aliasing_output") == 1 + len(runner.pool_specs)
-    assert len(jax.tree.leaves(args)) == len(jax.tree.leaves(runner.params)) + 1 + len(runner.pool_specs)
+    rows = len(jax.tree.leaves(runner._rows))
+    assert rows == len(jax.tree.leaves(runner._initial_rows())) + 2  # + the input and output areas
+    assert text.count("tf.aliasing_output") == rows + len(runner.pool_specs)
+    assert len(jax.tree.leaves(args)) == len(jax.tree.leaves(runner.params)) + rows + len(runner.pool_specs)

@@ -107,8 +107,13 @@ def test_add_requests_under_jit_matches_eager():
 def test_clear_rows():
     s = RequestState.create(2, 4, 1).add_request(0, [1, 2]).add_request(1, [3])
     s = s.clear_rows(np.array([0, -1]))
-    assert s.all_token_ids[0].tolist() == [0, 0, 0, 0] and int(s.total_len[0]) == 0
-    assert s.all_token_ids[1].tolist() == [3, 0, 0, 0]
+    assert int(s.total_len[0]) == 0 and int(s.prefill_len[0]) == 0 and int(s.num_computed_tokens[0]) == 0
+    assert s.all_token_ids[1].tolist() == [3, 0, 0, 0] and int(s.total_len[1]) == 1
+    # the cleared row's tokens are left (never read at total_len 0); the next tenant's add
+    # rewrites the whole row, so nothing of them survives
+    assert s.all_token_ids[0].tolist() == [1, 2, 0, 0]
+    s = s.add_request(0, [5])
+    assert s.all_token_ids[0].tolist() == [5, 0, 0, 0] and int(s.total_len[0]) == 1
 
 
 def test_post_update_keeps_last_sampled_of_a_row_that_samples_nothing():
