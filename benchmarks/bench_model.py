@@ -1073,7 +1073,7 @@ def main(argv=None) -> int:
         for m in matrices.values():
             if a.decode:
                 m["decode"] = [(int(c), tuple(int(b) for b in bs.split(",")))
-                               for c, bs in (d.split(":") for d in a.decode)]
+                               for c, bs in (d.split(":") for d in a.decode if d)]  # --decode '': none
             if a.prefill is not None:
                 m["prefill"] = tuple(int(n) for n in a.prefill.split(",") if n)
             if a.profile_batch:

@@ -18,6 +18,8 @@ set -u
 out=${1:-model-matrix}
 shift
 parts=${*:-probe-sampling overlap hybrids hybrids-prefill hybrids-peers deepseek granite-mml1k}
+# (deepseek-kvjax and deepseek-prefill8k, not in the default: DeepSeek's kvjax rows without their
+# transformers peers, and its 8k prefill, profiled)
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
@@ -45,9 +47,13 @@ part hybrids-peers 150 $PY $B --gpu-run "$out/hybrids-peers" --preset granite-4.
   --decode 1024:1,16,64,256 --prefill 2048 --peers-only --budget-s 140
 part deepseek 230 $PY $B --gpu-run "$out/deepseek" --preset deepseek-v2-lite --decode 1024:1,16,64,256 \
   --decode 4096:1,16,64 --prefill 2048 --max-model-len 32768 --profile-batch 1 --budget-s 220
+part deepseek-kvjax 130 $PY $B --gpu-run "$out/deepseek-kvjax" --preset deepseek-v2-lite --decode 1024:1,16,64,256 \
+  --decode 4096:1,16,64 --prefill 2048 --max-model-len 32768 --profile-batch 1 --no-peers --budget-s 120
+part deepseek-prefill8k 100 $PY $B --gpu-run "$out/deepseek-prefill8k" --preset deepseek-v2-lite --decode '' \
+  --prefill 8192 --max-model-len 32768 --profile-prefill --no-peers --budget-s 90
 part granite-mml1k 90 $PY $B --gpu-run "$out/granite-mml1k" --preset granite-4.0-h-micro \
   --decode 1024:1,16,64,256 --prefill '' --no-peers --budget-s 80
-for p in hybrids hybrids-prefill hybrids-peers deepseek granite-mml1k; do
+for p in hybrids hybrids-prefill hybrids-peers deepseek deepseek-kvjax deepseek-prefill8k granite-mml1k; do
   [ -f "$out/$p/model.json" ] && cp "$out/$p/model.json" "$out/model-$p.json"
   rm -rf "$out/$p"
 done
