@@ -446,10 +446,11 @@ class Bench:
         self.max_model_len = max([c + SLACK for c in ctxs] + list(prefills)) + BLOCK_SIZE
         if matrix.get("max_model_len"):  # a longer table than the contexts need (attention reads live blocks only)
             self.max_model_len = max(self.max_model_len, int(matrix["max_model_len"]))
-        blocks_decode = max(b * math.ceil((c + SLACK) / BLOCK_SIZE) for c, bs in matrix["decode"] for b in bs)
+        blocks_decode = max((b * math.ceil((c + SLACK) / BLOCK_SIZE) for c, bs in matrix["decode"] for b in bs),
+                            default=0)
         blocks_prefill = max([math.ceil(n / BLOCK_SIZE) for n in prefills] or [0])
         num_blocks = max(1 + max(blocks_decode, blocks_prefill), int(matrix.get("num_blocks", 0)))
-        max_seqs = max(batches + [int(matrix.get("max_num_seqs", 0))])
+        max_seqs = max(batches + [int(matrix.get("max_num_seqs", 0)), 1])
         token_sizes = tuple(sorted(set(batches) | set(prefills)))
         global RETURN_LOGITS
         if "return_logits" not in {f.name for f in dataclasses.fields(RunnerConfig)}:
@@ -516,7 +517,8 @@ class Bench:
         """Rank ``rank``'s ``(RequestState, BlockTables)`` on the host (the pools stay put)."""
         from kvjax.runner.runner import _local_rows
 
-        return self.jax.tree.map(lambda a: _local_rows(a)[rank], self.runner._rows[:2])
+        r = self.runner
+        return r._join_rows([_local_rows(a)[rank] for a in r._rows[0]], xp=self.np)
 
     def _put_rows(self, req, tables, rank: int = 0):
         from kvjax.runner.mesh import global_array
@@ -528,7 +530,7 @@ class Bench:
             host[rank] = np.asarray(value)
             return global_array(a.sharding, host.shape, host)
 
-        r._rows = (*self.jax.tree.map(put, r._rows[:2], (req, tables)), *r._rows[2:])
+        r._rows = (tuple(map(put, r._rows[0], r._split_rows((req, tables)))), *r._rows[1:])
 
     def fabricate_decode_ranks(self, batch: int, context: int) -> dict:
         """``batch`` decoding requests split evenly over every data rank (``batch`` a multiple of

@@ -520,7 +520,13 @@ class Runner:
         if config.poison:
             self.sanitizers = {d: sanitizer.Sanitizer(config.specs, config.max_num_seqs, config.num_state_slots)
                                for d in self.local_ranks}
-        self._rows_spec = spec_of(self._initial_rows())
+        host_rows = self._initial_rows()
+        self._rows_spec = spec_of(host_rows)
+        self._rows_def = jax.tree.structure(host_rows)
+        # zero-size leaves (no speculation: draft_tokens [R, 0]) are no program parameter: a
+        # zero-size donated, data-sharded parameter crashed XLA's GPU compiler on 2 GPUs
+        self._rows_empty = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) if a.size == 0 else None
+                                 for a in jax.tree.leaves(host_rows))
         self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
         self._output_words = output_area_words(config, self.model.vocab_size)
         self._rows, self._pools = self._initial_state()
@@ -533,6 +539,17 @@ class Runner:
             return jax.device_put(a, sharding)
         a = np.asarray(a)
         return global_array(sharding, a.shape, a)
+
+    def _split_rows(self, tree) -> tuple:
+        """The non-empty arrays of a ``(RequestState, BlockTables)`` tree (``rows[0]``)."""
+        return tuple(a for a, e in zip(jax.tree.leaves(tree), self._rows_empty) if e is None)
+
+    def _join_rows(self, arrays, xp=jnp):
+        """``(RequestState, BlockTables)`` of one rank from :meth:`_split_rows`'s arrays (the
+        zero-size leaves made anew with ``xp.zeros``)."""
+        it = iter(arrays)
+        leaves = [next(it) if e is None else xp.zeros(e.shape, e.dtype) for e in self._rows_empty]
+        return jax.tree.unflatten(self._rows_def, leaves)
 
     def _initial_rows(self):
         c = self.config
@@ -550,11 +567,12 @@ class Runner:
         return self._output_specs[bucket]
 
     def _initial_state(self):
-        """``(rows, pools)``: ``rows = (requests, tables, inputs, outputs)``, every rank's request
-        rows and block tables (each field an array ``[D, ...]`` of its own, so that a step updates
-        the rows it names in place), its int32 step-input area ``[D, I]`` and step-output area
-        ``[D, O + 1]`` (+ 1: the largest output is still an update of the buffer, in place); the
-        pools, zeroed (checked mode: poisoned). All sharded on the devices over "data"."""
+        """``(rows, pools)``: ``rows = (arrays, inputs, outputs)``, every rank's request rows and
+        block tables (:meth:`_split_rows`: each non-empty field an array ``[D, ...]`` of its own,
+        so that a step updates the rows it names in place), its int32 step-input area ``[D, I]``
+        and step-output area ``[D, O + 1]`` (+ 1: the largest output is still an update of the
+        buffer, in place); the pools, zeroed (checked mode: poisoned). All sharded on the devices
+        over "data"."""
         data = NamedSharding(self.mesh, P(DATA))
 
         def per_rank(a):
@@ -562,10 +580,10 @@ class Runner:
             a = np.broadcast_to(a[None], (self.num_ranks,) + a.shape)
             return global_array(data, a.shape, a)
 
-        req, tables = jax.tree.map(per_rank, self._initial_rows())
+        arrays = tuple(per_rank(a) for a in self._split_rows(self._initial_rows()))
         inputs = per_rank(np.zeros((self._input_words,), np.int32))
         outputs = per_rank(np.zeros((self._output_words + 1,), np.int32))
-        rows = (req, tables, inputs, outputs)
+        rows = (arrays, inputs, outputs)
         shapes = {s.name: (self._global_pool_shape(s), jnp.dtype(s.dtype)) for s in self.pool_specs}
         poison = self.config.poison
 
@@ -585,7 +603,7 @@ class Runner:
     def read_state(self, rank: int = 0) -> DeviceState:
         """A host (numpy) copy of data rank ``rank``'s state (every head shard's pools joined)."""
         self._check_rank(rank)
-        req, tables = jax.tree.map(lambda a: _local_rows(a)[rank], self._rows[:2])
+        req, tables = self._join_rows([_local_rows(a)[rank] for a in self._rows[0]], xp=np)
         pools = {name: _local_rows(a)[rank] for name, a in self._pools.items()}
         return DeviceState(requests=req, tables=tables, pools=pools)
 
@@ -605,7 +623,7 @@ class Runner:
                 a_host[d] = np.asarray(value)
             return global_array(a.sharding, a_host.shape, a_host)
 
-        self._rows = (*jax.tree.map(put, self._rows[:2], host), *self._rows[2:])
+        self._rows = (tuple(map(put, self._rows[0], self._split_rows(host))), *self._rows[1:])
         self._pools = {n: put(a, state.pools[n]) for n, a in self._pools.items()}
 
     def _check_rank(self, rank: int) -> int:
@@ -722,8 +740,8 @@ class Runner:
         arguments, and one rank's input layout.
 
         ``fn(params, rows, pools) -> (rows, pools, checks)``: each rank's :class:`StepInputs` are
-        read from its input area (``rows[2]``, written there by :meth:`_stage`), its outputs but
-        the checks are written to its output area (``rows[3]``) (laid out by :meth:`output_spec`,
+        read from its input area (``rows[1]``, written there by :meth:`_stage`), its outputs but
+        the checks are written to its output area (``rows[2]``) (laid out by :meth:`output_spec`,
         read back by :meth:`_fetch`); ``checks`` int32 ``[D, c, w]``. Every buffer the step
         reads or writes is then a donated one or the params: the same addresses at every step,
         so on a GPU its CUDA graph need not be updated between launches (a new input or output
@@ -742,7 +760,8 @@ class Runner:
             record_checks=self._record_check_layout)
 
         def per_rank(params, rows, pools):
-            req, tables, inputs, outputs = jax.tree.map(lambda a: a[0], rows)
+            arrays, inputs, outputs = jax.tree.map(lambda a: a[0], rows)
+            req, tables = self._join_rows(arrays)
             inp = unpack(inputs[:m], in_spec)
             new, out = step(params, DeviceState(req, tables, {k: v[0] for k, v in pools.items()}), inp)
             *main, checks = out
@@ -750,7 +769,7 @@ class Runner:
                 raise AssertionError(f"bucket {bucket}: the step's outputs {spec_of(tuple(main))} differ from "
                                      f"step_output_spec's {out_spec}, which sized the output area")
             outputs = jax.lax.dynamic_update_slice(outputs, pack_device(tuple(main)), (0,))
-            rows = jax.tree.map(lambda a: a[None], (new.requests, new.tables, inputs, outputs))
+            rows = jax.tree.map(lambda a: a[None], (self._split_rows((new.requests, new.tables)), inputs, outputs))
             return rows, {k: v[None] for k, v in new.pools.items()}, checks[None]
 
         def sm(params, rows, pools):
@@ -789,8 +808,8 @@ class Runner:
         named = NamedSharding(self.mesh, P(DATA))
 
         def stage(rows, buf):
-            req, tables, inputs, outputs = rows
-            return req, tables, jax.lax.dynamic_update_slice(inputs, jax.device_put(buf, named), (0, 0)), outputs
+            arrays, inputs, outputs = rows
+            return arrays, jax.lax.dynamic_update_slice(inputs, jax.device_put(buf, named), (0, 0)), outputs
 
         fn = jax.jit(stage, donate_argnums=0, out_shardings=named)
         arg = jax.ShapeDtypeStruct((self.num_ranks, self._input_words), jnp.int32,
@@ -801,7 +820,7 @@ class Runner:
         """``rows -> int32 [D, words]``: a copy of the first ``words`` of each rank's output area,
         in :attr:`_transfer_sharding`'s memory (compiled once per size)."""
         if words not in self._fetches:
-            fn = jax.jit(lambda rows: rows[3][:, :words], out_shardings=self._transfer_sharding)
+            fn = jax.jit(lambda rows: rows[2][:, :words], out_shardings=self._transfer_sharding)
             self._fetches[words] = fn.lower(self._rows).compile()
         return self._fetches[words]
 

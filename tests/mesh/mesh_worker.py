@@ -159,7 +159,7 @@ def lower_for_tpu(D: int, M: int) -> list[dict]:
     ``D x M`` mesh of host devices; per bucket, what the exported module holds."""
     cfg = config((8, 16), backend="pallas_tpu")
     runner = Runner(cfg, mesh=make_mesh(D, M))
-    num_state_leaves = 1 + len(runner.pool_specs)  # the rows buffer and every pool
+    num_state_leaves = len(jax.tree.leaves(runner._rows)) + len(runner.pool_specs)  # rows' arrays, every pool
     found = []
     for bucket in runner.buckets.buckets:
         fn, args, _ = runner.jitted_step(bucket)

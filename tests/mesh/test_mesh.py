@@ -270,7 +270,8 @@ def test_sharded_step_lowers_for_a_2x2_tpu_mesh():
 
 def test_no_zero_size_program_parameters():
     # A zero-size donated, data-sharded parameter crashed XLA's GPU compiler on 2 GPUs; the step's
-    # parameters are the params, one rows buffer, the pools and one input buffer: none is empty.
+    # parameters are the params, the rows' non-empty arrays, the input and output areas and the
+    # pools: none is empty.
     import re
 
     cfg = RunnerConfig(model=TinyHybridConfig(layer_types=("attn", "mamba")), max_num_seqs=2,

@@ -77,7 +77,7 @@ def test_step_estimate_counts_the_logits_output_area_of_the_state_buffer():
     c = dict(max_model_len=64, num_blocks=20, token_sizes=(8, 16))
     with_logits, ids_only = RunnerConfig(**c), RunnerConfig(**c, return_logits=False)
     grown = estimate_memory(with_logits).step - estimate_memory(ids_only).step
-    outputs = [Runner(cfg)._rows[3] for cfg in (with_logits, ids_only)]  # the output areas
+    outputs = [Runner(cfg)._rows[2] for cfg in (with_logits, ids_only)]  # the output areas
     assert grown == (outputs[0].shape[1] - outputs[1].shape[1]) * 4 > 0
     L = max(b.num_logits for b in with_logits.bucket_spec.buckets)
     assert grown == L * with_logits.model.vocab_size * 4

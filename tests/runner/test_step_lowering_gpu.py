@@ -62,6 +62,6 @@ def test_step_lowers_for_cuda_with_its_state_donated(verified_triton_modules):
     text = _lower_for_cuda(fn, args, config)
     assert _triton_calls(text) >= 5
     rows = len(jax.tree.leaves(runner._rows))
-    assert rows == len(jax.tree.leaves(runner._initial_rows())) + 2  # + the input and output areas
+    assert rows == len(runner._split_rows(runner._initial_rows())) + 2  # + the input and output areas
     assert text.count("tf.aliasing_output") == rows + len(runner.pool_specs)
     assert len(jax.tree.leaves(args)) == len(jax.tree.leaves(runner.params)) + rows + len(runner.pool_specs)
