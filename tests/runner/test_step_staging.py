@@ -1,4 +1,4 @@
-"""The step reads each step's inputs from its rows buffer's input area, which a staging program
+"""The step reads each step's inputs from its input area, which a staging program
 fills before every launch (``Runner._stage``), and its outputs come back through the output area
 (``Runner._fetch``). A launch that skipped the staging would run the step on stale inputs: the
 serving loops would then spin without progress rather than fail, so this checks one step at a
