@@ -41,8 +41,9 @@ def check_float(name: str, arr) -> None:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Columns:
-    """An operand that is columns ``[start, start + width)`` of a 2-D array ``parent [n, C]``,
-    read as an array of ``shape`` (``shape[0] == n``; ``width = prod(shape[1:])``, row-major).
+    """An operand that is columns ``[start, start + width)`` of the first ``shape[0]`` rows of a
+    2-D array ``parent [n, C]`` (``shape[0] <= n``), read as an array of ``shape`` (``width =
+    prod(shape[1:])``, row-major). Rows past ``shape[0]`` are never read or written.
 
     What a strided torch view of a projection is to vLLM's kernels: the GPU kernels of
     :func:`~pallas_kernels.mamba.causal_conv1d_update` and
@@ -62,9 +63,9 @@ class Columns:
             raise ValueError(f"Columns parent must have rank 2 [n, C], got shape {tuple(np.shape(self.parent))}")
         n, width = np.shape(self.parent)
         if (len(shape) < 2 or any(isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 1
-                                  for d in shape) or shape[0] != n):
-            raise ValueError(f"Columns shape must be [{n}, ...] of positive ints (parent shape {[n, width]}), "
-                             f"got {list(shape)}")
+                                  for d in shape) or shape[0] > n):
+            raise ValueError(f"Columns shape must be [rows <= {n}, ...] of positive ints (parent shape "
+                             f"{[n, width]}), got {list(shape)}")
         shape = tuple(int(d) for d in shape)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "start", start)
@@ -97,7 +98,8 @@ class Columns:
 
     def value(self) -> jax.Array:
         """The operand as an array of its own (a slice of ``parent``)."""
-        return jax.lax.slice_in_dim(self.parent, self.start, self.start + self.width, axis=1).reshape(self.shape)
+        rows = self.shape[0]
+        return jax.lax.slice(self.parent, (0, self.start), (rows, self.start + self.width)).reshape(self.shape)
 
     def with_value(self, v: jax.Array) -> Columns:
         """The same columns of a new parent: ``parent`` with them set to ``v`` (cast to its dtype)."""

@@ -155,11 +155,28 @@ def dot_operands(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x, w
 
 
+# Tests set it to run the GPU's one-row padding on a CPU (see row_count).
+PAD_ONE_ROW_ON_CPU = False
+
+
+def row_count(n: int) -> int:
+    """The rows a product of ``n`` token rows runs with: off the CPU a single row runs as two
+    (XLA:GPU lowers a one-row product to a column reduction at about half the memory bandwidth,
+    two rows take its GEMM path); otherwise ``n``."""
+    return 2 if n == 1 and (PAD_ONE_ROW_ON_CPU or jax.default_backend() != "cpu") else n
+
+
+def pad_rows(x: jax.Array, n: int) -> jax.Array:
+    """``x [m, ...]`` with zero rows appended up to ``n >= m``."""
+    if x.shape[0] == n:
+        return x
+    return jnp.concatenate([x, jnp.zeros((n - x.shape[0],) + x.shape[1:], x.dtype)])
+
+
 def row_padded(f, x: jax.Array, axis: int = 0) -> jax.Array:
-    """``f(x)`` for a product whose ``axis`` is the row (token) axis; off the CPU a single row is
-    padded to two and the first output row returned: XLA:GPU lowers a one-row product to a
-    column reduction at about half the memory bandwidth, two rows take its GEMM path."""
-    if x.shape[axis] != 1 or jax.default_backend() == "cpu":
+    """``f(x)`` for a product whose ``axis`` is the row (token) axis, run with
+    :func:`row_count` rows: a single row padded with zeros, the first output row returned."""
+    if x.shape[axis] != 1 or row_count(1) == 1:
         return f(x)
     y = f(jnp.concatenate([x, jnp.zeros_like(x)], axis=axis))
     return jax.lax.slice_in_dim(y, 0, 1, axis=axis)
@@ -192,14 +209,16 @@ def attention_mixer(
     ``bq``, ``bk``, ``bv``, ``bo``. With ``model_axis`` the heads are this shard's and the
     output is summed over the axis (``bo`` added once, after the sum).
 
-    Returns ``(out [T, d] float32, key_cache, value_cache)``; ``out`` is not masked (the
+    Returns ``(out [n, d] float32, key_cache, value_cache)``; ``out`` is not masked (the
     caller masks pad tokens). ``kv_layout="rpa"``: ``key_cache`` holds the combined pages.
+    ``h`` may have ``n >= T`` rows (the step's ``T`` tokens first, zero rows after them, as
+    :func:`row_count` pads a single token): the products run over all ``n``, the rest over ``T``.
     """
-    T = h.shape[0]
+    n, T = h.shape[0], ctx.num_tokens
     Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = linear(h, w["wq"], w.get("bq")).reshape(T, Hq, D)
-    k = linear(h, w["wk"], w.get("bk")).reshape(T, Hkv, D)
-    v = linear(h, w["wv"], w.get("bv")).reshape(T, Hkv, D)
+    q = linear(h, w["wq"], w.get("bq")).reshape(n, Hq, D)[:T]
+    k = linear(h, w["wk"], w.get("bk")).reshape(n, Hkv, D)[:T]
+    v = linear(h, w["wv"], w.get("bv")).reshape(n, Hkv, D)[:T]
     if spec.rope_theta is not None:
         q = apply_rope(q, ctx.positions, spec.rope_theta, spec.rotary_dim)
         k = apply_rope(k, ctx.positions, spec.rope_theta, spec.rotary_dim)
@@ -232,7 +251,7 @@ def attention_mixer(
             q, key_cache, value_cache, ctx, backend=backend, k_scale=k_scale, v_scale=v_scale,
             sm_scale=spec.sm_scale,
         )
-    out = linear(o.reshape(T, -1), w["wo"])
+    out = linear(pad_rows(o.reshape(T, -1), n), w["wo"])
     if model_axis is not None:
         out = jax.lax.psum(out, model_axis)
     if w.get("bo") is not None:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.constants import NULL_BLOCK_ID
-from kvjax.models.attention import _dense_init, linear, rms_norm
+from kvjax.models.attention import _dense_init, linear, pad_rows, rms_norm
 from kvjax.models.config import TinyHybridConfig
 from kvjax.models.step_context import StepContext
 from kvjax.state.padding import gather_index, token_rows
@@ -158,8 +158,11 @@ def mamba_mixer(
     A: Columns | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One mixed step of the Mamba2 mixer (see the module docstring). Returns
-    ``(out [T, d] float32, conv_state, ssm_state)``; ``out`` of pad tokens is the output
-    projection of zeros (plus ``out_proj_bias``): the caller masks it.
+    ``(out [n, d] float32, conv_state, ssm_state)``; ``out`` of pad tokens is the output
+    projection of zeros (plus ``out_proj_bias``): the caller masks it. ``h [n, d]`` may have
+    ``n >= T`` rows (the step's ``T`` tokens first, zero rows after them, as
+    :func:`~kvjax.models.attention.row_count` pads a single token): the projections run over all
+    ``n`` rows, the conv and the SSM over the ``T`` tokens (read in place from the projection).
 
     ``w``: ``in_proj [d, in_proj_dim]`` (+ ``in_proj_bias``), ``conv_weight [conv_dim, W]``,
     ``conv_bias`` (or absent), ``dt_bias``, ``A_log``, ``D [H]``, ``gate_norm [d_inner]``,
@@ -167,7 +170,7 @@ def mamba_mixer(
     The SSM, the conv and the norm run in float32 whatever the weights' dtype. ``A``: this
     layer's :func:`decay_rate` (None: computed here from ``A_log``).
     """
-    T = h.shape[0]
+    n, T = h.shape[0], ctx.num_tokens
     H, P = spec.num_heads, spec.head_dim
     di = spec.d_inner
     f32 = jnp.float32
@@ -184,7 +187,7 @@ def mamba_mixer(
     if in_place:
         z, xbc, dt = Columns(zxbcdt, 0, (T, di)), Columns(zxbcdt, di, (T, cd)), Columns(zxbcdt, di + cd, (T, H))
     else:
-        z, xbc, dt = zxbcdt[:, :di], zxbcdt[:, di : di + cd], zxbcdt[:, di + cd :]  # dt [T, H]
+        z, xbc, dt = zxbcdt[:T, :di], zxbcdt[:T, di : di + cd], zxbcdt[:T, di + cd :]  # dt [T, H]
     A = decay_rate(decay_rates([w["A_log"]]), 0) if A is None else A  # [H, 1, 1], read in place
     k = {
         # in the weights' own dtype: every conv implementation widens them to float32 as it reads
@@ -223,12 +226,12 @@ def mamba_mixer(
     bo = w.get("out_proj_bias")
     if model_axis is None or not spec.norm_spans_shards:
         y = gated_rms_norm(y, w["gate_norm"], spec.rms_eps, spec.norm_groups)
-        out = linear(y, w["out_proj"])
+        out = linear(pad_rows(y, n), w["out_proj"])
     else:
         ax = model_axis
         ms = jax.lax.psum(jnp.sum(y * y, axis=-1, keepdims=True), ax) / (H * P * jax.lax.axis_size(ax))
         y = y * jax.lax.rsqrt(ms + spec.rms_eps) * w["gate_norm"]
-        out = linear(y, w["out_proj"])
+        out = linear(pad_rows(y, n), w["out_proj"])
     if model_axis is not None:
         out = jax.lax.psum(out, model_axis)
     if bo is not None:

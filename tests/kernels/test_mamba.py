@@ -658,27 +658,33 @@ def _projection_case(rng, T=5, H=2, P=4, G=1, N=8, W=4, L=7):
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_columns_operands_match_sliced_arrays(flavor):
+@pytest.mark.parametrize("extra_rows", [0, 1], ids=["rows", "fewer-rows"])
+def test_columns_operands_match_sliced_arrays(flavor, extra_rows):
     # the conv reads x from the projection's xBC columns and writes its output there; the SSU
     # reads x, B, C from those columns and z, dt from the projection: bitwise what the same
-    # kernels give for the sliced arrays, the other columns of the parent unchanged
+    # kernels give for the sliced arrays, the other columns of the parent unchanged. With
+    # extra_rows the parent has NaN rows after the T tokens' (a single token's projection run as
+    # two rows): never read, never written.
     from pallas_kernels.mamba_common import Columns
 
     c = _projection_case(np.random.default_rng(40))
     T, H, P, G, N, di, conv_dim = (c[k] for k in ("T", "H", "P", "G", "N", "di", "conv_dim"))
-    parent = jnp.asarray(c["parent"])
+    host = np.concatenate([c["parent"], np.full((extra_rows, c["parent"].shape[1]), np.nan, c["parent"].dtype)])
+    parent = jnp.asarray(host)
     z0, x0, dt0 = 1, 1 + di, 1 + di + conv_dim
 
     out_cols, cs_cols = run(causal_conv1d_update, flavor, Columns(parent, x0, (T, conv_dim)), c["cs"],
                             c["weight"], c["bias"], "silu", c["rows"])
-    out_arr, cs_arr = run(causal_conv1d_update, flavor, parent[:, x0:x0 + conv_dim], c["cs"],
+    out_arr, cs_arr = run(causal_conv1d_update, flavor, parent[:T, x0:x0 + conv_dim], c["cs"],
                           c["weight"], c["bias"], "silu", c["rows"])
     assert isinstance(out_cols, Columns) and out_cols.start == x0
     assert np.array_equal(_bits(out_cols.value()), _bits(out_arr))
     assert np.array_equal(_bits(cs_cols), _bits(cs_arr))
     new_parent = np.asarray(out_cols.parent)
+    assert new_parent.shape == host.shape
+    assert np.array_equal(_bits(new_parent[T:]), _bits(host[T:]))  # the rows past T
     for lo, hi in ((0, x0), (x0 + conv_dim, parent.shape[1])):
-        assert np.array_equal(_bits(new_parent[:, lo:hi]), _bits(c["parent"][:, lo:hi])), (lo, hi)
+        assert np.array_equal(_bits(new_parent[:T, lo:hi]), _bits(host[:T, lo:hi])), (lo, hi)
 
     p = out_cols.parent
     views = dict(x=Columns(p, x0, (T, H, P)), B=Columns(p, x0 + di, (T, G, N)),
@@ -709,7 +715,7 @@ def test_columns_errors():
     with pytest.raises(ValueError, match=r"Columns \[33, 37\) must lie within the parent's 36 columns"):
         Columns(parent, 33, (T, 4))
     for bad in ((T + 1, 4), (float(T), 4), (T, True), (T, 0)):
-        with pytest.raises(ValueError, match=r"Columns shape must be \[5, \.\.\.\] of positive ints"):
+        with pytest.raises(ValueError, match=r"Columns shape must be \[rows <= 5, \.\.\.\] of positive ints"):
             Columns(parent, 0, bad)
     # JAX rebuilds a Columns without the checks: one can come out of vmap (a batched parent)
     stacked = jnp.stack([parent, parent])

@@ -185,3 +185,39 @@ def test_flash_attention_op_is_the_models_gather_bitwise(fp8, sm_scale):
     assert new.dtype == old.dtype == jnp.float32
     assert np.asarray(new).tobytes() == np.asarray(old).tobytes()
     assert np.abs(np.asarray(old)).sum() > 0
+
+
+def test_one_token_steps_run_two_rows(monkeypatch):
+    """Off the CPU a one-token step runs its residual stream, norms and products as two rows (the
+    second zero and masked; ``attention.row_count``), the conv and SSM reading the token's row of
+    the two-row projection in place. Forced on the CPU (``PAD_ONE_ROW_ON_CPU``) with the GPU
+    kernels interpreted, a Granite-like hybrid (Mamba, attention, MLP) serves the same tokens as
+    with one row, logits and pools within float32 rounding (XLA orders a two-row norm's sums
+    otherwise). Planted: the token placed in the second row -> fails."""
+    import kvjax.models.attention as attention
+    from kvjax.models.hf.hybrid import Block, HybridConfig, HybridModel
+    from kvjax.models.mamba_layer import MambaSpec
+    from kvjax.models.moe import MLPSpec
+
+    model = HybridModel(HybridConfig(
+        "GraniteMoeHybridForCausalLM", vocab_size=96, d_model=32, rms_eps=1e-5,
+        blocks=(Block("mamba"), Block("attn"), Block("mlp")), attn=attention.AttnSpec(4, 2, 16),
+        mamba=MambaSpec(4, 8, 8, conv_width=4), mlp=MLPSpec(48)))
+    config = RunnerConfig(model=model, block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=2,
+                          max_num_batched_tokens=8, token_sizes=(1, 8), backend="pallas_gpu")
+
+    def serve(two_rows):
+        monkeypatch.setattr(attention, "PAD_ONE_ROW_ON_CPU", two_rows)
+        runner = Runner(config, compiler_options=FAST)
+        steps = _serve_in(runner, [Request("a", [3, 4, 5, 6, 7], 6, 0)], mixed_only=False)
+        return steps, [np.asarray(x) for x in jax.tree.leaves(runner.read_state().pools)]
+
+    one, pools_one = serve(False)
+    two, pools_two = serve(True)
+    assert attention.row_count(1) == 2  # still forced: the second run padded
+    assert sum(1 for d, out in two if d and out.sampled.shape[0] == 1) >= 4  # one-token steps ran
+    for (_, a), (_, b) in zip(one, two):
+        np.testing.assert_array_equal(a.sampled, b.sampled)
+        np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=TOL)
+    for x, y in zip(pools_one, pools_two):
+        np.testing.assert_allclose(x, y, rtol=0, atol=TOL)

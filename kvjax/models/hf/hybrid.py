@@ -48,7 +48,9 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax.models.attention import AttnSpec, apply_rope, attention_mixer, attention_query, linear, rms_norm
+from kvjax.models.attention import (
+    AttnSpec, apply_rope, attention_mixer, attention_query, linear, pad_rows, rms_norm, row_count,
+)
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.mamba_layer import MambaSpec, decay_rate, decay_rates, gated_rms_norm, mamba_mixer
 from kvjax.models.moe import MLPSpec, MoESpec, mlp, moe_ffn
@@ -423,7 +425,13 @@ class HybridModel:
         x = jnp.take(emb, ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)  # ids validated upstream
         if c.embedding_multiplier != 1.0:
             x = x * jnp.float32(c.embedding_multiplier)
-        real = ctx.token_real[:, None]
+        # The residual stream has row_count(T) rows (off the CPU a single token runs as two, the
+        # second zero and masked): every norm and product then runs on the rows as they are, with
+        # no pad before each product and no slice after it; the mixers read the T tokens' rows.
+        rows = row_count(x.shape[0])
+        x = pad_rows(x, rows)
+        token_mask = pad_rows(ctx.token_real, rows)
+        real = token_mask[:, None]
         mamba = {i: j for j, i in enumerate(i for i, b in enumerate(c.blocks) if b.kind == "mamba")}
         rates = decay_rates([params["blocks"][i]["A_log"] for i in mamba]) if mamba else None
         for i, b in enumerate(c.blocks):
@@ -444,7 +452,7 @@ class HybridModel:
                     h, ctx, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"], p, c.mamba,
                     backend=backend, model_axis=model_axis, A=decay_rate(rates, mamba[i]))
             else:
-                out = self._ffn(b, p, h, expert_axis, backend, token_mask=ctx.token_real)
+                out = self._ffn(b, p, h, expert_axis, backend, token_mask=token_mask)
             if b.residual_multiplier != 1.0:
                 out = out * jnp.float32(b.residual_multiplier)
             x = x + jnp.where(real, out, 0.0)
