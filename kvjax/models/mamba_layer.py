@@ -226,12 +226,11 @@ def mamba_mixer(
     bo = w.get("out_proj_bias")
     if model_axis is None or not spec.norm_spans_shards:
         y = gated_rms_norm(y, w["gate_norm"], spec.rms_eps, spec.norm_groups)
-        out = linear(pad_rows(y, n), w["out_proj"])
     else:
         ax = model_axis
         ms = jax.lax.psum(jnp.sum(y * y, axis=-1, keepdims=True), ax) / (H * P * jax.lax.axis_size(ax))
         y = y * jax.lax.rsqrt(ms + spec.rms_eps) * w["gate_norm"]
-        out = linear(pad_rows(y, n), w["out_proj"])
+    out = linear(pad_rows(y, n), w["out_proj"])
     if model_axis is not None:
         out = jax.lax.psum(out, model_axis)
     if bo is not None:

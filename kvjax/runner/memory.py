@@ -118,10 +118,10 @@ def estimate_memory(config: RunnerConfig, longest_request: int | None = None) ->
     S = g.table_width * g.kernel_block_size
     model_temp = m.step_temp_bytes(T, S, c.cache_sizes) if hasattr(m, "step_temp_bytes") else 0
     # The input area holds the new requests' token rows ([U, max_model_len]); the output area the
-    # largest bucket's outputs (with return_logits, [L, vocab] float32 logits); counted as well:
-    # a second copy of the request rows (the rows are updated in place, so this over-counts).
+    # largest bucket's outputs (with return_logits, [L, vocab] float32 logits). The request rows
+    # and tables are updated in place: no second copy.
     output_area = 4 * output_area_words(c, m.vocab_size)
-    step = model_temp + 4 * c.max_new_requests * c.max_model_len + output_area + _nbytes(rows)
+    step = model_temp + 4 * c.max_new_requests * c.max_model_len + output_area
 
     # Dense reference: as the model states it (tests/runner/test_memory.py compares with XLA's
     # memory_analysis()).

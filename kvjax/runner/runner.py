@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -520,13 +521,7 @@ class Runner:
         if config.poison:
             self.sanitizers = {d: sanitizer.Sanitizer(config.specs, config.max_num_seqs, config.num_state_slots)
                                for d in self.local_ranks}
-        host_rows = self._initial_rows()
-        self._rows_spec = spec_of(host_rows)
-        self._rows_def = jax.tree.structure(host_rows)
-        # zero-size leaves (no speculation: draft_tokens [R, 0]) are no program parameter: a
-        # zero-size donated, data-sharded parameter crashed XLA's GPU compiler on 2 GPUs
-        self._rows_empty = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) if a.size == 0 else None
-                                 for a in jax.tree.leaves(host_rows))
+        self._rows_spec = spec_of(self._initial_rows())  # one rank's (RequestState, BlockTables)
         self._input_words = max(pack(self.pack(None, b))[1].size for b in self.buckets.buckets)
         self._output_words = output_area_words(config, self.model.vocab_size)
         self._rows, self._pools = self._initial_state()
@@ -541,15 +536,18 @@ class Runner:
         return global_array(sharding, a.shape, a)
 
     def _split_rows(self, tree) -> tuple:
-        """The non-empty arrays of a ``(RequestState, BlockTables)`` tree (``rows[0]``)."""
-        return tuple(a for a, e in zip(jax.tree.leaves(tree), self._rows_empty) if e is None)
+        """The non-empty arrays of a ``(RequestState, BlockTables)`` tree (``rows[0]``). A
+        zero-size field (``draft_tokens [R, 0]`` without speculation) is no program parameter: a
+        zero-size donated, data-sharded parameter crashed XLA's GPU compiler on 2 GPUs."""
+        return tuple(a for a, s in zip(jax.tree.leaves(tree), self._rows_spec.shapes) if math.prod(s))
 
     def _join_rows(self, arrays, xp=jnp):
         """``(RequestState, BlockTables)`` of one rank from :meth:`_split_rows`'s arrays (the
         zero-size leaves made anew with ``xp.zeros``)."""
         it = iter(arrays)
-        leaves = [next(it) if e is None else xp.zeros(e.shape, e.dtype) for e in self._rows_empty]
-        return jax.tree.unflatten(self._rows_def, leaves)
+        spec = self._rows_spec
+        leaves = [next(it) if math.prod(s) else xp.zeros(s, d) for s, d in zip(spec.shapes, spec.dtypes)]
+        return jax.tree.unflatten(spec.treedef, leaves)
 
     def _initial_rows(self):
         c = self.config
