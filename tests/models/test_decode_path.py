@@ -187,22 +187,42 @@ def test_flash_attention_op_is_the_models_gather_bitwise(fp8, sm_scale):
     assert np.abs(np.asarray(old)).sum() > 0
 
 
-def test_one_token_steps_run_two_rows(monkeypatch):
-    """Off the CPU a one-token step runs its residual stream, norms and products as two rows (the
-    second zero and masked; ``attention.row_count``), the conv and SSM reading the token's row of
-    the two-row projection in place. Forced on the CPU (``PAD_ONE_ROW_ON_CPU``) with the GPU
-    kernels interpreted, a Granite-like hybrid (Mamba, attention, MLP) serves the same tokens as
-    with one row, logits and pools within float32 rounding (XLA orders a two-row norm's sums
-    otherwise). Planted: the token placed in the second row -> fails."""
-    import kvjax.models.attention as attention
+def _granite_like():
+    from kvjax.models.attention import AttnSpec
     from kvjax.models.hf.hybrid import Block, HybridConfig, HybridModel
     from kvjax.models.mamba_layer import MambaSpec
     from kvjax.models.moe import MLPSpec
 
-    model = HybridModel(HybridConfig(
+    return HybridModel(HybridConfig(
         "GraniteMoeHybridForCausalLM", vocab_size=96, d_model=32, rms_eps=1e-5,
-        blocks=(Block("mamba"), Block("attn"), Block("mlp")), attn=attention.AttnSpec(4, 2, 16),
+        blocks=(Block("mamba"), Block("attn"), Block("mlp")), attn=AttnSpec(4, 2, 16),
         mamba=MambaSpec(4, 8, 8, conv_width=4), mlp=MLPSpec(48)))
+
+
+def _deepseek_like():
+    from kvjax.models.hf import deepseek_v3 as ds
+
+    return ds.DeepseekV3(ds.config_from_hf(dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)))
+
+
+@pytest.mark.parametrize("make", [_granite_like, _deepseek_like], ids=["hybrid", "deepseek"])
+def test_one_token_steps_run_two_rows(monkeypatch, make):
+    """Off the CPU a one-token step runs its residual stream, norms and products as two rows (the
+    second zero and masked; ``attention.row_count``): the hybrid's conv and SSM read the token's
+    row of the two-row projection in place, DeepSeek's attention the token's rows of q and the
+    latent, its MoE routes the masked row to no expert. Forced on the CPU
+    (``PAD_ONE_ROW_ON_CPU``) with the GPU kernels interpreted, a Granite-like hybrid (Mamba,
+    attention, MLP) and a DeepSeek-V3-like model (MLA, a dense layer, a grouped-routed MoE layer)
+    serve the same tokens as with one row, logits and pools within float32 rounding (XLA orders a
+    two-row norm's sums otherwise). Planted: the token placed in the second row -> fails."""
+    import kvjax.models.attention as attention
+
+    model = make()
     config = RunnerConfig(model=model, block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=2,
                           max_num_batched_tokens=8, token_sizes=(1, 8), backend="pallas_gpu")
 

@@ -54,7 +54,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax.models.attention import dot_operands, row_padded
+from kvjax.models.attention import dot_operands, pad_rows, row_count, row_padded
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import routed_ffn
@@ -599,8 +599,10 @@ def _mlp(lp, c, i, h, expert_axis, model_axis, backend="reference", token_mask=N
 
 
 def _project(ap, c: DeepseekV3Config, h, positions):
-    """``h [T, d]`` -> ``q_nope [T, H, nope]``, ``q_pe [T, H, rope]`` (rotated), ``c [T, r]``
-    (normed), ``k_pe [T, rope]`` (rotated), all float32."""
+    """``h [n, d]`` (``n >= T``, the step's ``T = len(positions)`` tokens first) -> ``q_nope [T,
+    H, nope]``, ``q_pe [T, H, rope]`` (rotated), ``c [T, r]`` (normed), ``k_pe [T, rope]``
+    (rotated), all float32: the products run over the ``n`` rows, the rest over the tokens'."""
+    T = positions.shape[0]
     if "q" in ap:
         q = _mm(h, ap["q"], "td,dhk->thk")
     else:
@@ -609,6 +611,7 @@ def _project(ap, c: DeepseekV3Config, h, positions):
             qa = qa + ap["q_a_bias"].astype(jnp.float32)
         q = _mm(_rms(qa, ap["q_a_norm"], _SUB_NORM_EPS), ap["q_b"], "tq,qhk->thk")
     kv = _mm(h, ap["kv_a"])
+    q, kv = q[:T], kv[:T]
     if "kv_a_bias" in ap:
         kv = kv + ap["kv_a_bias"].astype(jnp.float32)
     r, nope = c.kv_lora_rank, c.qk_nope_head_dim
@@ -783,9 +786,15 @@ class DeepseekV3:
                 raise ValueError(f"pool {s.name!r} must be {s.shape} {s.dtype}, got {got}")
         cache_dt = jnp.dtype(specs[0].dtype)
         scale = jnp.float32(self.fp8_scale) if fp8 else None
-        real = ctx.token_real[:, None]
         form = step_form(self.attention_form, backend, ctx.decode_only)
         x = jnp.take(params["embed"], ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)
+        # The residual stream has row_count(T) rows (off the CPU a single token runs as two, the
+        # second zero and masked): norms and products run on the rows as they are; the
+        # attention reads the T tokens' rows and its output is padded back.
+        rows = row_count(x.shape[0])
+        x = pad_rows(x, rows)
+        token_mask = pad_rows(ctx.token_real, rows)
+        real = token_mask[:, None]
         for i, lp in enumerate(params["layers"]):
             ap = lp["attn"]
             h = _rms(x, lp["input_norm"], c.rms_norm_eps)
@@ -815,9 +824,9 @@ class DeepseekV3:
                     q_nope, q_pe, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table, ctx.seq_lens,
                     ctx.positions, ctx.token_row, softmax_scale=c.softmax_scale, form=form,
                     fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
-            x = x + jnp.where(real, _out(ap, o, model_axis), 0.0)
+            x = x + jnp.where(real, _out(ap, pad_rows(o, rows), model_axis), 0.0)
             h = _rms(x, lp["post_norm"], c.rms_norm_eps)
-            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend, ctx.token_real), 0.0)
+            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend, token_mask), 0.0)
         hl = _rms(x[ctx.logits_indices], params["final_norm"], c.rms_norm_eps)
         return _mm(hl, params["lm_head"]), pools
 
