@@ -4,6 +4,7 @@ tests make them: nothing is downloaded), float32 and bf16, with the default rows
 ``--max-num-seqs 1`` (every decode step one token: the one-token step's two-row programs).
 
     PYTHONPATH=. python benchmarks/gpu_check_demo_parity.py --out DIR [--archs granite,nemotron_h,deepseek_v3]
+        [--dtypes float32,bfloat16] [--seqs default,1]
 
 Prints, per run, the demo's parity, NaN and serving-time-compile lines; exits 1 if any run is not
 at parity with the dense reference (every request's tokens identical, logits within the demo's
@@ -43,13 +44,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--archs", default="granite,nemotron_h,deepseek_v3")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--seqs", default="default,1", help="--max-num-seqs of each run ('default': the demo's)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     bad = 0
     for arch in a.archs.split(","):
         path = make_checkpoint(arch, a.out)
-        for dtype in ("float32", "bfloat16"):
-            for extra in ([], ["--max-num-seqs", "1"]):
+        for dtype in a.dtypes.split(","):
+            for seqs in a.seqs.split(","):
+                extra = [] if seqs == "default" else ["--max-num-seqs", seqs]
                 cmd = [sys.executable, "-m", "kvjax", "demo", "--model", path, "--dtype", dtype,
                        "--check", "reference", "--quiet", *extra]
                 p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

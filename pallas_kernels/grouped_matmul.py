@@ -108,7 +108,7 @@ def num_tiles(rows: int, groups: int, tile_rows: int) -> int:
     return max(1, (int(rows) + min(int(rows), int(groups)) * (int(tile_rows) - 1)) // int(tile_rows))
 
 
-def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int):
+def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, rows_apart: bool = False):
     """The tile layout of rows by group: ``(slot int32 [P], tile_group int32 [NT])``.
 
     Row ``p`` of group ``g = group_of_row[p]`` goes to position ``slot[p]`` of an
@@ -117,12 +117,23 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int):
     an unused tile. A row whose group is outside ``[0, num_groups)`` gets
     ``slot = NT * tile_rows`` (one past the end: scatter with ``mode="drop"``, gather with a
     fill). ``NT`` is :func:`num_tiles` (static).
+
+    ``rows_apart=True`` (needs ``P <= num_groups``, where ``NT == P``): row ``p`` takes tile
+    ``p`` alone, nothing counted or sorted. Exact for any groups; a group named by two rows is
+    read by two tiles, so it is meant for rows known to name distinct groups (one token's top-k
+    experts), where it is the layout above with the tiles in row order.
     """
     validation.check_rank("group_of_row", group_of_row, 1)
     P = int(np.shape(group_of_row)[0])
     G, TM = int(num_groups), int(tile_rows)
     NT = num_tiles(P, G, TM)
     g = jnp.asarray(group_of_row).astype(jnp.int32)
+    if rows_apart:
+        if NT != P:
+            raise ValueError(f"rows_apart needs at most num_groups={G} rows (one tile each), got {P}")
+        valid = (g >= 0) & (g < G)
+        return (jnp.where(valid, jnp.arange(P, dtype=jnp.int32) * TM, NT * TM).astype(jnp.int32),
+                jnp.where(valid, g, G).astype(jnp.int32))
     onehot = (g[:, None] == jnp.arange(G, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [P, G]
     counts = jnp.sum(onehot, axis=0)
     rank = jnp.sum(onehot * (jnp.cumsum(onehot, axis=0) - 1), axis=1)  # row's index in its group

@@ -35,7 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kvjax.models.attention import _dense_init, dot_operands, linear, rms_norm, row_padded
+from kvjax.models.attention import _dense_init, dot_operands, linear, pad_rows, rms_norm, row_padded
 from kvjax.models.config import TinyHybridConfig
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels import group_tiles, grouped_matmul
@@ -215,7 +215,8 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
     El, d = up_w.shape[0], h.shape[-1]
     P = T * k
     TM = tile_rows_for(P, El)
-    slot, tile_group = group_tiles(jnp.where(valid, local, El).reshape(P), El, TM)
+    # one token: its k choices are k distinct experts, each pair a tile of its own (no counting)
+    slot, tile_group = group_tiles(jnp.where(valid, local, El).reshape(P), El, TM, rows_apart=T == 1 and P <= El)
     rows = tile_group.shape[0] * TM
     x = jnp.zeros((rows, d), up_w.dtype).at[slot].set(
         jnp.repeat(h.astype(up_w.dtype), k, axis=0), mode="drop", unique_indices=True)
@@ -296,13 +297,25 @@ def routed_ffn(h: jax.Array, route_fn: Callable[[jax.Array], tuple[jax.Array, ja
                w: dict, *, gated: bool = True, activation: str = "silu",
                expert_axis: str | None = None, route_input: jax.Array | None = None,
                path: str = "auto", backend: str = "reference",
-               token_mask: jax.Array | None = None) -> jax.Array:
+               token_mask: jax.Array | None = None, num_tokens: int | None = None) -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``): ``route_fn(r) -> (idx [T, k],
     weight [T, k])`` chooses on ``r = route_input`` (default ``h``), :func:`apply_experts`
     applies them. With ``expert_axis`` (see the module docstring) ``w`` holds this member's
     ``E / S`` experts and every member's tokens are routed and applied here. ``path``,
     ``backend`` and ``token_mask [T]`` (a step's real tokens: padding reads no expert): as
-    :func:`apply_experts`."""
+    :func:`apply_experts`. ``num_tokens`` (static, default ``T``): the step's tokens are the
+    first ``num_tokens`` rows; the rows after them (a one-token step's second row,
+    :func:`~kvjax.models.attention.row_count`) are not routed, read nothing and come out 0."""
+    T = h.shape[0]
+    if num_tokens is not None and num_tokens != T:
+        if not (isinstance(num_tokens, int) and 0 < num_tokens < T):
+            raise ValueError(f"num_tokens must be an int in [1, {T}] (h's rows), got {num_tokens!r}")
+        out = routed_ffn(h[:num_tokens], route_fn, w, gated=gated, activation=activation,
+                         expert_axis=expert_axis,
+                         route_input=None if route_input is None else route_input[:num_tokens],
+                         path=path, backend=backend,
+                         token_mask=None if token_mask is None else token_mask[:num_tokens])
+        return pad_rows(out, T)
     r = h if route_input is None else route_input
     if expert_axis is None:
         idx, weight = route_fn(r)
@@ -321,13 +334,14 @@ def routed_ffn(h: jax.Array, route_fn: Callable[[jax.Array], tuple[jax.Array, ja
 
 def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None,
             route_input: jax.Array | None = None, path: str = "auto",
-            backend: str = "reference", token_mask: jax.Array | None = None) -> jax.Array:
+            backend: str = "reference", token_mask: jax.Array | None = None,
+            num_tokens: int | None = None) -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``; see the module docstring for
     ``expert_axis``). ``w``: ``router [d_r, E]``, optional ``e_bias [E]`` (sigmoid routing), the
     expert stacks of :func:`apply_experts` (``E / axis size`` of them under ``expert_axis``).
     ``route_input [T, d_r]``: what the router reads when it is not ``h`` (Nemotron-H's latent
     experts are routed on the hidden state before the latent projection). ``path``, ``backend``,
-    ``token_mask``: as :func:`apply_experts`."""
+    ``token_mask``, ``num_tokens``: as :func:`routed_ffn`."""
 
     def route_fn(hh):
         router = w["router"]
@@ -338,7 +352,7 @@ def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None
 
     return routed_ffn(h, route_fn, w, gated=spec.gated, activation=spec.activation,
                       expert_axis=expert_axis, route_input=route_input, path=path,
-                      backend=backend, token_mask=token_mask)
+                      backend=backend, token_mask=token_mask, num_tokens=num_tokens)
 
 
 def _stacked_init(key, shape, dtype=jnp.float32):

@@ -68,6 +68,34 @@ def test_group_tiles_layout(P, G, TM):
         assert unused == list(range(len(used), NT)), "used tiles come first"
 
 
+@pytest.mark.parametrize("G,TM", [(64, 16), (5, 4)])
+def test_group_tiles_rows_apart(G, TM):
+    """``rows_apart``: row ``p`` alone in tile ``p`` (``P <= G`` rows, ``NT == P``), rows of no
+    group one past the end and their tiles unused; for distinct groups (one token's top-k) the
+    products are bitwise those of the counted layout; more rows than groups is refused."""
+    P = min(G, 5)
+    r = np.random.default_rng(G)
+    groups = r.choice(G, P, replace=False).astype(np.int32)
+    groups[1] = G + 1  # a choice this holder does not have
+    slot, tg = group_tiles(jnp.asarray(groups), G, TM, rows_apart=True)
+    slot, tg = np.asarray(slot), np.asarray(tg)
+    valid = groups < G
+    assert tg.shape == (P,) == (num_tiles(P, G, TM),)
+    assert np.array_equal(slot[valid], np.flatnonzero(valid) * TM) and np.all(slot[~valid] == P * TM)
+    assert np.array_equal(tg[valid], groups[valid]) and np.all(tg[~valid] == G)
+    x = r.standard_normal((P, 8)).astype(np.float32)
+    w = r.standard_normal((G, 8, 16)).astype(np.float32)
+    outs = []
+    for s_, t_ in ((slot, tg), _layout(groups, G, TM)):
+        a = jnp.zeros((P * TM, 8), jnp.float32).at[s_].set(x, mode="drop")
+        y = grouped_matmul(a, jnp.asarray(w), jnp.asarray(t_), tile_rows=TM, backend="pallas_gpu", interpret=True)
+        outs.append(np.asarray(jnp.take(y, jnp.asarray(s_), axis=0, mode="fill", fill_value=0)))
+    assert_bitwise(outs[0], outs[1])
+    assert np.all(outs[0][~valid] == 0) and np.all(outs[0][valid] != 0)
+    with pytest.raises(ValueError, match="rows_apart needs at most num_groups=3 rows"):
+        group_tiles(jnp.zeros((4,), jnp.int32), 3, TM, rows_apart=True)
+
+
 def test_num_tiles_and_tile_rows_rules():
     assert num_tiles(6, 64, 16) == 6  # one tile per pair at decode
     assert num_tiles(1536, 64, 64) == 87 and num_tiles(12288, 64, 128) == 159

@@ -157,6 +157,53 @@ def test_padding_reads_no_expert_on_the_grouped_path(monkeypatch):
         assert tiles and all(t & {6, 7} == expect for t in tiles), (mask, tiles)
 
 
+def test_one_token_pairs_take_a_tile_each_without_counting(monkeypatch):
+    """On the grouped path a single token's ``k`` pairs (``k`` distinct experts) take the
+    ``rows_apart`` layout (one tile each, nothing counted); more tokens are counted into shared
+    tiles. The one-token result is bitwise that of the counted layout."""
+    seen = []
+    real = moe.group_tiles
+
+    def spy(g, G, TM, rows_apart=False):
+        seen.append(rows_apart)
+        return real(g, G, TM, rows_apart=rows_apart)
+
+    monkeypatch.setattr(moe, "group_tiles", spy)
+    w = _weights(21)
+    f = functools.partial(moe.apply_experts, path="grouped", backend="pallas_gpu")
+    for T, apart in ((1, True), (3, False)):
+        h = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
+        idx, weight = _routing(T + 30, T)
+        seen.clear()
+        y = np.asarray(f(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w))
+        assert seen == [apart], (T, seen)
+        np.testing.assert_allclose(y, loop_reference(h, idx, weight, w, True, "silu"), atol=LOOP_TOL, rtol=0)
+    monkeypatch.setattr(moe, "group_tiles", lambda g, G, TM, rows_apart=False: real(g, G, TM))
+    counted = np.asarray(f(jnp.asarray(h[:1]), jnp.asarray(idx[:1]), jnp.asarray(weight[:1]), w))
+    monkeypatch.setattr(moe, "group_tiles", real)
+    assert np.array_equal(counted.view(np.uint32),
+                          np.asarray(f(jnp.asarray(h[:1]), jnp.asarray(idx[:1]), jnp.asarray(weight[:1]),
+                                       w)).view(np.uint32))
+
+
+@pytest.mark.parametrize("path,backend", [("sparse", "reference"), ("grouped", "pallas_gpu")])
+def test_num_tokens_routes_only_the_steps_rows(path, backend):
+    """``routed_ffn(num_tokens=n)``: rows after the first ``n`` (a one-token step's second row)
+    are not routed and come out exactly 0, even when NaN; the first rows are bitwise the call
+    on them alone. A bad ``num_tokens`` is refused by name."""
+    w = {**_weights(22), "router": np.random.default_rng(23).standard_normal((D, E)).astype(np.float32)}
+    spec = moe.MoESpec(E, K, F)
+    h = np.random.default_rng(24).standard_normal((3, D)).astype(np.float32)
+    h[1:] = np.nan
+    f = functools.partial(moe.moe_ffn, w=w, spec=spec, path=path, backend=backend)
+    y = np.asarray(f(jnp.asarray(h), token_mask=jnp.array([True, False, False]), num_tokens=1))
+    alone = np.asarray(f(jnp.asarray(h[:1]), token_mask=jnp.array([True])))
+    assert np.all(y[1:] == 0) and np.all(np.isfinite(alone)) and np.any(alone != 0)
+    assert np.array_equal(y[:1].view(np.uint32), alone.view(np.uint32))
+    with pytest.raises(ValueError, match=r"num_tokens must be an int in \[1, 3\]"):
+        f(jnp.asarray(h), num_tokens=0)
+
+
 def test_auto_path_is_a_static_choice_from_shapes_and_backend():
     assert moe.sparse_pays(1, 6, 64) and moe.sparse_pays(3, 6, 64) and not moe.sparse_pays(4, 6, 64)
     assert not moe.sparse_pays(1, 2, 4) and moe.sparse_pays(1, 2, 8)

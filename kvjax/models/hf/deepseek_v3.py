@@ -579,21 +579,22 @@ def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> tuple[jax.Array, jax.A
     return idx, w * jnp.float32(c.routed_scaling_factor)
 
 
-def _moe(mp, c, h, expert_axis, model_axis, backend, token_mask=None):
+def _moe(mp, c, h, expert_axis, model_axis, backend, token_mask=None, num_tokens=None):
     shared = _swiglu(h, mp["shared_gate"], mp["shared_up"], mp["shared_down"])
     if model_axis is not None:
         shared = jax.lax.psum(shared, model_axis)
     routed = routed_ffn(h, lambda r: route(r, mp, c), mp, expert_axis=expert_axis, backend=backend,
-                        token_mask=token_mask)
+                        token_mask=token_mask, num_tokens=num_tokens)
     return routed + shared
 
 
-def _mlp(lp, c, i, h, expert_axis, model_axis, backend="reference", token_mask=None):
+def _mlp(lp, c, i, h, expert_axis, model_axis, backend="reference", token_mask=None, num_tokens=None):
     """Layer ``i``'s feed-forward block; ``token_mask [T]``: the step's real tokens (padding is
-    routed to no expert)."""
+    routed to no expert); ``num_tokens``: the step's tokens are ``h``'s first rows
+    (:func:`~kvjax.models.moe.routed_ffn`)."""
     mp = lp["mlp"]
     if c.is_moe_layer(i):
-        return _moe(mp, c, h, expert_axis, model_axis, backend, token_mask)
+        return _moe(mp, c, h, expert_axis, model_axis, backend, token_mask, num_tokens)
     y = _swiglu(h, mp["gate"], mp["up"], mp["down"])
     return y if model_axis is None else jax.lax.psum(y, model_axis)
 
@@ -791,7 +792,8 @@ class DeepseekV3:
         # The residual stream has row_count(T) rows (off the CPU a single token runs as two, the
         # second zero and masked): norms and products run on the rows as they are; the
         # attention reads the T tokens' rows and its output is padded back.
-        rows = row_count(x.shape[0])
+        T = x.shape[0]
+        rows = row_count(T)
         x = pad_rows(x, rows)
         token_mask = pad_rows(ctx.token_real, rows)
         real = token_mask[:, None]
@@ -826,7 +828,7 @@ class DeepseekV3:
                     fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
             x = x + jnp.where(real, _out(ap, pad_rows(o, rows), model_axis), 0.0)
             h = _rms(x, lp["post_norm"], c.rms_norm_eps)
-            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend, token_mask), 0.0)
+            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend, token_mask, T), 0.0)
         hl = _rms(x[ctx.logits_indices], params["final_norm"], c.rms_norm_eps)
         return _mm(hl, params["lm_head"]), pools
 

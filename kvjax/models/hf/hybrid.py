@@ -428,7 +428,8 @@ class HybridModel:
         # The residual stream has row_count(T) rows (off the CPU a single token runs as two, the
         # second zero and masked): every norm and product then runs on the rows as they are, with
         # no pad before each product and no slice after it; the mixers read the T tokens' rows.
-        rows = row_count(x.shape[0])
+        T = x.shape[0]
+        rows = row_count(T)
         x = pad_rows(x, rows)
         token_mask = pad_rows(ctx.token_real, rows)
         real = token_mask[:, None]
@@ -452,21 +453,23 @@ class HybridModel:
                     h, ctx, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"], p, c.mamba,
                     backend=backend, model_axis=model_axis, A=decay_rate(rates, mamba[i]))
             else:
-                out = self._ffn(b, p, h, expert_axis, backend, token_mask=token_mask)
+                out = self._ffn(b, p, h, expert_axis, backend, token_mask=token_mask, num_tokens=T)
             if b.residual_multiplier != 1.0:
                 out = out * jnp.float32(b.residual_multiplier)
             x = x + jnp.where(real, out, 0.0)
         return self._head(params, x[ctx.logits_indices]), pools
 
-    def _ffn(self, b: Block, p: dict, h, expert_axis, backend: str = "reference", token_mask=None):
+    def _ffn(self, b: Block, p: dict, h, expert_axis, backend: str = "reference", token_mask=None,
+             num_tokens=None):
         """Block ``b``'s MLP or MoE; ``token_mask [T]``: the step's real tokens (padding is routed
-        to no expert)."""
+        to no expert); ``num_tokens``: the step's tokens are ``h``'s first rows
+        (:func:`~kvjax.models.moe.routed_ffn`)."""
         c = self.config
         if b.kind == "mlp":
             return mlp(h, p, c.mlp)
         hl = linear(h, p["fc1"], p.get("fc1_b")) if c.moe_latent is not None else h
         out = moe_ffn(hl, p, c.moe, expert_axis, route_input=None if c.moe_latent is None else h,
-                      backend=backend, token_mask=token_mask)
+                      backend=backend, token_mask=token_mask, num_tokens=num_tokens)
         if c.moe_latent is not None:
             out = linear(out, p["fc2"], p.get("fc2_b"))
         if c.moe_shared is not None:
