@@ -51,6 +51,11 @@ HF = HybridModel(HybridConfig(
 # Pool shapes unlike any temporary of these steps: 37 blocks, 6 state slots (11 with one draft).
 SIZES = dict(block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=5, max_num_batched_tokens=8,
              token_sizes=(8,))
+# The compiled-HLO checks' sizes: a token table of 24 x 4096 (int32), far larger than any other
+# int32 array of the step, for test_step_writes_only_the_token_rows_it_names; 25 state slots
+# (49 with one draft) and 37 blocks, still unlike any temporary, for test_compiled_step_copies_no_pool.
+# One compile per (case, bucket) serves both tests (compiled_hlo).
+HLO_SIZES = dict(SIZES, max_model_len=4096, max_num_seqs=24)
 # The tiny model with one attention and one Mamba layer (the default has two of each): every kind
 # of pool a step writes (K and V or the combined KV pages, conv and SSM state), each layer's pools
 # its own; half the layers to compile and lower.
@@ -115,14 +120,28 @@ def _runner(case, compiler_options=None, **kw):
     return Runner(RunnerConfig(**SIZES, **CASES[case], **kw), compiler_options=compiler_options)
 
 
+_COMPILED: dict = {}
+
+
+def compiled_hlo(case):
+    """``(runner, [(bucket, pool shapes, compiled HLO text)])`` of every bucket of ``case`` at
+    HLO_SIZES (the reference kernels, FAST), compiled once for the module's tests."""
+    if case not in _COMPILED:
+        runner = Runner(RunnerConfig(**HLO_SIZES, **CASES[case], backend="reference"), compiler_options=FAST)
+        steps = []
+        for bucket in runner.buckets.buckets:
+            fn, args, _ = runner.jitted_step(bucket)
+            with jax.default_matmul_precision(runner.config.matmul_precision):
+                steps.append((bucket, _pool_shapes(args), fn.lower(*args).compile().as_text()))
+        _COMPILED[case] = runner, steps
+    return _COMPILED[case]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_compiled_step_copies_no_pool(case):
-    runner = _runner(case, compiler_options=FAST, backend="reference")
-    for bucket in runner.buckets.buckets:
-        fn, args, _ = runner.jitted_step(bucket)
-        with jax.default_matmul_precision(runner.config.matmul_precision):
-            hlo = fn.lower(*args).compile().as_text()
-        shapes = _pool_shapes(args)
+    _, steps = compiled_hlo(case)
+    assert len(steps) >= 2  # decode-only and mixed
+    for bucket, shapes, hlo in steps:
         assert "input_output_alias" in hlo
         assert pool_copies(hlo, shapes) == [], (case, bucket)
 
@@ -219,13 +238,10 @@ def test_step_writes_only_the_token_rows_it_names(case):
     int32 array that large) is updated in place by scatters of the rows a step names: no copy,
     slice, concatenation or rewrite of the whole table (a step cost grew with max_num_seqs x
     max_model_len on the H100: ~0.2 ms at 256 x 32k)."""
-    sizes = dict(SIZES, max_model_len=4096, max_num_seqs=24)
-    runner = Runner(RunnerConfig(**sizes, **CASES[case], backend="reference"), compiler_options=FAST)
-    n = sizes["max_num_seqs"] * sizes["max_model_len"]
+    runner, steps = compiled_hlo(case)  # test_compiled_step_copies_no_pool's programs
+    n = HLO_SIZES["max_num_seqs"] * HLO_SIZES["max_model_len"]
     assert runner.read_state().requests.all_token_ids.size == n
-    for bucket in runner.buckets.buckets:
-        fn, args, _ = runner.jitted_step(bucket)
-        with jax.default_matmul_precision(runner.config.matmul_precision):
-            hlo = fn.lower(*args).compile().as_text()
+    assert len(steps) >= 2  # decode-only and mixed
+    for bucket, _, hlo in steps:
         assert token_table_passes(hlo, n) == [], (case, bucket)
         assert "scatter" in hlo
