@@ -14,6 +14,7 @@ tolerance) or has a NaN.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +41,21 @@ def make_checkpoint(arch: str, out: str) -> str:
     return path
 
 
+def _print_misses(report: str) -> None:
+    """The requests of a demo ``--json`` report that are not at parity, with their figures."""
+    try:
+        with open(report) as f:
+            requests = json.load(f)["requests"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"no report ({type(e).__name__}: {e})")
+        return
+    for rid, r in sorted(requests.items()):
+        if not r.get("matches_reference", True):
+            print(f"not at parity: {rid} " + json.dumps({k: r.get(k) for k in (
+                "max_logit_error", "max_logit_error_vs_match", "near_tie_rows", "preemptions")})
+                  + f" output {r.get('output')}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -54,13 +70,17 @@ def main(argv=None) -> int:
         for dtype in a.dtypes.split(","):
             for seqs in a.seqs.split(","):
                 extra = [] if seqs == "default" else ["--max-num-seqs", seqs]
+                report = os.path.join(a.out, f"demo-{arch}-{dtype}-{seqs}.json")
                 cmd = [sys.executable, "-m", "kvjax", "demo", "--model", path, "--dtype", dtype,
-                       "--check", "reference", "--quiet", *extra]
+                       "--check", "reference", "--quiet", "--json", report, *extra]
                 p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                 keep = [ln for ln in p.stdout.splitlines()
                         if ln.startswith(("parity", "NaN", "serving-time"))]
                 print(f"== {arch} {dtype} {' '.join(extra)} (exit {p.returncode})")
-                print("\n".join(keep) if keep else (p.stdout + p.stderr)[-2000:])
+                print("\n".join(keep) if keep else p.stdout[-2000:])
+                if p.returncode:
+                    print("stderr: " + p.stderr[-1500:])
+                    _print_misses(report)
                 parity = next((ln for ln in keep if ln.startswith("parity")), "")
                 nan = next((ln for ln in keep if ln.startswith("NaN")), "NaN count ?")
                 ok = p.returncode == 0 and parity and "parity with reference" in parity \
