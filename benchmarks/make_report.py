@@ -843,10 +843,16 @@ FULL_MODEL_MATRIX = {"decode_batches": (1, 16, 64, 256), "decode_contexts": (102
                      "prefill": (2048, 8192)}
 
 
-def _model_doc(results):
-    """The newest ``<date>-<gpu>-model.json`` (bench_model.py) in ``results``, or None."""
-    paths = sorted(p for p in glob.glob(os.path.join(results, "*-model.json")) if "-cpu-" not in p)
-    return (paths[-1], load(paths[-1])) if paths else (None, None)
+def _model_docs(results):
+    """``[(path, doc)]``: for each GPU kind, its newest ``<date>-<gpu>-model.json``
+    (bench_model.py) in ``results``, newest first (the later kind first on the same date)."""
+    newest = {}
+    for p in sorted(glob.glob(os.path.join(results, "*-model.json"))):
+        gpu = os.path.basename(p)[len("YYYY-MM-DD-"): -len("-model.json")]
+        if gpu != "cpu":
+            newest[gpu] = p  # sorted by date: the last one wins
+    paths = sorted(newest.values(), key=lambda p: (os.path.basename(p)[:10], p), reverse=True)
+    return [(p, load(p)) for p in paths]
 
 
 def _fmt(x, spec="{:,.0f}"):
@@ -1125,24 +1131,42 @@ def _ran_matrix(kv_rows) -> dict:
 
 
 def model_section(results):
-    path, doc = _model_doc(results)
-    if doc is None:
+    """One table per GPU kind (its newest run), then the earlier runs' notes."""
+    docs = _model_docs(results)
+    if not docs:
         return ""
+    out = []
+    for path, doc in docs:
+        out += _model_table(path, doc)
+    # the earlier runs' notes (hand-written, newest first): what was tried before these tables
+    # (a table replaced the same day keeps its notes as <date>-<gpu>-model-<pass>.md beside its JSON)
+    current = {p[: -len(".json")] + ".md" for p, _ in docs}
+    older = sorted((p for p in glob.glob(os.path.join(results, "*-model*.md")) if p not in current), reverse=True)
+    for old in older:
+        out += [f"### Notes of an earlier run (its table: `{os.path.basename(old)[: -len('.md')]}.json`)", ""]
+        with open(old) as fh:
+            out += [fh.read()]
+    return "\n".join(out)
+
+
+def _model_table(path, doc) -> list[str]:
+    """The section of one ``<date>-<gpu>-model.json``: method, table, plot, targets, its notes."""
     m = doc["meta"]
     v = m.get("versions", {})
     rows = doc["rows"]
     kv = [r for r in rows if r["impl"] == "kvjax"]
     tf = {(r["preset"], r["phase"], r["batch"], r["context"]): r for r in rows if r["impl"] == "transformers"}
     gpu = m.get("nvidia_smi", "").split(",")[0] or "GPU"
+    kind = os.path.basename(path)[len("YYYY-MM-DD-"): -len("-model.json")].upper()
     ran = _ran_matrix(kv)
-    out = [f"## Issue 24: real-size models (H100)", "",
+    out = [f"## Issue 24: real-size models ({kind})", "",
            f"{gpu}, JAX {v.get('jax')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
            f"{m['date']}. `python benchmarks/bench_model.py --gpu-run OUTDIR` "
            f"(`benchmarks/results/{os.path.basename(path)}`, {m.get('total_wall_s', 0):.0f} s of runs), on the code "
            f"committed at the time ({m.get('commit', 'see the commit that adds the file')}).", ""]
     if m.get("parts"):
         out += ["The matrix did not fit one 9-minute device call, so it ran in parts (each a "
-                "`--gpu-run` on one H100 of the same kind, joined by `benchmarks/merge_model_runs.py`; "
+                f"`--gpu-run` on one {kind} of the same kind, joined by `benchmarks/merge_model_runs.py`; "
                 "each row names its `source` and `commit`):", ""]
         out += [f"* `{p['source']}` ({p['commit']}): {', '.join(p['presets'] or [])}"
                 + (" (the same rows at a short `max_model_len`, the attention comparison)" if p["baseline"] else "")
@@ -1199,14 +1223,7 @@ def model_section(results):
     if os.path.exists(notes):
         with open(notes) as fh:
             out += [fh.read()]
-    # the earlier runs' notes (hand-written, newest first): what was tried before this table
-    # (a table replaced the same day keeps its notes as <date>-<gpu>-model-<pass>.md beside its JSON)
-    older = sorted((p for p in glob.glob(os.path.join(results, "*-model*.md")) if p != notes), reverse=True)
-    for old in older:
-        out += [f"### Notes of an earlier run (its table: `{os.path.basename(old)[: -len('.md')]}.json`)", ""]
-        with open(old) as fh:
-            out += [fh.read()]
-    return "\n".join(out)
+    return out
 
 
 def main():
