@@ -386,6 +386,15 @@ ref = np.asarray(moe.routed_ffn(h, route_fn, w))
 m = np.asarray(mask)
 out["masked"] = {"pad_rows_zero": bool(np.all(got[~m] == 0)), "pads": int((~m).sum()),
                  "max_err": float(np.max(np.abs(got[m] - ref[m])))}
+# a one-token step as two rows on each member (the second NaN): num_tokens=1 routes the token only
+nan = jnp.full((D,), jnp.nan, jnp.float32)
+h2 = jnp.stack([h[0], nan, h[T], nan])
+f = jax.shard_map(lambda hh, ww: moe.routed_ffn(hh, route_fn, ww, expert_axis="data", num_tokens=1),
+                  mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False)
+got = np.asarray(jax.jit(f)(h2, w))
+ref = np.asarray(moe.routed_ffn(h[jnp.array([0, T])], route_fn, w))
+out["num_tokens"] = {"pad_rows_zero": bool(np.all(got[[1, 3]] == 0)),
+                     "max_err": float(np.max(np.abs(got[[0, 2]] - ref))), "ref_max": float(np.max(np.abs(ref)))}
 print(json.dumps(out))
 """
 
@@ -413,6 +422,15 @@ def test_expert_parallel_padding_is_masked_on_every_member(ep_results):
     real ones match the unmasked single-device result."""
     r = ep_results["masked"]
     assert r["pads"] == 3 and r["pad_rows_zero"], r
+    assert r["max_err"] <= PATH_TOL, r
+
+
+def test_expert_parallel_routes_only_the_steps_tokens(ep_results):
+    """``num_tokens`` under expert parallelism: each member's one-token step as two rows (the
+    second NaN) gathers and routes only the tokens; the padding rows come out exactly 0, the
+    tokens as the single-device call on them alone."""
+    r = ep_results["num_tokens"]
+    assert r["pad_rows_zero"] and r["ref_max"] > 0.1, r
     assert r["max_err"] <= PATH_TOL, r
 
 
