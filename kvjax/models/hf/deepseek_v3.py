@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.models.attention import dot_operands, pad_rows, row_count, row_padded
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
-from kvjax.models.moe import routed_ffn
+from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
 from kvjax.models.step_context import StepContext
 from pallas_kernels.kv_write import concat_and_cache_mla
 
@@ -561,22 +561,18 @@ def _swiglu(h, gate, up, down):
 
 def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> tuple[jax.Array, jax.Array]:
     """``(idx int32 [T, k], weight float32 [T, k])``: each token's routed experts and their gate
-    weights (see the module docstring)."""
-    T = h.shape[0]
-    E, G, k = c.n_routed_experts, c.n_group, c.num_experts_per_tok
+    weights (see the module docstring): :func:`kvjax.models.moe.topk_sigmoid_grouped` on the
+    float32 router logits."""
     logits = jnp.matmul(h.astype(jnp.float32), mp["router"].astype(jnp.float32))
-    scores = jax.nn.sigmoid(logits)
-    biased = scores + mp["bias"].astype(jnp.float32)[None, :]
-    top2 = jax.lax.top_k(biased.reshape(T, G, E // G), 2)[0]
-    group_scores = jnp.sum(top2, axis=-1)  # [T, G]
-    _, gidx = jax.lax.top_k(group_scores, c.topk_group)
-    gmask = jnp.sum(jax.nn.one_hot(gidx, G, dtype=jnp.int32), axis=1) > 0  # [T, G]
-    emask = jnp.repeat(gmask, E // G, axis=1)  # [T, E]
-    _, idx = jax.lax.top_k(jnp.where(emask, biased, -jnp.inf), k)  # [T, k]
-    w = jnp.take_along_axis(scores, idx, axis=1)
-    if c.norm_topk_prob:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return idx, w * jnp.float32(c.routed_scaling_factor)
+    return topk_sigmoid_grouped(logits, mp["bias"], _moe_spec(c))
+
+
+@functools.cache
+def _moe_spec(c: DeepseekV3Config) -> MoESpec:
+    """The routing of ``c`` as a :class:`~kvjax.models.moe.MoESpec` (``hidden``: the experts')."""
+    return MoESpec(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                   routing="sigmoid_grouped", n_group=c.n_group, topk_group=c.topk_group,
+                   norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
 
 
 def _moe(mp, c, h, expert_axis, model_axis, backend, token_mask=None, num_tokens=None):
