@@ -843,14 +843,18 @@ FULL_MODEL_MATRIX = {"decode_batches": (1, 16, 64, 256), "decode_contexts": (102
                      "prefill": (2048, 8192)}
 
 
+def _gpu_kind(path: str) -> str:
+    """``h100`` of ``.../<date>-h100-model.json``."""
+    return os.path.basename(path)[len("YYYY-MM-DD-"): -len("-model.json")]
+
+
 def _model_docs(results):
     """``[(path, doc)]``: for each GPU kind, its newest ``<date>-<gpu>-model.json``
     (bench_model.py) in ``results``, newest first (the later kind first on the same date)."""
     newest = {}
     for p in sorted(glob.glob(os.path.join(results, "*-model.json"))):
-        gpu = os.path.basename(p)[len("YYYY-MM-DD-"): -len("-model.json")]
-        if gpu != "cpu":
-            newest[gpu] = p  # sorted by date: the last one wins
+        if _gpu_kind(p) != "cpu":
+            newest[_gpu_kind(p)] = p  # sorted by date: the last one wins
     paths = sorted(newest.values(), key=lambda p: (os.path.basename(p)[:10], p), reverse=True)
     return [(p, load(p)) for p in paths]
 
@@ -1157,7 +1161,7 @@ def _model_table(path, doc) -> list[str]:
     kv = [r for r in rows if r["impl"] == "kvjax"]
     tf = {(r["preset"], r["phase"], r["batch"], r["context"]): r for r in rows if r["impl"] == "transformers"}
     gpu = m.get("nvidia_smi", "").split(",")[0] or "GPU"
-    kind = os.path.basename(path)[len("YYYY-MM-DD-"): -len("-model.json")].upper()
+    kind = _gpu_kind(path).upper()
     ran = _ran_matrix(kv)
     out = [f"## Issue 24: real-size models ({kind})", "",
            f"{gpu}, JAX {v.get('jax')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "

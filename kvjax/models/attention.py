@@ -173,6 +173,15 @@ def pad_rows(x: jax.Array, n: int) -> jax.Array:
     return jnp.concatenate([x, jnp.zeros((n - x.shape[0],) + x.shape[1:], x.dtype)])
 
 
+def padded_stream(x: jax.Array, token_real: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A model step's residual stream ``x [T, d]`` and token mask ``token_real [T]`` with
+    :func:`row_count` rows (off the CPU a single token runs as two, the second zero and
+    masked): every norm and product then runs on the rows as they are, with no pad before each
+    product and no slice after it; the mixers read the ``T`` tokens' rows."""
+    rows = row_count(x.shape[0])
+    return pad_rows(x, rows), pad_rows(token_real, rows)
+
+
 def row_padded(f, x: jax.Array, axis: int = 0) -> jax.Array:
     """``f(x)`` for a product whose ``axis`` is the row (token) axis, run with
     :func:`row_count` rows: a single row padded with zeros, the first output row returned."""

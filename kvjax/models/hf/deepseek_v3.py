@@ -54,7 +54,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax.models.attention import dot_operands, pad_rows, row_count, row_padded
+from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
@@ -785,13 +785,9 @@ class DeepseekV3:
         scale = jnp.float32(self.fp8_scale) if fp8 else None
         form = step_form(self.attention_form, backend, ctx.decode_only)
         x = jnp.take(params["embed"], ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)
-        # The residual stream has row_count(T) rows (off the CPU a single token runs as two, the
-        # second zero and masked): norms and products run on the rows as they are; the
-        # attention reads the T tokens' rows and its output is padded back.
         T = x.shape[0]
-        rows = row_count(T)
-        x = pad_rows(x, rows)
-        token_mask = pad_rows(ctx.token_real, rows)
+        x, token_mask = padded_stream(x, ctx.token_real)  # row_count(T) rows; attention reads T
+        rows = x.shape[0]
         real = token_mask[:, None]
         for i, lp in enumerate(params["layers"]):
             ap = lp["attn"]

@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import (
-    AttnSpec, apply_rope, attention_mixer, attention_query, linear, pad_rows, rms_norm, row_count,
+    AttnSpec, apply_rope, attention_mixer, attention_query, linear, padded_stream, rms_norm,
 )
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.mamba_layer import MambaSpec, decay_rate, decay_rates, gated_rms_norm, mamba_mixer
@@ -425,13 +425,8 @@ class HybridModel:
         x = jnp.take(emb, ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)  # ids validated upstream
         if c.embedding_multiplier != 1.0:
             x = x * jnp.float32(c.embedding_multiplier)
-        # The residual stream has row_count(T) rows (off the CPU a single token runs as two, the
-        # second zero and masked): every norm and product then runs on the rows as they are, with
-        # no pad before each product and no slice after it; the mixers read the T tokens' rows.
         T = x.shape[0]
-        rows = row_count(T)
-        x = pad_rows(x, rows)
-        token_mask = pad_rows(ctx.token_real, rows)
+        x, token_mask = padded_stream(x, ctx.token_real)  # row_count(T) rows
         real = token_mask[:, None]
         mamba = {i: j for j, i in enumerate(i for i, b in enumerate(c.blocks) if b.kind == "mamba")}
         rates = decay_rates([params["blocks"][i]["A_log"] for i in mamba]) if mamba else None
