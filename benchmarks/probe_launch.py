@@ -245,6 +245,84 @@ def probe_patterns(bench, batch: int, log, opts=None, tag: str = "runner") -> li
     return rows
 
 
+def probe_dispatch(bench, batch: int, log) -> dict:
+    """Where an executable call's host time goes: each of the Runner's three launch programs
+    (stage, step, fetch) called alone from an idle device, against no-op executables that take
+    the step's arguments (the params' and the state's buffers) and against no-ops of N small
+    arguments: if the step's call costs what a no-op of the same arguments costs, its host time
+    is per-argument work, not the CUDA graph's launch."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.runner.runner import GPU_COMPILER_OPTIONS
+
+    r = bench.runner
+    plan = bench.fabricate_decode(batch, 1024)
+    exe = _install(r, plan.bucket, None)
+    prepared = r.prepare(plan)
+    r.launch(prepared).fetch()
+    buf = r.put_inputs(prepared)
+    stage, fetch = r._stage, r._fetch(r.output_spec(plan.bucket).size)
+    opts = dict(GPU_COMPILER_OPTIONS)
+    count = lambda t: len(jax.tree.leaves(t))  # noqa: E731
+    row = {"batch": batch, "leaves": {"params": count(r.params), "rows": count(r._rows), "pools": count(r._pools)}}
+    log(f"dispatch b{batch}: leaves {row['leaves']}")
+
+    def idle(fn, n: int = 15) -> float:
+        ts = []
+        for _ in range(n + 2):
+            jax.block_until_ready((r._rows, r._pools))
+            t0 = time.perf_counter()
+            out = fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+            jax.block_until_ready(out)
+        return statistics.median(ts[2:])
+
+    def set_rows(x):
+        r._rows = x
+        return x
+
+    def step():
+        r._rows, r._pools, checks = exe(r.params, r._rows, r._pools)
+        return checks
+
+    def donated_noop():
+        r._rows, r._pools = noop_donate(r.params, r._rows, r._pools)
+        return r._rows
+
+    noop_all = jax.jit(lambda p, rows, pools: rows[2][:, :1], compiler_options=opts).lower(
+        r.params, r._rows, r._pools).compile()
+    noop_state = jax.jit(lambda rows, pools: rows[2][:, :1], compiler_options=opts).lower(r._rows, r._pools).compile()
+    noop_params = jax.jit(lambda p: jax.tree.leaves(p)[0].ravel()[:1], compiler_options=opts).lower(r.params).compile()
+    noop_donate = jax.jit(lambda p, rows, pools: (rows, pools), donate_argnums=(1, 2), compiler_options=opts).lower(
+        r.params, r._rows, r._pools).compile()
+    timed = {"stage": lambda: set_rows(stage(r._rows, buf)), "step": step, "fetch": lambda: fetch(r._rows),
+             "noop(params, rows, pools)": lambda: noop_all(r.params, r._rows, r._pools),
+             "noop(rows, pools)": lambda: noop_state(r._rows, r._pools),
+             "noop(params)": lambda: noop_params(r.params),
+             "noop(params, rows, pools) donated": donated_noop}
+    for n in (1, 128, 512):
+        xs = [jnp.full((256,), i, jnp.bfloat16) for i in range(n)]
+        fn = jax.jit(lambda xs: xs[0][:1], compiler_options=opts).lower(xs).compile()
+        timed[f"noop({n} arrays)"] = lambda fn=fn, xs=xs: fn(xs)
+    row["idle_call_us"] = {}
+    for name, fn in timed.items():
+        row["idle_call_us"][name] = us = idle(fn)
+        log(f"    {name:36s} {us:8.0f} us host per call (idle start)")
+    # the step back to back: enqueue per call
+    jax.block_until_ready((r._rows, r._pools))
+    t0 = time.perf_counter()
+    for _ in range(16):
+        checks = step()
+    t1 = time.perf_counter()
+    jax.block_until_ready(checks)
+    t2 = time.perf_counter()
+    row["step_back_to_back"] = {"enqueue_us": (t1 - t0) / 16 * 1e6, "per_call_us": (t2 - t0) / 16 * 1e6}
+    log(f"    step back to back: enqueue {row['step_back_to_back']['enqueue_us']:.0f} us, "
+        f"per call {row['step_back_to_back']['per_call_us']:.0f} us")
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="granite-4.0-h-micro")
@@ -254,6 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--patterns", action="store_true", help="the Runner's executable in four launch patterns")
     ap.add_argument("--pattern-variants", default="runner", help="--patterns: compile-option variants")
     ap.add_argument("--sampling", action="store_true", help="also time sample_rows alone (greedy / sampled / filtered)")
+    ap.add_argument("--dispatch", action="store_true", help="the host time of each launch program and of no-ops")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     from bench_model import Bench, log
@@ -271,6 +350,10 @@ def main(argv=None) -> int:
             rows = probe_sampling(log)
         except Exception as e:  # noqa: BLE001
             log(f"sampling probe: {type(e).__name__}: {str(e)[:300]}")
+    for b in batches if a.dispatch else ():
+        rows.append(probe_dispatch(bench, b, log))
+        with open(os.path.join(a.out, "probe_launch.json"), "w") as f:
+            json.dump({"preset": a.preset, "rows": rows}, f, indent=1)
     for b in batches if a.patterns else ():
         for v in a.pattern_variants.split(","):
             rows += probe_patterns(bench, b, log, variants[v], v)
