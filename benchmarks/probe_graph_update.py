@@ -22,12 +22,108 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def factors(kernels: int, log) -> list[dict]:
+    """Which parts of a real step make its CUDA graph's launch cost more host time than a
+    synthetic graph's: the same number of kernels with, in turn, a conditional on a device
+    value, a while loop, Pallas (Triton) custom calls, matrix products (XLA's Triton GEMMs),
+    500 read-only arguments, 95 donated arguments. Per variant: the host time of one call from
+    an idle device, and per call launched back to back (the state carried)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from kvjax.runner.runner import default_compiler_options
+
+    opts = default_compiler_options()
+    n = 1 << 14
+
+    def pk(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 0.5 + 1.0
+
+    @functools.partial(jax.jit, static_argnums=())
+    def pallas_op(h):
+        return pl.pallas_call(pk, out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype))(h)
+
+    def chain(h, k, w=None, every=0, mode=""):
+        for i in range(k):
+            if mode == "pallas" and i % every == 0:
+                h = pallas_op(h)
+            elif mode == "dot" and i % every == 0:
+                h = h + jnp.tile((h[:2 * 128].reshape(2, 128).astype(jnp.bfloat16) @ w).astype(jnp.float32).ravel(),
+                                 n // 256)
+            else:
+                h = jax.lax.optimization_barrier(jnp.sin(h) * 0.999)
+        return h
+
+    def build(variant):
+        extra = {"args500": 500, "donated95": 95}.get(variant, 0)
+
+        def fn(state, x, many):
+            h = state + x[0]
+            h = chain(h, kernels, w=x.astype(jnp.bfloat16)[:128 * 128].reshape(128, 128) if variant == "dot" else None,
+                      every=4, mode=variant)
+            if variant == "cond":
+                h = jax.lax.cond(h[0] > 1e9, lambda h: h * 2.0, lambda h: h + 1.0, h)
+            if variant == "while":
+                h = jax.lax.fori_loop(0, (x[1] > -1).astype(jnp.int32) * 8, lambda i, h: jnp.cos(h), h)
+            if variant == "args500":
+                h = h + sum(m[0] for m in many[:4])
+            if variant == "donated95":
+                many = [m + 1.0 for m in many]
+                return h, many
+            return h, many
+
+        donate = (0, 2) if variant == "donated95" else (0,)
+        many = [jnp.full((1024,), i, jnp.float32) for i in range(extra)]
+        x = jnp.arange(128 * 128, dtype=jnp.float32) / 1e4
+        state = jnp.zeros((n,), jnp.float32)
+        exe = jax.jit(fn, donate_argnums=donate, compiler_options=opts).lower(state, x, many).compile()
+        return exe, state, x, many
+
+    rows = []
+    for variant in ("plain", "cond", "while", "pallas", "dot", "args500", "donated95"):
+        try:
+            exe, state, x, many = build(variant)
+        except Exception as e:  # noqa: BLE001
+            log(f"{variant}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        for _ in range(3):
+            state, many = exe(state, x, many)
+        jax.block_until_ready(state)
+        idle = []
+        for _ in range(9):
+            jax.block_until_ready((state, many))
+            t0 = time.perf_counter()
+            state, many = exe(state, x, many)
+            idle.append((time.perf_counter() - t0) * 1e6)
+        jax.block_until_ready((state, many))
+        t0 = time.perf_counter()
+        for _ in range(20):
+            state, many = exe(state, x, many)
+        t1 = time.perf_counter()
+        jax.block_until_ready((state, many))
+        t2 = time.perf_counter()
+        row = {"variant": variant, "kernels": kernels, "idle_start_call_us": statistics.median(idle),
+               "enqueue_us": (t1 - t0) / 20 * 1e6, "per_call_us": (t2 - t0) / 20 * 1e6}
+        log(json.dumps(row))
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", type=int, default=400)
+    ap.add_argument("--factors", action="store_true", help="what makes a graph's launch cost more (see factors())")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    if a.factors:
+        rows = factors(a.kernels, lambda m: print(m, flush=True))
+        with open(os.path.join(a.out, "probe_graph_factors.json"), "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+        return 0
     import jax
     import jax.numpy as jnp
     import numpy as np
