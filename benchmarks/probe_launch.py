@@ -35,6 +35,9 @@ def _variants():
         "skip_temp_va": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
                          "xla_gpu_enable_command_buffer_va_remapping": True},
         "skip_profiled": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"},
+        # the products' kernels: XLA's autotuner over every Triton tiling, or cuBLAS for all
+        "exhaustive_tiling": {**GPU_COMPILER_OPTIONS, "xla_gpu_exhaustive_tiling_search": True},
+        "cublas": {**GPU_COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False},
     }
 
 
@@ -137,14 +140,37 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
         t2 = time.perf_counter()
         groups.append(((t2 - t0) / 8 * 1e6, (t1 - t0) / 8 * 1e6))
     med = lambda xs: statistics.median(xs)  # noqa: E731
+
+    def run(n):  # wall us of n calls back to back from an idle device
+        jax.block_until_ready(call(buf))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = call(buf)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) * 1e6
+
+    slopes = [(run(24) - run(8)) / 16 for _ in range(3)]  # the steady-state step, as bench_model
     row = {"tag": tag, "batch": batch, "options": opts, "compile_s": compile_s, "_first": first,
+           "steady_step_us": med(slopes),
            "idle_start": {"device_put_us": med(put), "exe_call_us": med(ex), "copy_to_host_async_us": med(cp),
                           "wait_after_us": med(wait)},
            "back_to_back": {"step_us": med([g[0] for g in groups]), "enqueue_us": med([g[1] for g in groups])}}
     log(f"{tag:18s} b{batch:<4d} put {row['idle_start']['device_put_us']:8.0f}  exe {row['idle_start']['exe_call_us']:8.0f}"
         f"  copy {row['idle_start']['copy_to_host_async_us']:6.0f}  wait {row['idle_start']['wait_after_us']:8.0f}"
         f"  | b2b step {row['back_to_back']['step_us']:8.0f} enqueue {row['back_to_back']['enqueue_us']:8.0f}"
-        f"  (compile {compile_s:.0f} s)")
+        f"  (compile {compile_s:.0f} s) | steady step {row['steady_step_us']:8.0f}")
+    try:
+        from _trace import trace_device
+
+        tr = trace_device(lambda: call(buf), 3)
+        tr.pop("_kernels", None)
+        row["kernels"] = {"per_step": tr.get("kernels_per_call"), "busy_us": tr.get("device_busy_us_per_call"),
+                          "top": tr.get("top_kernels", [])[:12]}
+        log(f"    kernels {row['kernels']['per_step']}, busy {row['kernels']['busy_us']} us per step")
+        for t in row["kernels"]["top"][:8]:
+            log(f"      {t}")
+    except Exception as e:  # noqa: BLE001
+        row["kernels"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     try:
         row["host_trace"] = host_events(lambda: call(buf), 2)
         conds = sum(t["us_per_call"] for t in row["host_trace"]["top"] if t["name"].startswith("cond"))
