@@ -321,7 +321,7 @@ def _f(x):
     return f"{x:9.1f}" if isinstance(x, (int, float)) else f"{'-':>9}"
 
 
-def bench_prefill(name, rows_spec, mml, *, deadline, Hq=16, Hkv=4, D=128, config=PagedAttentionConfig(),
+def bench_prefill(name, rows_spec, mml, *, deadline, Hq=16, Hkv=4, D=128, Dv=None, config=PagedAttentionConfig(),
                   n_sets=4, record=True):
     if time.time() > deadline:
         return
@@ -330,6 +330,8 @@ def bench_prefill(name, rows_spec, mml, *, deadline, Hq=16, Hkv=4, D=128, config
     for s in range(n_sets):
         args, _ = make_step(rng, rows_spec, Hq=Hq, Hkv=Hkv, D=D, W=mml // BS, qdt="bfloat16",
                             cdt="bfloat16", pad_tokens=0, extra_rows=0)
+        if Dv is not None:  # values narrower than keys (MLA's split form: 192-wide keys, 128-wide values)
+            args["value_cache"] = args["value_cache"][..., :Dv]
         sets.append(args)
 
     def many(sets):
@@ -339,7 +341,7 @@ def bench_prefill(name, rows_spec, mml, *, deadline, Hq=16, Hkv=4, D=128, config
     wall, dev = time_exe(exe, (sets,), len(sets))
     us = dev.get("device_us_per_call") or wall
     T = sets[0]["q"].shape[0]
-    flops = sum(4 * ql * Hq * D * (c - ql / 2) for c, ql in rows_spec)
+    flops = sum(2 * ql * Hq * (D + (Dv or D)) * (c - ql / 2) for c, ql in rows_spec)
     row = dict(phase="prefill", name=name, tokens=T, max_model_len=mml, kernel_wall_us=wall,
                kernel_device_us=dev.get("device_us_per_call"), tflops=flops / us / 1e6)
     if record:
@@ -350,20 +352,25 @@ def bench_prefill(name, rows_spec, mml, *, deadline, Hq=16, Hkv=4, D=128, config
 
 
 def prefill_sweep(deadline):
-    """One request's 8k prefill at Granite-4.0-H-Micro's (32/8 heads x 64) and Nemotron-H's
-    (32/8 x 128) attention shapes, under tile variants."""
+    """One request's 8k prefill at Granite-4.0-H-Micro's (32/8 heads x 64), Nemotron-H's
+    (32/8 x 128) and DeepSeek-V2-Lite's split-form MLA (16/16 heads, keys 192, values 128)
+    attention shapes, under tile variants."""
     out = []
     variants = dict(default={}, m128=dict(gpu_block_m=128), m128_w8=dict(gpu_block_m=128, gpu_num_warps=8),
                     n128=dict(gpu_block_n=128), m128_n128_w8=dict(gpu_block_m=128, gpu_block_n=128, gpu_num_warps=8),
                     w8=dict(gpu_num_warps=8), stages3=dict(gpu_num_stages=3),
-                    m256_w8=dict(gpu_block_m=256, gpu_num_warps=8))
-    for label, D in (("granite", 64), ("nemotron", 128)):
+                    m256_w8=dict(gpu_block_m=256, gpu_num_warps=8), m128_w8_s3=dict(gpu_block_m=128, gpu_num_warps=8,
+                                                                                 gpu_num_stages=3),
+                    m128_n32_w8=dict(gpu_block_m=128, gpu_block_n=32, gpu_num_warps=8))
+    shapes = {"granite": dict(Hq=32, Hkv=8, D=64), "nemotron": dict(Hq=32, Hkv=8, D=128),
+              "mla": dict(Hq=16, Hkv=16, D=192, Dv=128)}
+    for label in (os.environ.get("PREFILL_SWEEP_SHAPES") or ",".join(shapes)).split(","):
         for name, kw in variants.items():
             if time.time() > deadline:
                 return out
             try:
                 row = bench_prefill(f"sweep-{label}-8k-{name}", [(8192, 8192)], 8192, deadline=deadline,
-                                    Hq=32, Hkv=8, D=D, config=PagedAttentionConfig(**kw), n_sets=1,
+                                    **shapes[label], config=PagedAttentionConfig(**kw), n_sets=1,
                                     record=False)
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects
                 row = None
