@@ -26,7 +26,7 @@ def factors(kernels: int, log) -> list[dict]:
     """Which parts of a real step make its CUDA graph's launch cost more host time than a
     synthetic graph's: the same number of kernels with, in turn, a conditional on a device
     value, a while loop, Pallas (Triton) custom calls, matrix products (XLA's Triton GEMMs),
-    500 read-only arguments, 95 donated arguments. Per variant: the host time of one call from
+    500 more arguments (read, and returned unchanged without donation), 95 donated arguments. Per variant: the host time of one call from
     an idle device, and per call launched back to back (the state carried)."""
     import functools
 
