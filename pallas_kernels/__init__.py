@@ -16,7 +16,6 @@ the updated arrays — donate them at the enclosing ``jit`` to update in place):
 ``ragged_paged_attention``          attention over that layout (JAX's TPU kernel / jnp)
 ``paged_attention``                 attention over a paged cache, live blocks only
 ``grouped_matmul``                  row tiles times their group's matrix (MoE experts)
-``residual_rms_norm``               a block's residual add and the next block's RMS norm
 ==================================  =====================================================
 
 Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
@@ -49,7 +48,6 @@ from pallas_kernels.grouped_matmul import (
     group_tiles as group_tiles,
     grouped_matmul as grouped_matmul,
 )
-from pallas_kernels.residual_norm import residual_rms_norm as residual_rms_norm
 from pallas_kernels.paged_attention import (
     PagedAttentionConfig as PagedAttentionConfig,
     paged_attention as paged_attention,
@@ -85,7 +83,6 @@ __all__ = [
     "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",
-    "residual_rms_norm",
     "selective_scan_varlen",
     "selective_state_update",
     "write_kv_pages",

@@ -20,7 +20,6 @@ OPS = (
     "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",
-    "residual_rms_norm",
     "selective_scan_varlen",
     "selective_state_update",
     "write_kv_pages",
@@ -47,8 +46,6 @@ def _calls():
             one((1, 1, 2), f32), one((1, 1, 2), f32), np.zeros((2, 2, 2, 2), f32),
             np.array([2], np.int32), backend="reference"),
         "zero_blocks": lambda f: f([one((2, 2), f32)], idx, backend="reference"),
-        "residual_rms_norm": lambda f: f(one((2, 4), f32), one((2, 4), f32), np.array([True, False]),
-                                         one((4,), f32), eps=1e-6, backend="reference"),
         "ragged_paged_attention": lambda f: f(
             one((1, 1, 2), f32), one((2, 2, 2, 2), f32), np.array([1], np.int32),
             np.array([[1]], np.int32), np.array([0, 1], np.int32), np.array([1], np.int32),

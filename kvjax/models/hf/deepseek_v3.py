@@ -60,7 +60,6 @@ from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
 from kvjax.models.step_context import StepContext
 from pallas_kernels.kv_write import concat_and_cache_mla
-from pallas_kernels.residual_norm import residual_rms_norm
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 _SUB_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' DeepseekV3RMSNorm default
@@ -790,10 +789,9 @@ class DeepseekV3:
         x, token_mask = padded_stream(x, ctx.token_real)  # row_count(T) rows; attention reads T
         rows = x.shape[0]
         real = token_mask[:, None]
-        layers, eps = params["layers"], c.rms_norm_eps
-        h = _rms(x, layers[0]["input_norm"], eps)
-        for i, lp in enumerate(layers):
+        for i, lp in enumerate(params["layers"]):
             ap = lp["attn"]
+            h = _rms(x, lp["input_norm"], c.rms_norm_eps)
             q_nope, q_pe, lat_c, k_pe = _project(ap, c, h, ctx.positions)
             name = specs[i].name
             if fp8:
@@ -820,14 +818,9 @@ class DeepseekV3:
                     q_nope, q_pe, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table, ctx.seq_lens,
                     ctx.positions, ctx.token_row, softmax_scale=c.softmax_scale, form=form,
                     fp8_scale=self.fp8_scale if fp8 else None, backend=backend)
-            # each residual add with the norm after it: one kernel on a GPU
-            x, h = residual_rms_norm(x, _out(ap, pad_rows(o, rows), model_axis), token_mask, lp["post_norm"],
-                                     eps=eps, backend=backend)
-            out = _mlp(lp, c, i, h, expert_axis, model_axis, backend, token_mask, T)
-            if i + 1 < len(layers):
-                x, h = residual_rms_norm(x, out, token_mask, layers[i + 1]["input_norm"], eps=eps, backend=backend)
-            else:
-                x = x + jnp.where(real, out, 0.0)
+            x = x + jnp.where(real, _out(ap, pad_rows(o, rows), model_axis), 0.0)
+            h = _rms(x, lp["post_norm"], c.rms_norm_eps)
+            x = x + jnp.where(real, _mlp(lp, c, i, h, expert_axis, model_axis, backend, token_mask, T), 0.0)
         hl = _rms(x[ctx.logits_indices], params["final_norm"], c.rms_norm_eps)
         return _mm(hl, params["lm_head"]), pools
 

@@ -55,7 +55,6 @@ from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.mamba_layer import MambaSpec, decay_rate, decay_rates, gated_rms_norm, mamba_mixer
 from kvjax.models.moe import MLPSpec, MoESpec, mlp, moe_ffn
 from kvjax.models.step_context import StepContext
-from pallas_kernels.residual_norm import residual_rms_norm
 
 DATA, MODEL = "data", "model"
 BLOCK_KINDS = ("attn", "mamba", "mlp", "moe")
@@ -431,10 +430,9 @@ class HybridModel:
         real = token_mask[:, None]
         mamba = {i: j for j, i in enumerate(i for i, b in enumerate(c.blocks) if b.kind == "mamba")}
         rates = decay_rates([params["blocks"][i]["A_log"] for i in mamba]) if mamba else None
-        last = len(c.blocks) - 1
-        h = rms_norm(x, params["blocks"][0]["norm"], c.rms_eps)
         for i, b in enumerate(c.blocks):
             p = params["blocks"][i]
+            h = rms_norm(x, p["norm"], c.rms_eps)
             if b.kind == "attn":
                 rpa = sizes.kv_layout == "rpa"
                 kname = f"blocks.{i}.kv" if rpa else f"blocks.{i}.k"
@@ -451,13 +449,9 @@ class HybridModel:
                     backend=backend, model_axis=model_axis, A=decay_rate(rates, mamba[i]))
             else:
                 out = self._ffn(b, p, h, expert_axis, backend, token_mask=token_mask, num_tokens=T)
-            if i == last:
-                if b.residual_multiplier != 1.0:
-                    out = out * jnp.float32(b.residual_multiplier)
-                x = x + jnp.where(real, out, 0.0)
-            else:  # this block's residual add and the next block's norm, one kernel on a GPU
-                x, h = residual_rms_norm(x, out, token_mask, params["blocks"][i + 1]["norm"], eps=c.rms_eps,
-                                         scale=b.residual_multiplier, backend=backend)
+            if b.residual_multiplier != 1.0:
+                out = out * jnp.float32(b.residual_multiplier)
+            x = x + jnp.where(real, out, 0.0)
         return self._head(params, x[ctx.logits_indices]), pools
 
     def _ffn(self, b: Block, p: dict, h, expert_axis, backend: str = "reference", token_mask=None,
