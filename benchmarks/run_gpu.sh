@@ -5,8 +5,11 @@
 #
 # OUTDIR receives: env.log (GPU, versions, the kernel files' hashes, the checks' exit
 # codes), checks.log (the gpu_check scripts of the KV write, Mamba, token combine and paged
-# attention, and the grouped-matmul / MoE tests compiled by pytest, one after another in the
-# file; they run side by side, no timing depends on them), runner.json / runner.log
+# attention, and the grouped-matmul / MoE tests, one after another in the file; they run side
+# by side, no timing depends on them; the pytest part runs on the host's CPU, as
+# tests/conftest.py sets JAX_PLATFORMS: kernels interpreted and their Triton modules lowered
+# for CUDA and verified, not run on the GPU, which the model benchmarks and
+# gpu_check_demo_parity.py do), runner.json / runner.log
 # (bench_runner.py --device-steps; RUNNER=0 skips it) and kernels.json / kernels.log
 # (bench_kernels.py).
 # SECONDS (default 400) bounds the whole run: bench_kernels.py gets what is left after
