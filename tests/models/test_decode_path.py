@@ -241,3 +241,51 @@ def test_one_token_steps_run_two_rows(monkeypatch, make):
         np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=TOL)
     for x, y in zip(pools_one, pools_two):
         np.testing.assert_allclose(x, y, rtol=0, atol=TOL)
+
+
+def test_stacked_state_rows():
+    """Layer ``j`` of ``L``'s row of slot ``s >= 1`` in the stacked pools is ``s * L + j``; the
+    null slot 0 and negative indices pass unchanged (the kernels skip them); no ``layer``: the
+    indices as they are; a layer outside ``[0, L)`` is refused."""
+    slots = jnp.asarray([0, 1, 2, 5, -1], jnp.int32)
+    assert ml.stacked_state_rows(slots, (2, 3)).tolist() == [0, 5, 8, 17, -1]
+    assert ml.stacked_state_rows(slots, (0, 1)).tolist() == slots.tolist()
+    assert ml.stacked_state_rows(slots, None) is slots
+    with pytest.raises(ValueError, match=r"0 <= j < L, got \(3, 3\)"):
+        ml.stacked_state_rows(slots, (3, 3))
+
+
+@pytest.mark.parametrize("backend", ["auto", "pallas_gpu"])
+def test_stacked_mamba_pools(backend):
+    """A hybrid's Mamba layers keep their states in two stacked pools (``mamba.conv``,
+    ``mamba.ssm``: ``[slots, L, ...]``, layer j at ``[:, j]``). Served with three Mamba layers
+    (the GPU kernels interpreted, or the reference): each layer's state lands in its own column
+    of the request's slot (the layers' states all differ, none is left zero), nothing but that
+    slot changes (the null slot 0 of every layer is untouched by prefill steps with pad tokens).
+    That the tokens are right is the transformers parity tests' part (their Granite checkpoints
+    have two Mamba layers). Planted: every layer given row ``s * L`` (layer 0's) -> the columns
+    are not all written; the null slot mapped like a live one -> slot 0 changes."""
+    from kvjax.models.attention import AttnSpec
+    from kvjax.models.hf.hybrid import Block, HybridConfig, HybridModel
+    from kvjax.models.mamba_layer import MambaSpec
+    from kvjax.models.moe import MLPSpec
+
+    model = HybridModel(HybridConfig(
+        "GraniteMoeHybridForCausalLM", vocab_size=96, d_model=32, rms_eps=1e-5,
+        blocks=(Block("mamba"), Block("mlp"), Block("mamba"), Block("attn"), Block("mamba")),
+        attn=AttnSpec(4, 2, 16), mamba=MambaSpec(4, 8, 8, conv_width=4), mlp=MLPSpec(48)))
+    config = RunnerConfig(model=model, block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=2,
+                          max_num_batched_tokens=8, token_sizes=(1, 8), backend=backend)
+    runner = Runner(config, compiler_options=FAST)
+    pools0 = {k: np.asarray(v) for k, v in runner.read_state().pools.items()}
+    assert pools0["mamba.ssm"].shape[:2] == pools0["mamba.conv"].shape[:2] == (3, 3)
+    steps = _serve_in(runner, [Request("a", [3, 4, 5, 6, 7], 4, 0)], mixed_only=False)
+    pools = {k: np.asarray(v) for k, v in runner.read_state().pools.items()}
+    for name in ("mamba.conv", "mamba.ssm"):
+        before, after = pools0[name], pools[name]
+        changed = [s for s in range(before.shape[0]) if not np.array_equal(before[s], after[s])]
+        assert len(changed) == 1 and changed[0] != 0, (name, changed)  # one slot, not the null one
+        s = changed[0]
+        layers = [after[s, j] for j in range(3)]
+        assert all(np.abs(x).sum() > 0 for x in layers), name
+        assert not any(np.array_equal(layers[a], layers[b]) for a in range(3) for b in range(a + 1, 3))
