@@ -140,20 +140,6 @@ def decay_rates(a_logs) -> jax.Array:
     return jax.lax.optimization_barrier(rates)
 
 
-def stacked_state_rows(slots: jax.Array, layer: tuple[int, int] | None) -> jax.Array:
-    """State indices of layer ``j`` of ``L`` (``layer = (j, L)``) in pools that stack every
-    Mamba layer's state, ``[num_slots, L, ...]`` viewed as ``[num_slots * L, ...]``: slot
-    ``s >= 1`` is row ``s * L + j``; the null slot 0 (and a negative index) stays as it is, so
-    the kernels still read and write nothing for it (the rows ``1 .. L - 1`` of slot 0 are
-    never named). ``layer=None``: the pools are one layer's, ``slots`` unchanged."""
-    if layer is None:
-        return slots
-    j, L = layer
-    if not 0 <= j < L:
-        raise ValueError(f"layer must be (j, L) with 0 <= j < L, got {layer}")
-    return jnp.where(slots > NULL_BLOCK_ID, slots * L + j, slots)
-
-
 def decay_rate(rates: jax.Array, j: int) -> Columns:
     """Layer ``j``'s rates in :func:`decay_rates`' table, as the SSM's ``A [H, 1, 1]``."""
     return Columns(rates, j, (rates.shape[0], 1, 1))
@@ -170,7 +156,6 @@ def mamba_mixer(
     backend: str,
     model_axis: str | None = None,
     A: Columns | None = None,
-    layer: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One mixed step of the Mamba2 mixer (see the module docstring). Returns
     ``(out [n, d] float32, conv_state, ssm_state)``; ``out`` of pad tokens is the output
@@ -183,10 +168,7 @@ def mamba_mixer(
     ``conv_bias`` (or absent), ``dt_bias``, ``A_log``, ``D [H]``, ``gate_norm [d_inner]``,
     ``out_proj [d_inner, d]`` (+ ``out_proj_bias``, added once after the ``model_axis`` sum).
     The SSM, the conv and the norm run in float32 whatever the weights' dtype. ``A``: this
-    layer's :func:`decay_rate` (None: computed here from ``A_log``). ``layer = (j, L)``: the
-    two states are every Mamba layer's pools stacked, ``[num_slots * L, ...]`` (a view of
-    ``[num_slots, L, ...]``), and this is layer ``j`` (:func:`stacked_state_rows`); None: the
-    pools are this layer's own.
+    layer's :func:`decay_rate` (None: computed here from ``A_log``).
     """
     n, T = h.shape[0], ctx.num_tokens
     H, P = spec.num_heads, spec.head_dim
@@ -227,7 +209,6 @@ def mamba_mixer(
     R = ctx.num_rows
     row = gather_index(ctx.token_row, R)  # masked by token_real
     is_dec = ctx.token_real & ctx.decode_row[row]
-    k["rows"] = functools.partial(stacked_state_rows, layer=layer)
     if ctx.is_speculative:
         decode = _decode_spec
     elif in_place:
@@ -275,7 +256,7 @@ def _split_xbc(spec: MambaSpec, xbc):
 def _prefill(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
     """Masked varlen conv + scan over the prefill rows; ``y [T, H, P]``."""
     T = xbc.shape[0]
-    slots = k["rows"](jnp.where(ctx.prefill_row, ctx.state_slot, NULL_BLOCK_ID))
+    slots = jnp.where(ctx.prefill_row, ctx.state_slot, NULL_BLOCK_ID)
     conv_out, conv_state = causal_conv1d_varlen(
         xbc.T,
         k["conv_weight"],
@@ -361,7 +342,7 @@ def _decode(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
     def gather(a):
         return jnp.take(a, tok, axis=0, mode="fill", fill_value=0)
 
-    slots = k["rows"](jnp.where(ctx.decode_row, ctx.state_slot, NULL_BLOCK_ID))
+    slots = jnp.where(ctx.decode_row, ctx.state_slot, NULL_BLOCK_ID)
     y_rows, conv_state, ssm_state = _decode_tokens(
         spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backend,
         conv={"conv_state_indices": slots},
@@ -376,7 +357,7 @@ def _decode_tokens_as_rows(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, b
     ``T`` tokens in place, token ``t`` on its row's slot (``row[t]``; a token not ``is_dec``, a
     pad token, on the null slot: nothing read or written); ``y [T, H, P]``, pad tokens' rows
     masked by the caller."""
-    slots = k["rows"](jnp.where(is_dec, ctx.state_slot[row], NULL_BLOCK_ID))
+    slots = jnp.where(is_dec, ctx.state_slot[row], NULL_BLOCK_ID)
     return _decode_tokens(
         spec, k, lambda a: a, xbc, z, dt, A, conv_state, ssm_state, backend,
         conv={"conv_state_indices": slots},
@@ -399,7 +380,7 @@ def _decode_spec(spec, k, ctx, xbc, z, dt, A, conv_state, ssm_state, backend):
     def gather(a):
         return jnp.take(a, src, axis=0, mode="fill", fill_value=0)
 
-    slots = k["rows"](jnp.where(ctx.decode_row[:, None], ctx.state_indices, NULL_BLOCK_ID))
+    slots = jnp.where(ctx.decode_row[:, None], ctx.state_indices, NULL_BLOCK_ID)
     na = ctx.num_accepted_tokens
     y_packed, conv_state, ssm_state = _decode_tokens(
         spec, k, gather, xbc, z, dt, A, conv_state, ssm_state, backend,

@@ -278,14 +278,11 @@ _EXPERT_SPECS = {"w_up": P(DATA, None, None), "w_gate": P(DATA, None, None), "w_
 class HybridModel:
     """:class:`kvjax.models.interface.Model` of a :class:`HybridConfig` (hashable).
 
-    Pools: per attention block (in block order) ``blocks.{i}.k`` / ``blocks.{i}.v``
+    Pools (in block order): per attention block ``blocks.{i}.k`` / ``blocks.{i}.v``
     (``kv_layout="flash"``, ``[kernel blocks, block size, Hkv, D]``) or ``blocks.{i}.kv``
-    (``"rpa"``, ``2 * Hkv`` combined heads), KV group 0; then the ``L`` Mamba blocks' states
-    stacked, ``mamba.conv`` (float32 ``[slots, L, conv_dim, W - 1 + num_spec_tokens]``) and
-    ``mamba.ssm`` (``[slots, L, H, P, N]``, ``ssm_state_dtype``), Mamba block ``j`` (in block
-    order) at ``[:, j]``: two buffers instead of ``2 L``, each donated to every step (a donated
-    buffer costs a launch some microseconds of host time), and a slot's whole state is one
-    row.
+    (``"rpa"``, ``2 * Hkv`` combined heads), KV group 0; per Mamba block ``blocks.{i}.conv``
+    (float32 ``[slots, conv_dim, W - 1 + num_spec_tokens]``) and ``blocks.{i}.ssm``
+    (``[slots, H, P, N]``, ``ssm_state_dtype``).
 
     Tensor parallelism (:meth:`shard`): attention KV heads (with their query heads) and Mamba
     heads split over "model" (``n_groups`` must be 1 or a multiple of the shards; the gated
@@ -333,15 +330,16 @@ class HybridModel:
                 axes = (None, None, MODEL, None)
                 for n in (("kv",) if rpa else ("k", "v")):
                     specs.append(PoolSpec(f"blocks.{i}.{n}", "kv", shape, kv_dtype, axes, 0))
-        L, m = c.count("mamba"), c.mamba
-        if L:  # every Mamba layer's state in one pool of each kind: fewer buffers for each step
-            specs.append(PoolSpec(
-                "mamba.conv", "state",
-                (sizes.num_state_slots, L, m.conv_dim, m.conv_width - 1 + sizes.num_spec_tokens),
-                "float32", (None, None, MODEL, None)))
-            specs.append(PoolSpec(
-                "mamba.ssm", "state", (sizes.num_state_slots, L, m.num_heads, m.head_dim, m.d_state),
-                c.ssm_state_dtype, (None, None, MODEL, None, None)))
+            elif b.kind == "mamba":
+                m = c.mamba
+                specs.append(PoolSpec(
+                    f"blocks.{i}.conv", "state",
+                    (sizes.num_state_slots, m.conv_dim, m.conv_width - 1 + sizes.num_spec_tokens),
+                    "float32", (None, MODEL, None)))
+                specs.append(PoolSpec(
+                    f"blocks.{i}.ssm", "state",
+                    (sizes.num_state_slots, m.num_heads, m.head_dim, m.d_state),
+                    c.ssm_state_dtype, (None, MODEL, None, None)))
         return tuple(specs)
 
     # -- params
@@ -432,10 +430,6 @@ class HybridModel:
         real = token_mask[:, None]
         mamba = {i: j for j, i in enumerate(i for i, b in enumerate(c.blocks) if b.kind == "mamba")}
         rates = decay_rates([params["blocks"][i]["A_log"] for i in mamba]) if mamba else None
-        if mamba:  # the stacked state pools as [slots * L, ...]: layer j's slot s is row s * L + j
-            conv_shape, ssm_shape = pools["mamba.conv"].shape, pools["mamba.ssm"].shape
-            conv = pools["mamba.conv"].reshape((-1,) + conv_shape[2:])
-            ssm = pools["mamba.ssm"].reshape((-1,) + ssm_shape[2:])
         for i, b in enumerate(c.blocks):
             p = params["blocks"][i]
             h = rms_norm(x, p["norm"], c.rms_eps)
@@ -450,16 +444,14 @@ class HybridModel:
                 if not rpa:
                     pools[f"blocks.{i}.v"] = vc
             elif b.kind == "mamba":
-                out, conv, ssm = mamba_mixer(
-                    h, ctx, conv, ssm, p, c.mamba, backend=backend, model_axis=model_axis,
-                    A=decay_rate(rates, mamba[i]), layer=(mamba[i], len(mamba)))
+                out, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"] = mamba_mixer(
+                    h, ctx, pools[f"blocks.{i}.conv"], pools[f"blocks.{i}.ssm"], p, c.mamba,
+                    backend=backend, model_axis=model_axis, A=decay_rate(rates, mamba[i]))
             else:
                 out = self._ffn(b, p, h, expert_axis, backend, token_mask=token_mask, num_tokens=T)
             if b.residual_multiplier != 1.0:
                 out = out * jnp.float32(b.residual_multiplier)
             x = x + jnp.where(real, out, 0.0)
-        if mamba:
-            pools["mamba.conv"], pools["mamba.ssm"] = conv.reshape(conv_shape), ssm.reshape(ssm_shape)
         return self._head(params, x[ctx.logits_indices]), pools
 
     def _ffn(self, b: Block, p: dict, h, expert_axis, backend: str = "reference", token_mask=None,
