@@ -7,7 +7,13 @@ idle device: the host time of the input ``device_put``, of the executable call a
 ``copy_to_host_async``, then the wait for the result; the back-to-back step and enqueue; and a
 profiler trace of two idle-start launches whose host-side events (CUDA driver API calls,
 XLA's annotations) are summed by name. If a launch returns only when the step has run, the
-trace names the call it waits in.
+trace names the call it waits in. Each variant's row also has the steady-state step (the slope
+of 24 against 8 calls, as ``bench_model``) and the step's kernels (count, busy time, the largest).
+
+``--dispatch``: each of the Runner's three launch programs (stage, step, fetch) called alone
+from an idle device, against no-op executables taking the step's arguments (read, or with the
+rows and pools donated) and no-ops of 1 / 128 / 512 small arrays: how much of a launch's host
+time is argument handling.
 """
 
 from __future__ import annotations
