@@ -18,8 +18,8 @@ set -u
 out=${1:-model-matrix}
 shift
 parts=${*:-probe-sampling overlap hybrids hybrids-prefill hybrids-peers deepseek granite-mml1k}
-# (deepseek-kvjax and deepseek-prefill8k, not in the default: DeepSeek's kvjax rows without their
-# transformers peers, and its 8k prefill, profiled)
+# (deepseek-kvjax, deepseek-prefill8k and probe-dispatch, not in the default: DeepSeek's kvjax rows
+# without their transformers peers, its 8k prefill, profiled, and probe_launch.py --dispatch)
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
@@ -53,6 +53,9 @@ part deepseek-prefill8k 100 $PY $B --gpu-run "$out/deepseek-prefill8k" --preset 
   --prefill 8192 --max-model-len 32768 --profile-prefill --no-peers --budget-s 90
 part granite-mml1k 90 $PY $B --gpu-run "$out/granite-mml1k" --preset granite-4.0-h-micro \
   --decode 1024:1,16,64,256 --prefill '' --no-peers --budget-s 80
+# where a launch's host time goes (argument handling against the graph's launch), Granite b1 / b64
+part probe-dispatch 120 $PY benchmarks/probe_launch.py --preset granite-4.0-h-micro --batch 1,64 --dispatch \
+  --variants runner --out "$out/probe-dispatch"
 for p in hybrids hybrids-prefill hybrids-peers deepseek deepseek-kvjax deepseek-prefill8k granite-mml1k; do
   [ -f "$out/$p/model.json" ] && cp "$out/$p/model.json" "$out/model-$p.json"
   rm -rf "$out/$p"
