@@ -421,6 +421,31 @@ def measure_ceilings(jax, jnp):
     return out
 
 
+def steady_step_us(call, *, groups: int = 3, per_group: int = 8) -> dict:
+    """``call()`` launched back to back from an idle device, ``groups`` times in runs of
+    ``per_group`` and of ``3 * per_group`` calls. ``slopes``: the steady-state step of each
+    group, the slope of the two runs' wall times (the first launch and the final wait cancel);
+    ``cold_us`` / ``enqueue_us``: each short run's wall time and host enqueue time per call."""
+    import jax
+
+    def run(n):  # (wall us, enqueue us) of n calls, from an idle device to the last one's end
+        jax.block_until_ready(call())
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = call()
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) * 1e6, (t1 - t0) * 1e6
+
+    short, long_ = [], []
+    for _ in range(groups):
+        short.append(run(per_group))
+        long_.append(run(3 * per_group))
+    return {"slopes": [(b[0] - a[0]) / (2 * per_group) for a, b in zip(short, long_)],
+            "cold_us": [a[0] / per_group for a in short], "enqueue_us": [a[1] / per_group for a in short]}
+
+
 class Bench:
     """One preset's Runner, its fabricated state and the measurements."""
 
@@ -627,22 +652,9 @@ class Bench:
         def call():  # what Runner.launch enqueues (stage, step, fetch), the input already on the device
             return r._enqueue(prepared.bucket, buf)[0]
 
-        def run(n):  # wall us of n calls back to back, from an idle device to the last one's end
-            jax.block_until_ready(call())
-            t0 = time.perf_counter()
-            out = None
-            for _ in range(n):
-                out = call()
-            jax.block_until_ready(out)
-            return (time.perf_counter() - t0) * 1e6
-
-        short, long_ = [], []
-        for _ in range(groups):
-            short.append(run(per_group))
-            long_.append(run(3 * per_group))
-        slopes = [(b - a) / (2 * per_group) for a, b in zip(short, long_)]
+        steady = steady_step_us(call, groups=groups, per_group=per_group)
+        slopes, dev = steady["slopes"], steady["cold_us"]
         device_us = statistics.median(slopes)
-        dev = [a / per_group for a in short]
         sync, enq, fetch = [], [], []
         for _ in range(3):
             t0 = time.perf_counter()

@@ -26,10 +26,9 @@ def factors(kernels: int, log) -> list[dict]:
     """Which parts of a real step make its CUDA graph's launch cost more host time than a
     synthetic graph's: the same number of kernels with, in turn, a conditional on a device
     value, a while loop, Pallas (Triton) custom calls, matrix products (XLA's Triton GEMMs),
-    500 more arguments (read, and returned unchanged without donation), 95 donated arguments. Per variant: the host time of one call from
-    an idle device, and per call launched back to back (the state carried)."""
-    import functools
-
+    500 more arguments (read, and returned unchanged without donation), 95 donated arguments.
+    Per variant: the host time of one call from an idle device, and per call launched back to
+    back (the state carried)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -42,28 +41,23 @@ def factors(kernels: int, log) -> list[dict]:
     def pk(x_ref, o_ref):
         o_ref[...] = x_ref[...] * 0.5 + 1.0
 
-    @functools.partial(jax.jit, static_argnums=())
     def pallas_op(h):
         return pl.pallas_call(pk, out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype))(h)
-
-    def chain(h, k, w=None, every=0, mode=""):
-        for i in range(k):
-            if mode == "pallas" and i % every == 0:
-                h = pallas_op(h)
-            elif mode == "dot" and i % every == 0:
-                h = h + jnp.tile((h[:2 * 128].reshape(2, 128).astype(jnp.bfloat16) @ w).astype(jnp.float32).ravel(),
-                                 n // 256)
-            else:
-                h = jax.lax.optimization_barrier(jnp.sin(h) * 0.999)
-        return h
 
     def build(variant):
         extra = {"args500": 500, "donated95": 95}.get(variant, 0)
 
         def fn(state, x, many):
             h = state + x[0]
-            h = chain(h, kernels, w=x.astype(jnp.bfloat16)[:128 * 128].reshape(128, 128) if variant == "dot" else None,
-                      every=4, mode=variant)
+            w = x.astype(jnp.bfloat16)[:128 * 128].reshape(128, 128)
+            for i in range(kernels):  # every fourth kernel the variant's own (pallas, dot)
+                if variant == "pallas" and i % 4 == 0:
+                    h = pallas_op(h)
+                elif variant == "dot" and i % 4 == 0:
+                    prod = (h[:2 * 128].reshape(2, 128).astype(jnp.bfloat16) @ w).astype(jnp.float32)
+                    h = h + jnp.tile(prod.ravel(), n // 256)
+                else:
+                    h = jax.lax.optimization_barrier(jnp.sin(h) * 0.999)
             if variant == "cond":
                 h = jax.lax.cond(h[0] > 1e9, lambda h: h * 2.0, lambda h: h + 1.0, h)
             if variant == "while":
@@ -72,7 +66,6 @@ def factors(kernels: int, log) -> list[dict]:
                 h = h + sum(m[0] for m in many[:4])
             if variant == "donated95":
                 many = [m + 1.0 for m in many]
-                return h, many
             return h, many
 
         donate = (0, 2) if variant == "donated95" else (0,)

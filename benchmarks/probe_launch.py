@@ -133,34 +133,17 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
         ex.append((t2 - t1) * 1e6)
         cp.append((t3 - t2) * 1e6)
         wait.append((t4 - t3) * 1e6)
+    from bench_model import steady_step_us
+
     buf = r.put_inputs(prepared)
     jax.block_until_ready(buf)
-    groups = []
-    for _ in range(3):
-        jax.block_until_ready((r._rows, r._pools))
-        t0 = time.perf_counter()
-        for _ in range(8):
-            out = call(buf)
-        t1 = time.perf_counter()
-        jax.block_until_ready(out)
-        t2 = time.perf_counter()
-        groups.append(((t2 - t0) / 8 * 1e6, (t1 - t0) / 8 * 1e6))
     med = lambda xs: statistics.median(xs)  # noqa: E731
-
-    def run(n):  # wall us of n calls back to back from an idle device
-        jax.block_until_ready(call(buf))
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = call(buf)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) * 1e6
-
-    slopes = [(run(24) - run(8)) / 16 for _ in range(3)]  # the steady-state step, as bench_model
+    steady = steady_step_us(lambda: call(buf))  # as bench_model: runs of 8 and 24 calls
     row = {"tag": tag, "batch": batch, "options": opts, "compile_s": compile_s, "_first": first,
-           "steady_step_us": med(slopes),
+           "steady_step_us": med(steady["slopes"]),
            "idle_start": {"device_put_us": med(put), "exe_call_us": med(ex), "copy_to_host_async_us": med(cp),
                           "wait_after_us": med(wait)},
-           "back_to_back": {"step_us": med([g[0] for g in groups]), "enqueue_us": med([g[1] for g in groups])}}
+           "back_to_back": {"step_us": med(steady["cold_us"]), "enqueue_us": med(steady["enqueue_us"])}}
     log(f"{tag:18s} b{batch:<4d} put {row['idle_start']['device_put_us']:8.0f}  exe {row['idle_start']['exe_call_us']:8.0f}"
         f"  copy {row['idle_start']['copy_to_host_async_us']:6.0f}  wait {row['idle_start']['wait_after_us']:8.0f}"
         f"  | b2b step {row['back_to_back']['step_us']:8.0f} enqueue {row['back_to_back']['enqueue_us']:8.0f}"
