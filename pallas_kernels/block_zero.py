@@ -63,14 +63,23 @@ class ZeroBlocksConfig:
       gpu_max_tile_bytes, gpu_min_tile_bytes: bounds on the bytes of each array
         one program zeroes (a power of two).
       gpu_min_programs: aim for at least this many programs per call.
+      gpu_max_programs: at most this many programs per call: each program then zeroes every
+        ``P``-th column tile of its id's row (``P`` programs per id), and a program whose id
+        names nothing (padding, the common case in a decode step) exits at once.
       gpu_tile_bytes, gpu_num_warps: fixed values instead of the rules.
     """
 
     gpu_max_tile_bytes: int = 8192
     gpu_min_tile_bytes: int = 2048
     gpu_min_programs: int = 512
+    gpu_max_programs: int = 8192
     gpu_tile_bytes: int | None = None
     gpu_num_warps: int | None = None
+
+    def __post_init__(self):
+        v = self.gpu_max_programs
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"ZeroBlocksConfig.gpu_max_programs must be an int >= 1, got {v!r}")
 
 
 def _uint_view(a):
@@ -185,12 +194,16 @@ def _gpu_zero_tile_bytes(num_ids: int, row_bytes: int, cfg: ZeroBlocksConfig) ->
 
 @_backend.register(OP_ZERO, "gpu")
 def _gpu_zero(block_ids, arrays, *, r, config, interpret):
-    """One program per (id, column tile); each stores zeros into every array.
+    """Programs ``(id, p)``, ``P`` per id; program ``p`` stores zeros into column tiles ``p,
+    p + P, ...`` of its id's row in every array, or nothing at all when the id names no block.
 
     The id's range check runs in the kernel (one launch per call, no XLA pass
     over the ids). Each array's tile is ``tile_bytes`` of its row (fewer when
     the row is shorter), and the warps are sized so that a thread stores 16
-    bytes at a time.
+    bytes at a time. ``P`` is the column tiles of the widest row, capped so that the call has
+    at most ``config.gpu_max_programs`` programs: a launch of one program per tile costs the
+    grid's size even where every id is padding (a decode step's), and a wide row (every
+    layer's state of a slot in one pool) has thousands of tiles.
     """
     num_kernel_blocks = arrays[0].shape[0]
     num_logical_blocks = num_kernel_blocks // r
@@ -201,26 +214,37 @@ def _gpu_zero(block_ids, arrays, *, r, config, interpret):
     tile_bytes = _gpu_zero_tile_bytes(n, max(w * s for w, s in zip(widths, sizes)), config)
     tiles = [int(min(tile_bytes // s, pl.next_power_of_2(w))) for w, s in zip(widths, sizes)]
     num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
+    P = int(max(1, min(num_col_tiles, config.gpu_max_programs // n)))  # programs per id
+    per = pl.cdiv(num_col_tiles, P)  # column tiles per program
     num_warps = config.gpu_num_warps or int(min(8, max(1, tile_bytes // (32 * 16))))
 
     def kernel(ids_ref, *refs):
         # Inputs:  ids_ref int[N] (raw ids); views [num_logical_blocks, W_a] (aliased)
         # Outputs: views
         out_refs = refs[len(views) :]
-        i, j = pl.program_id(0), pl.program_id(1)
+        i, p = pl.program_id(0), pl.program_id(1)
         b = ids_ref[i]
         live = (b > NULL_BLOCK_ID) & (b < num_logical_blocks)
-        row = jnp.where(live, b, 0).astype(jnp.int32)  # keeps masked-off addresses in range
-        for out, width, tile in zip(out_refs, widths, tiles):
-            start = j * tile
-            cols = start + jnp.arange(tile, dtype=jnp.int32)
-            zeros = jnp.zeros((tile,), out.dtype)
-            _backend.triton.store(out.at[row, pl.ds(start, tile)], zeros, mask=live & (cols < width))
+
+        @pl.when(live)
+        def _zero_the_row():
+            row = b.astype(jnp.int32)
+
+            def column_tile(k, carry):
+                j = p + k * P
+                for out, width, tile in zip(out_refs, widths, tiles):
+                    start = j * tile
+                    cols = start + jnp.arange(tile, dtype=jnp.int32)
+                    zeros = jnp.zeros((tile,), out.dtype)
+                    _backend.triton.store(out.at[row, pl.ds(start, tile)], zeros, mask=cols < width)
+                return carry
+
+            jax.lax.fori_loop(0, per, column_tile, 0)
 
     call = pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in views),
-        grid=(n, num_col_tiles),
+        grid=(n, P),
         input_output_aliases={1 + a: a for a in range(len(views))},
         compiler_params=_backend.gpu_compiler_params(num_warps),
         interpret=interpret,

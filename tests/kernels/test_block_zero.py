@@ -269,3 +269,41 @@ def test_donated_arrays_are_updated_in_place(backend, rng):
     check(got, want)
     if backend != "pallas_gpu":  # generic interpret mode pads refs (a copy) to emulate masks
         assert compiled.memory_analysis().temp_size_in_bytes < arrays[1].nbytes
+
+
+@pytest.mark.parametrize("max_programs", [1, 3, 10])
+def test_gpu_programs_loop_over_column_tiles(max_programs, rng):
+    """With fewer programs than column tiles (``gpu_max_programs``), each GPU program zeroes
+    every ``P``-th tile of its id's row: the widest row's tiles all zeroed, narrower arrays'
+    too, padding and the null block untouched (bitwise against numpy). 256-byte tiles on rows
+    of 512-2048 bytes make 2-8 tiles a row. Planted: one tile per program -> fails."""
+    from pallas_kernels.block_zero import ZeroBlocksConfig
+
+    specs = (((NKB, 16, 32), np.float32), ((NKB, 4, 2, 8), ml_dtypes.bfloat16), ((NKB, 3), np.int32))
+    arrays = poisoned_arrays(rng, specs)
+    ids = np.asarray([3, -1, 7, 5], np.int32)
+    cfg = ZeroBlocksConfig(gpu_tile_bytes=256, gpu_max_programs=max_programs)
+    got = zero_blocks([jnp.asarray(a) for a in arrays], ids, backend="pallas_gpu", config=cfg)
+    check(got, expected(arrays, ids, 1))
+
+
+def test_zero_blocks_config_refuses_no_programs():
+    from pallas_kernels.block_zero import ZeroBlocksConfig
+
+    with pytest.raises(ValueError, match="gpu_max_programs must be an int >= 1, got 0"):
+        ZeroBlocksConfig(gpu_max_programs=0)
+
+
+def test_gpu_kernel_lowers_for_cuda(verified_triton_modules):
+    """The GPU kernel (its early exit and column loop) lowers for CUDA from this CPU and its
+    Triton module passes the MLIR verifier, for a loop of several tiles and for one."""
+    from pallas_kernels.block_zero import ZeroBlocksConfig
+    from tests.kernels.test_gpu_launches import lower_for_cuda
+
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in ARRAY_SPECS]
+    ids = jax.ShapeDtypeStruct((5,), jnp.int32)
+    for cfg in (ZeroBlocksConfig(gpu_tile_bytes=256, gpu_max_programs=5), ZeroBlocksConfig()):
+        text = lower_for_cuda(lambda c, i, cfg=cfg: zero_blocks(c, i, backend="pallas_gpu", interpret=False,
+                                                                config=cfg), shapes, ids)
+        assert text.count("custom_call") == 1
+    assert len(verified_triton_modules) == 2
