@@ -44,7 +44,7 @@ import ml_dtypes
 import numpy as np
 
 from kvjax.constants import PAD_SLOT_ID
-from pallas_kernels.block_zero import zero_blocks
+from pallas_kernels.block_zero import ZeroBlocksConfig, zero_blocks
 from pallas_kernels.kv_write import concat_and_cache_mla, reshape_and_cache_flash
 from _gpu_check import RESULTS, case, on_gpu_or_allowed, run_cases, summary  # noqa: E402
 
@@ -255,7 +255,7 @@ def _():
     return check_mla(11, T=64, L=512, R=64, nb=256, bs=BS, dtype=ml_dtypes.bfloat16, fp8=True, n=50)
 
 
-def check_zero(seed, *, r, ids, jit=False):
+def check_zero(seed, *, r, ids, jit=False, config=ZeroBlocksConfig()):
     rng = np.random.default_rng(seed)
     nkb = 64
     specs = [((nkb, BS, 8, 128), ml_dtypes.bfloat16), ((nkb, BS, 8, 128), ml_dtypes.bfloat16),
@@ -279,7 +279,8 @@ def check_zero(seed, *, r, ids, jit=False):
     problems = []
     for backend in (GPU, "reference"):
         def call(a, i, backend=backend):
-            return zero_blocks(a, i, kernel_blocks_per_block=r, backend=backend)
+            cfg = config if backend == GPU else ZeroBlocksConfig()
+            return zero_blocks(a, i, kernel_blocks_per_block=r, backend=backend, config=cfg)
 
         got = (jax.jit(call) if jit else call)(arrays, ids)
         for k, (g, w) in enumerate(zip(got, want)):
@@ -307,6 +308,12 @@ def _():
 @case("zero_blocks under jit: out-of-range ids zero nothing")
 def _():
     return check_zero(15, r=2, ids=[32, 5, 2**31 - 1, -1], jit=True)
+
+
+@case("zero_blocks with 3 programs a call: each loops over every 3rd column tile")
+def _():
+    return check_zero(16, r=4, ids=[-1, 9, 2, -1], config=ZeroBlocksConfig(gpu_max_programs=3,
+                                                                          gpu_tile_bytes=512))
 
 
 # --------------------------------------------------------------------------
