@@ -55,7 +55,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded
-from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
+from kvjax.models.hf.mla import (MLA_FORMS, paged_latent_attention, rope, self_attention_impl,
+                                 split_latent_attention, step_form)
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
 from kvjax.models.step_context import StepContext
@@ -784,6 +785,8 @@ class DeepseekV3:
         cache_dt = jnp.dtype(specs[0].dtype)
         scale = jnp.float32(self.fp8_scale) if fp8 else None
         form = step_form(self.attention_form, backend, ctx.decode_only)
+        self_attn = self_attention_impl(backend, params["layers"][0]["attn"]["w_uk"].dtype,
+                                        ctx.seq_lens.shape[0]) if form == "split" else "paged"
         x = jnp.take(params["embed"], ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)
         T = x.shape[0]
         x, token_mask = padded_stream(x, ctx.token_real)  # row_count(T) rows; attention reads T
@@ -812,7 +815,7 @@ class DeepseekV3:
                     q_nope, q_pe, new, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table,
                     ctx.seq_lens, ctx.query_start_loc, ctx.query_len, ctx.positions, ctx.token_row,
                     softmax_scale=c.softmax_scale, fp8_scale=self.fp8_scale if fp8 else None,
-                    backend=backend)
+                    backend=backend, self_attention=self_attn)
             else:
                 o = paged_latent_attention(
                     q_nope, q_pe, pools[name], ap["w_uk"], ap["w_uv"], ctx.block_table, ctx.seq_lens,

@@ -1,0 +1,102 @@
+"""The MLA split form's dense self-attention of a one-row step (``self_attention="cudnn"`` on a
+CUDA GPU; ``"xla"``, the same function through XLA, here): the same attention as the paged
+path, and taken only where it applies (one row, no context)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.models.hf.mla import dense_causal_attention, self_attention_impl, split_latent_attention
+
+H, r, pe, nope, v, BS = 3, 16, 8, 8, 6, 4
+
+
+def case(rng, *, rows, T, new, context):
+    """``rows`` rows with ``new[b]`` tokens this step over ``context[b]`` cached ones, in a
+    ``T``-token bucket; the pool's unused rows and the pad tokens' latent rows NaN."""
+    new, context = list(new), list(context)
+    W = 8
+    cache = np.full((1 + rows * W, BS, r + pe), np.nan, np.float32)
+    table = np.zeros((rows, W), np.int32)
+    for b in range(rows):
+        table[b] = 1 + b * W + np.arange(W)
+        for j in range(context[b]):
+            cache[table[b, j // BS], j % BS] = rng.standard_normal(r + pe)
+    n = sum(new)
+    latent = np.zeros((T, r + pe), np.float32)
+    latent[:n] = rng.standard_normal((n, r + pe))
+    token_row = np.full((T,), rows, np.int32)
+    positions = np.zeros((T,), np.int32)
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    for b in range(rows):
+        token_row[qsl[b]:qsl[b + 1]] = b
+        positions[qsl[b]:qsl[b + 1]] = context[b] + np.arange(new[b])
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    args = (f(T, H, nope), f(T, H, pe), jnp.asarray(latent), jnp.asarray(cache), f(H, r, nope) / 4,
+            f(H, v, r) / 4, jnp.asarray(table), jnp.asarray(np.add(new, context), np.int32),
+            jnp.asarray(qsl), jnp.asarray(new, np.int32), jnp.asarray(positions), jnp.asarray(token_row))
+    return args, token_row < rows
+
+
+def run(args, impl):
+    return np.asarray(split_latent_attention(*args, softmax_scale=0.3, self_attention=impl))
+
+
+def test_one_fresh_row_dense_equals_paged_and_pad_tokens_are_zero():
+    rng = np.random.default_rng(0)
+    args, real = case(rng, rows=1, T=12, new=[9], context=[0])
+    paged, dense = run(args, "paged"), run(args, "xla")
+    assert np.isfinite(dense).all()
+    assert (dense[~real] == 0).all()
+    np.testing.assert_allclose(dense, paged, atol=2e-6, rtol=0)
+    assert np.abs(dense[real]).max() > 0.1
+
+
+@pytest.mark.parametrize("rows,new,context", [(1, [5], [6]), (2, [4, 3], [0, 0]), (2, [4, 3], [0, 5])])
+def test_with_context_or_several_rows_the_paged_path_runs(rows, new, context):
+    """A row with context needs the merged log-sum-exps, and several rows would share one dense
+    sequence: the paged path, bitwise."""
+    args, _ = case(np.random.default_rng(1), rows=rows, T=12, new=new, context=context)
+    np.testing.assert_array_equal(run(args, "xla"), run(args, "paged"))
+
+
+def test_dense_causal_attention_against_numpy():
+    rng = np.random.default_rng(2)
+    T, n, D, Dv = 7, 5, 8, 4
+    q, k = rng.standard_normal((T, 2, D)), rng.standard_normal((T, 2, D))
+    val = rng.standard_normal((T, 2, Dv))
+    got = np.asarray(dense_causal_attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, val)),
+                                            jnp.asarray([n], jnp.int32), 0.5, implementation="xla"))
+    assert got.shape == (T, 2, Dv) and got.dtype == np.float32
+    for i in range(n):
+        s = np.einsum("hd,jhd->hj", q[i], k[: i + 1]) * 0.5
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hj,jhv->hv", p / p.sum(-1, keepdims=True), val[: i + 1])
+        np.testing.assert_allclose(got[i], want, atol=1e-5)
+
+
+def test_impl_is_paged_off_a_cuda_gpu_and_bad_names_refused():
+    assert self_attention_impl("pallas_gpu", jnp.bfloat16, 1) == "paged"  # this CPU
+    assert self_attention_impl("reference", jnp.bfloat16, 1) == "paged"
+    args, _ = case(np.random.default_rng(3), rows=1, T=4, new=[2], context=[0])
+    with pytest.raises(ValueError, match="self_attention must be"):
+        run(args, "flash")
+
+
+def test_pad_tokens_are_zero_whatever_the_dense_kernel_leaves_in_their_rows(monkeypatch):
+    """``dense_causal_attention``'s rows past the length are anything (cuDNN leaves them
+    unspecified): poisoned here with NaN, the pad tokens still come out 0."""
+    import kvjax.models.hf.mla as mla
+
+    real_fn = mla.dense_causal_attention
+
+    def poisoned(q, k, v, length, scale, *, implementation):
+        o = real_fn(q, k, v, length, scale, implementation=implementation)
+        return jnp.where(jnp.arange(o.shape[0])[:, None, None] < length[0], o, jnp.nan)
+
+    monkeypatch.setattr(mla, "dense_causal_attention", poisoned)
+    args, real = case(np.random.default_rng(4), rows=1, T=12, new=[7], context=[0])
+    got = run(args, "xla")
+    assert (got[~real] == 0).all() and np.isfinite(got).all()
