@@ -63,6 +63,7 @@ __all__ = [
     "choose",
     "env_forces_interpret",
     "flavors",
+    "gpu_capability",
     "gpu_compiler_params",
     "ops",
     "platform",
@@ -178,14 +179,14 @@ def check_mosaic_gpu(plat: str | None = None) -> None:
         raise ValueError(f'backend="mosaic_gpu" needs {need}; got platform {plat!r}')
     if _jax_version() < MOSAIC_GPU_MIN_JAX:
         raise ValueError(f'backend="mosaic_gpu" needs {need}; got JAX {jax.__version__}')
-    device, cap = _gpu_capability()
+    device, cap = gpu_capability()
     if cap is None or cap < MOSAIC_GPU_MIN_CAPABILITY:
         raise ValueError(
             f'backend="mosaic_gpu" needs {need}; got device {device} with compute '
             f"capability {'unknown' if cap is None else '.'.join(map(str, cap))}")
 
 
-def _gpu_capability() -> tuple[str, tuple[int, ...] | None]:
+def gpu_capability() -> tuple[str, tuple[int, ...] | None]:
     """The first device and its CUDA compute capability (None when it reports none)."""
     device = jax.devices()[0]
     try:

@@ -20,7 +20,7 @@ def gpu(monkeypatch):
     def set_up(cap=(9, 0), version=(0, 11), plat="gpu"):
         monkeypatch.setattr(kernel_backend, "platform", lambda: plat)
         monkeypatch.setattr(kernel_backend, "_jax_version", lambda: version)
-        monkeypatch.setattr(kernel_backend, "_gpu_capability", lambda: ("cuda:0", cap))
+        monkeypatch.setattr(kernel_backend, "gpu_capability", lambda: ("cuda:0", cap))
 
     return set_up
 

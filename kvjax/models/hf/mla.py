@@ -46,11 +46,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.attention import MASK_VALUE, attention_query, dot_operands
+from pallas_kernels import backend as kernel_backend
 from pallas_kernels.attention_math import merge_attention
 from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 from pallas_kernels.paged_attention import reads_live_keys_only
 
 MLA_FORMS = ("naive", "absorbed", "split", "auto")
+CUDNN_MIN_CAPABILITY = (9, 0)  # Hopper: cuDNN's flash attention takes heads up to 256 wide
 
 
 def step_form(form: str, backend: str, decode_only: bool) -> str:
@@ -254,16 +256,20 @@ def split_latent_attention(
     if self_attention not in ("paged", "cudnn", "xla"):
         raise ValueError(f"self_attention must be 'paged', 'cudnn' or 'xla', got {self_attention!r}")
     if self_attention != "paged" and R == 1:
-        # One row: its tokens are 0 .. query_len[0] (pad tokens after them). With no context
-        # they attend only to each other, a dense causal attention: cuDNN's flash kernel (no
-        # log-sum-exp needed, so none is rounded); with context, the merged paged path below.
+        # One row: its tokens are 0 .. query_len[0] (query_start_loc[0] is 0; pad tokens after
+        # them). With no context they attend only to each other, a dense causal attention:
+        # cuDNN's flash kernel (no log-sum-exp needed, so none is rounded); with context, the
+        # merged paged path below.
         def dense():
             o = dense_causal_attention(q, k.astype(dt), v.astype(dt), query_len, softmax_scale,
                                        implementation=self_attention)
             return jnp.where(real[:, None, None], o, 0.0)
 
-        return jax.lax.cond(jnp.any(context_lens > 0),
-                            lambda: _with_context(*paged_self()), dense)
+        try:
+            return jax.lax.cond(jnp.any(context_lens > 0),
+                                lambda: _with_context(*paged_self()), dense)
+        except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
+            pass
     return _with_context(*paged_self())
 
 
@@ -312,10 +318,11 @@ def dense_causal_attention(q, k, v, length, softmax_scale: float, *, implementat
 def self_attention_impl(backend: str, dtype, num_rows: int) -> str:
     """How the split form attends over a step's own tokens (:func:`split_latent_attention`'s
     ``self_attention``): ``"cudnn"`` for a one-row step of a bf16 / fp16 model where the paged
-    kernel runs on a CUDA GPU (cuDNN's flash attention: 4.3x the paged kernel's speed at
+    kernel runs on a CUDA GPU of compute capability >= 9.0 (cuDNN's flash attention takes
+    DeepSeek's 192-wide heads there, not on older GPUs; 4.3x the paged kernel's speed at
     DeepSeek-V2-Lite's 8k prefill on an H200), else ``"paged"``."""
-    if (num_rows == 1 and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and reads_live_keys_only(backend) and jax.default_backend() == "gpu"
-            and "cuda" in jax.devices()[0].client.platform_version.lower()):
-        return "cudnn"
-    return "paged"
+    if (num_rows != 1 or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            or not reads_live_keys_only(backend) or kernel_backend.platform() != "gpu"):
+        return "paged"
+    cap = kernel_backend.gpu_capability()[1]  # None off CUDA (a ROCm GPU reports no CUDA capability)
+    return "cudnn" if cap is not None and cap >= CUDNN_MIN_CAPABILITY else "paged"

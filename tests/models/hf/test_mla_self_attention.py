@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kvjax.models.hf.mla as mla
 from kvjax.models.hf.mla import dense_causal_attention, self_attention_impl, split_latent_attention
 
 H, r, pe, nope, v, BS = 3, 16, 8, 8, 6, 4
@@ -85,11 +86,35 @@ def test_impl_is_paged_off_a_cuda_gpu_and_bad_names_refused():
         run(args, "flash")
 
 
+@pytest.mark.parametrize("platform,cap,dtype,rows,want", [
+    ("gpu", (9, 0), jnp.bfloat16, 1, "cudnn"), ("gpu", (10, 0), jnp.float16, 1, "cudnn"),
+    ("gpu", (8, 0), jnp.bfloat16, 1, "paged"),  # cuDNN takes heads only up to 128 wide before Hopper
+    ("gpu", None, jnp.bfloat16, 1, "paged"),  # a GPU that reports no CUDA capability (ROCm)
+    ("tpu", (9, 0), jnp.bfloat16, 1, "paged"),  # lowering for a TPU on a GPU host
+    ("gpu", (9, 0), jnp.float32, 1, "paged"), ("gpu", (9, 0), jnp.bfloat16, 2, "paged")])
+def test_impl_on_a_pretend_gpu(monkeypatch, platform, cap, dtype, rows, want):
+    monkeypatch.setattr(mla.kernel_backend, "platform", lambda: platform)
+    monkeypatch.setattr(mla, "reads_live_keys_only", lambda backend: True)
+    monkeypatch.setattr(mla.kernel_backend, "gpu_capability", lambda: ("gpu:0", cap))
+    assert self_attention_impl("pallas_gpu", dtype, rows) == want
+
+
+def test_shapes_the_dense_kernel_refuses_take_the_paged_path(monkeypatch):
+    """cuDNN refuses some shapes while tracing (NotImplementedError): the step takes the paged
+    path, bitwise, instead of failing."""
+    args, _ = case(np.random.default_rng(6), rows=1, T=8, new=[6], context=[0])
+    want = run(args, "paged")
+
+    def refuses(*a, **k):
+        raise NotImplementedError("not this head size")
+
+    monkeypatch.setattr(mla, "dense_causal_attention", refuses)
+    np.testing.assert_array_equal(run(args, "xla"), want)
+
+
 def test_pad_tokens_are_zero_whatever_the_dense_kernel_leaves_in_their_rows(monkeypatch):
     """``dense_causal_attention``'s rows past the length are anything (cuDNN leaves them
     unspecified): poisoned here with NaN, the pad tokens still come out 0."""
-    import kvjax.models.hf.mla as mla
-
     real_fn = mla.dense_causal_attention
 
     def poisoned(q, k, v, length, scale, *, implementation):
