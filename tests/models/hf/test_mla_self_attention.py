@@ -125,3 +125,14 @@ def test_pad_tokens_are_zero_whatever_the_dense_kernel_leaves_in_their_rows(monk
     args, real = case(np.random.default_rng(4), rows=1, T=12, new=[7], context=[0])
     got = run(args, "xla")
     assert (got[~real] == 0).all() and np.isfinite(got).all()
+
+
+def test_the_dense_branch_is_the_one_that_runs(monkeypatch):
+    """Both branches of the step's conditional are traced; which one ran shows in the output:
+    the dense attention doubled here comes out doubled for a fresh row only."""
+    real_fn = mla.dense_causal_attention
+    monkeypatch.setattr(mla, "dense_causal_attention", lambda *a, **k: 2.0 * real_fn(*a, **k))
+    fresh, real = case(np.random.default_rng(7), rows=1, T=10, new=[8], context=[0])
+    np.testing.assert_allclose(run(fresh, "xla")[real], 2.0 * run(fresh, "paged")[real], atol=4e-6, rtol=0)
+    cached, _ = case(np.random.default_rng(8), rows=1, T=10, new=[4], context=[5])
+    np.testing.assert_array_equal(run(cached, "xla"), run(cached, "paged"))
