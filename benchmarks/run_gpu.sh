@@ -4,9 +4,9 @@
 #     bash benchmarks/run_gpu.sh OUTDIR [SECONDS] [extra bench_kernels.py arguments...]
 #
 # OUTDIR receives: env.log (GPU, versions, the kernel files' hashes, the checks' exit
-# codes), checks.log (the gpu_check scripts of the KV write, Mamba, token combine and paged
-# attention, and the grouped-matmul / MoE tests, one after another in the file; they run side
-# by side, no timing depends on them; the pytest part runs on the host's CPU, as
+# codes), checks.log (the gpu_check scripts of the KV write, Mamba, token combine, paged
+# attention and the MLA split form's cuDNN self-attention, and the grouped-matmul / MoE tests,
+# one after another in the file; they run side by side, no timing depends on them; the pytest part runs on the host's CPU, as
 # tests/conftest.py sets JAX_PLATFORMS: kernels interpreted and their Triton modules lowered
 # for CUDA and verified, not run on the GPU, which the model benchmarks and
 # gpu_check_demo_parity.py do), runner.json / runner.log
@@ -41,14 +41,18 @@ p4=$!
 timeout 170 $PY -m pytest -q -n0 -p no:cacheprovider tests/kernels/test_grouped_matmul.py \
   tests/models/test_moe_apply.py > "$out/check_grouped_matmul.log" 2>&1 &
 p5=$!
+timeout 170 $PY benchmarks/gpu_check_mla_split.py > "$out/check_mla_split.log" 2>&1 &
+p6=$!
 wait $p1; r1=$?
 wait $p2; r2=$?
 wait $p3; r3=$?
 wait $p4; r4=$?
 wait $p5; r5=$?
+wait $p6; r6=$?
 echo "checks exit codes: kv_write=$r1 mamba=$r2 token_combine=$r3 paged_attention=$r4" \
-  "grouped_matmul=$r5 ($((SECONDS - start)) s)" >> "$out/env.log"
-for f in check_kv_write check_mamba check_token_combine check_paged_attention check_grouped_matmul; do
+  "grouped_matmul=$r5 mla_split=$r6 ($((SECONDS - start)) s)" >> "$out/env.log"
+for f in check_kv_write check_mamba check_token_combine check_paged_attention check_grouped_matmul \
+    check_mla_split; do
   echo "===== $f.log"
   cat "$out/$f.log"
 done > "$out/checks.log"
