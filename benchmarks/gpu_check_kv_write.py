@@ -279,8 +279,7 @@ def check_zero(seed, *, r, ids, jit=False, config=ZeroBlocksConfig()):
     problems = []
     for backend in (GPU, "reference"):
         def call(a, i, backend=backend):
-            cfg = config if backend == GPU else ZeroBlocksConfig()
-            return zero_blocks(a, i, kernel_blocks_per_block=r, backend=backend, config=cfg)
+            return zero_blocks(a, i, kernel_blocks_per_block=r, backend=backend, config=config)
 
         got = (jax.jit(call) if jit else call)(arrays, ids)
         for k, (g, w) in enumerate(zip(got, want)):

@@ -242,46 +242,14 @@ def split_latent_attention(
     local = jnp.arange(T, dtype=jnp.int32) - starts[row]
     context_lens = seq_lens - query_len
 
-    def _with_context(o_new, lse_new):
-        return _merged_with_context(
-            o_new, lse_new, q_nope=q_nope, q_pe=q_pe, cache=cache, w_uk=w_uk, w_uv=w_uv,
-            block_table=block_table, context_lens=context_lens, positions=positions,
-            token_row=token_row, softmax_scale=softmax_scale, fp8_scale=fp8_scale, backend=backend)
+    has_context = jnp.any(context_lens > 0)
 
     def paged_self():  # this step's tokens through the paged kernel, with their log-sum-exps
         return paged_attention_op(
             q, k.astype(dt)[:, None], v.astype(dt)[:, None], table, query_len, local, token_row,
             sm_scale=softmax_scale, return_lse=True, backend=backend)
 
-    if self_attention not in ("paged", "cudnn", "xla"):
-        raise ValueError(f"self_attention must be 'paged', 'cudnn' or 'xla', got {self_attention!r}")
-    if self_attention != "paged" and R == 1:
-        # One row: its tokens are 0 .. query_len[0] (query_start_loc[0] is 0; pad tokens after
-        # them). With no context they attend only to each other, a dense causal attention:
-        # cuDNN's flash kernel (no log-sum-exp needed, so none is rounded); with context, the
-        # merged paged path below.
-        def dense():
-            o = dense_causal_attention(q, k.astype(dt), v.astype(dt), query_len, softmax_scale,
-                                       implementation=self_attention)
-            return jnp.where(real[:, None, None], o, 0.0)
-
-        try:
-            return jax.lax.cond(jnp.any(context_lens > 0),
-                                lambda: _with_context(*paged_self()), dense)
-        except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
-            pass
-    return _with_context(*paged_self())
-
-
-def _merged_with_context(o_new, lse_new, *, q_nope, q_pe, cache, w_uk, w_uv, block_table,
-                         context_lens, positions, token_row, softmax_scale, fp8_scale, backend):
-    """``o_new`` (this step's tokens) merged with the absorbed attention over the context cached
-    before the step; the context part is skipped (a conditional) when no row has one: a step of
-    fresh prefills would otherwise write and up-project a ``[T, H, kv_lora_rank]`` float32 zero."""
-    r = w_uk.shape[1]
-    f32 = jnp.float32
-
-    def context():
+    def context():  # the cached context, absorbed, with its log-sum-exps
         q_lat = jnp.einsum("thn,hrn->thr", *dot_operands(q_nope, w_uk), preferred_element_type=f32)
         qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
         scale = None if fp8_scale is None else jnp.float32(fp8_scale)
@@ -292,10 +260,27 @@ def _merged_with_context(o_new, lse_new, *, q_nope, q_pe, cache, w_uk, w_uv, blo
         return jnp.einsum("thr,hvr->thv", *dot_operands(o_lat, w_uv), preferred_element_type=f32), lse
 
     def no_context():
-        return jnp.zeros(o_new.shape, f32), jnp.full(o_new.shape[:2], -jnp.inf, f32)
+        return jnp.zeros((T, H, w_uv.shape[1]), f32), jnp.full((T, H), -jnp.inf, f32)
 
-    o_ctx, lse_ctx = jax.lax.cond(jnp.any(context_lens > 0), context, no_context)
-    return merge_attention(o_new, lse_new, o_ctx, lse_ctx)[0]
+    if self_attention not in ("paged", "cudnn", "xla"):
+        raise ValueError(f"self_attention must be 'paged', 'cudnn' or 'xla', got {self_attention!r}")
+    if self_attention != "paged" and R == 1:
+        # One row: its tokens are 0 .. query_len[0] (query_start_loc[0] is 0; pad tokens after
+        # them). With no context they attend only to each other, a dense causal attention:
+        # cuDNN's flash kernel (no log-sum-exp needed, so none is rounded); with context, the
+        # paged path merged with the context's.
+        def dense():
+            o = dense_causal_attention(q, k.astype(dt), v.astype(dt), query_len, softmax_scale,
+                                       implementation=self_attention)
+            return jnp.where(real[:, None, None], o, 0.0)
+
+        try:
+            return jax.lax.cond(has_context, lambda: merge_attention(*paged_self(), *context())[0], dense)
+        except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
+            pass
+    # the context part is skipped (a conditional) when no row has one: a step of fresh prefills
+    # would otherwise write and up-project a [T, H, kv_lora_rank] float32 zero
+    return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0]
 
 
 def dense_causal_attention(q, k, v, length, softmax_scale: float, *, implementation: str) -> jax.Array:
