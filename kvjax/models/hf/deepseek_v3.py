@@ -787,8 +787,8 @@ class DeepseekV3:
         cache_dt = jnp.dtype(specs[0].dtype)
         scale = jnp.float32(self.fp8_scale) if fp8 else None
         form = step_form(self.attention_form, backend, ctx.decode_only)
-        self_attn = self_attention_impl(backend, params["layers"][0]["attn"]["w_uk"].dtype,
-                                        ctx.seq_lens.shape[0]) if form == "split" else "paged"
+        self_attn = (self_attention_impl(backend, params["layers"][0]["attn"]["w_uk"].dtype)
+                     if form == "split" else "paged")
         x = jnp.take(params["embed"], ctx.input_ids, axis=0, mode="clip").astype(jnp.float32)
         T = x.shape[0]
         x, token_mask = padded_stream(x, ctx.token_real)  # row_count(T) rows; attention reads T

@@ -219,10 +219,11 @@ def split_latent_attention(
     (:func:`pallas_kernels.attention_math.merge_attention`; the context's output is
     up-projected with ``W_uv`` first, which commutes with the merge's weighted sum).
 
-    ``self_attention``: ``"paged"`` as above; ``"cudnn"`` or ``"xla"`` (a step of one row,
-    ``R == 1``; :func:`self_attention_impl` picks): where that row has no context, its tokens'
-    attention is :func:`dense_causal_attention` with that implementation and nothing is merged;
-    with context, the paged path. Larger steps always take the paged path.
+    ``self_attention``: ``"paged"`` as above; ``"cudnn"`` or ``"xla"``
+    (:func:`self_attention_impl` picks): a step where one row has tokens and that row has no
+    context (one fresh prefill, whatever the bucket's rows) attends through
+    :func:`dense_causal_attention` with that implementation, and nothing is merged; any other
+    step (a conditional) takes the paged path.
     """
     T, H, _ = q_nope.shape
     R = seq_lens.shape[0]
@@ -262,25 +263,31 @@ def split_latent_attention(
     def no_context():
         return jnp.zeros((T, H, w_uv.shape[1]), f32), jnp.full((T, H), -jnp.inf, f32)
 
+    def paged():  # the context part is skipped (a conditional) when no row has one: a step of
+        # fresh prefills would otherwise write and up-project a [T, H, kv_lora_rank] float32 zero
+        return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0]
+
     if self_attention not in ("paged", "cudnn", "xla"):
         raise ValueError(f"self_attention must be 'paged', 'cudnn' or 'xla', got {self_attention!r}")
-    if self_attention != "paged" and R == 1:
-        # One row: its tokens are 0 .. query_len[0] (query_start_loc[0] is 0; pad tokens after
+    if self_attention != "paged":
+        # One row with tokens: they are 0 .. n (the rows before it have none; pad tokens after
         # them). With no context they attend only to each other, a dense causal attention:
-        # cuDNN's flash kernel (no log-sum-exp needed, so none is rounded); with context, the
-        # paged path merged with the context's.
+        # cuDNN's flash kernel (no log-sum-exp needed, so none is rounded). Otherwise the
+        # paged path below.
+        active = query_len > 0
+        one_fresh_row = (jnp.sum(active) == 1) & ~jnp.any(active & (context_lens > 0))
+
         def dense():
-            o = dense_causal_attention(q, k.astype(dt), v.astype(dt), query_len, softmax_scale,
+            n = jnp.sum(query_len).reshape(1)
+            o = dense_causal_attention(q, k.astype(dt), v.astype(dt), n, softmax_scale,
                                        implementation=self_attention)
             return jnp.where(real[:, None, None], o, 0.0)
 
         try:
-            return jax.lax.cond(has_context, lambda: merge_attention(*paged_self(), *context())[0], dense)
+            return jax.lax.cond(one_fresh_row, dense, paged)
         except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
             pass
-    # the context part is skipped (a conditional) when no row has one: a step of fresh prefills
-    # would otherwise write and up-project a [T, H, kv_lora_rank] float32 zero
-    return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0]
+    return paged()
 
 
 def dense_causal_attention(q, k, v, length, softmax_scale: float, *, implementation: str) -> jax.Array:
@@ -300,13 +307,13 @@ def dense_causal_attention(q, k, v, length, softmax_scale: float, *, implementat
     return o[..., :Dv].astype(jnp.float32)
 
 
-def self_attention_impl(backend: str, dtype, num_rows: int) -> str:
-    """How the split form attends over a step's own tokens (:func:`split_latent_attention`'s
-    ``self_attention``): ``"cudnn"`` for a one-row step of a bf16 / fp16 model where the paged
-    kernel runs on a CUDA GPU of compute capability >= 9.0 (cuDNN's flash attention takes
-    DeepSeek's 192-wide heads there, not on older GPUs; 4.3x the paged kernel's speed at
-    DeepSeek-V2-Lite's 8k prefill on an H200), else ``"paged"``."""
-    if (num_rows != 1 or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+def self_attention_impl(backend: str, dtype) -> str:
+    """How the split form attends over a step of one fresh prefill
+    (:func:`split_latent_attention`'s ``self_attention``): ``"cudnn"`` for a bf16 / fp16 model
+    where the paged kernel runs on a CUDA GPU of compute capability >= 9.0 (cuDNN's flash
+    attention takes DeepSeek's 192-wide heads there, not on older GPUs; 4.3x the paged kernel's
+    speed at DeepSeek-V2-Lite's 8k prefill on an H200), else ``"paged"``."""
+    if (jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             or not reads_live_keys_only(backend) or kernel_backend.platform() != "gpu"):
         return "paged"
     cap = kernel_backend.gpu_capability()[1]  # None off CUDA (a ROCm GPU reports no CUDA capability)

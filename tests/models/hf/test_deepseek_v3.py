@@ -426,10 +426,12 @@ def test_split_form_matches_dense_with_nan_poisoned_pools(checkpoints, lora_pois
             np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
 
 
-def test_one_row_prefill_through_the_dense_self_attention(checkpoints, monkeypatch):
-    """The model hands the split form its self-attention choice: a one-row prefill step with the
-    choice forced to ``"xla"`` (``"cudnn"`` on a Hopper GPU) runs ``dense_causal_attention`` in
-    every layer and gives the dense oracle's logits (within 2e-5), NaN-poisoned pool and all."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_row_prefill_through_the_dense_self_attention(checkpoints, monkeypatch, rows):
+    """The model hands the split form its self-attention choice: a prefill step of one request
+    (in a one-row bucket, and alone in a three-row one) with the choice forced to ``"xla"``
+    (``"cudnn"`` on a Hopper GPU) runs ``dense_causal_attention`` in every layer and gives the
+    dense oracle's logits (within 2e-5), NaN-poisoned pool and all."""
     import kvjax.models.hf.mla as mla
 
     ck = checkpoints["lora"]
@@ -441,18 +443,21 @@ def test_one_row_prefill_through_the_dense_self_attention(checkpoints, monkeypat
     requests = RequestState.create(MAX_NUM_REQS, MAX_MODEL_LEN).add_request(1, prompt)
     tables = BlockTables.create([SPEC], MAX_NUM_REQS, num_cache_blocks=NUM_BLOCKS)
     tables = tables.append_block_ids(1, [[5, 2]])
-    sched = ScheduledBatch(idx_mapping=np.array([1], np.int32), num_scheduled_tokens=np.array([7], np.int32),
-                           num_draft_tokens=np.zeros((1,), np.int32))
-    batch = BUILD(requests, tables, sched, num_tokens_padded=T, num_logits_padded=1)
-    ctx = make_step_context(batch, jnp.zeros((1,), jnp.int32), None, kv_group=0)
+    idx = np.full((rows,), -1, np.int32)
+    idx[rows // 2] = 1  # one scheduled row (the bucket's others empty)
+    sched = ScheduledBatch(idx_mapping=idx, num_scheduled_tokens=np.where(idx >= 0, 7, 0).astype(np.int32),
+                           num_draft_tokens=np.zeros((rows,), np.int32))
+    batch = BUILD(requests, tables, sched, num_tokens_padded=T, num_logits_padded=rows)
+    ctx = make_step_context(batch, jnp.zeros((rows,), jnp.int32), None, kv_group=0)
     calls = []
     real_dense = mla.dense_causal_attention
     monkeypatch.setattr(mla, "dense_causal_attention", lambda *a, **k: calls.append(k) or real_dense(*a, **k))
-    monkeypatch.setattr(ds, "self_attention_impl", lambda backend, dtype, rows: "xla" if rows == 1 else "paged")
+    monkeypatch.setattr(ds, "self_attention_impl", lambda backend, dtype: "xla")
     logits, _ = model.apply(ck.params, ctx, pools, backend="reference", sizes=sizes)
     assert calls == [{"implementation": "xla"}] * ck.config.num_hidden_layers
     want = dense(model, ck.params, prompt)[-1]
-    np.testing.assert_allclose(np.asarray(logits)[0], want, atol=2e-5, rtol=0)
+    at = int(np.asarray(batch.cu_num_logits)[rows // 2])
+    np.testing.assert_allclose(np.asarray(logits)[at], want, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("form,backend,kv,want", [

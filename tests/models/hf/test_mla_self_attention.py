@@ -1,6 +1,7 @@
-"""The MLA split form's dense self-attention of a one-row step (``self_attention="cudnn"`` on a
-CUDA GPU; ``"xla"``, the same function through XLA, here): the same attention as the paged
-path, and taken only where it applies (one row, no context)."""
+"""The MLA split form's dense self-attention of a step of one fresh prefill
+(``self_attention="cudnn"`` on a CUDA GPU; ``"xla"``, the same function through XLA, here): the
+same attention as the paged path, and taken only where it applies (one row with tokens, no
+context)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,21 @@ def test_one_fresh_row_dense_equals_paged_and_pad_tokens_are_zero():
     assert np.abs(dense[real]).max() > 0.1
 
 
-@pytest.mark.parametrize("rows,new,context", [(1, [5], [6]), (2, [4, 3], [0, 0]), (2, [4, 3], [0, 5])])
+@pytest.mark.parametrize("rows,new,context", [(3, [0, 7, 0], [0, 0, 4]), (2, [6, 0], [0, 0])])
+def test_one_fresh_row_among_empty_rows_dense_equals_paged(rows, new, context):
+    """The bucket's other rows schedule nothing (one of them with a cached context, which no
+    token reads): the one fresh row still attends densely."""
+    args, real = case(np.random.default_rng(5), rows=rows, T=12, new=new, context=context)
+    dense, paged = run(args, "xla"), run(args, "paged")
+    assert (dense[~real] == 0).all() and np.isfinite(dense).all()
+    np.testing.assert_allclose(dense, paged, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("rows,new,context", [(1, [5], [6]), (2, [4, 3], [0, 0]), (2, [4, 3], [0, 5]),
+                                              (2, [0, 0], [0, 0]), (3, [0, 4, 2], [3, 0, 0])])
 def test_with_context_or_several_rows_the_paged_path_runs(rows, new, context):
-    """A row with context needs the merged log-sum-exps, and several rows would share one dense
-    sequence: the paged path, bitwise."""
+    """A row with context needs the merged log-sum-exps, several rows would share one dense
+    sequence, and a step with no tokens has nothing to attend: the paged path, bitwise."""
     args, _ = case(np.random.default_rng(1), rows=rows, T=12, new=new, context=context)
     np.testing.assert_array_equal(run(args, "xla"), run(args, "paged"))
 
@@ -79,24 +91,24 @@ def test_dense_causal_attention_against_numpy():
 
 
 def test_impl_is_paged_off_a_cuda_gpu_and_bad_names_refused():
-    assert self_attention_impl("pallas_gpu", jnp.bfloat16, 1) == "paged"  # this CPU
-    assert self_attention_impl("reference", jnp.bfloat16, 1) == "paged"
+    assert self_attention_impl("pallas_gpu", jnp.bfloat16) == "paged"  # this CPU
+    assert self_attention_impl("reference", jnp.bfloat16) == "paged"
     args, _ = case(np.random.default_rng(3), rows=1, T=4, new=[2], context=[0])
     with pytest.raises(ValueError, match="self_attention must be"):
         run(args, "flash")
 
 
-@pytest.mark.parametrize("platform,cap,dtype,rows,want", [
-    ("gpu", (9, 0), jnp.bfloat16, 1, "cudnn"), ("gpu", (10, 0), jnp.float16, 1, "cudnn"),
-    ("gpu", (8, 0), jnp.bfloat16, 1, "paged"),  # cuDNN takes heads only up to 128 wide before Hopper
-    ("gpu", None, jnp.bfloat16, 1, "paged"),  # a GPU that reports no CUDA capability (ROCm)
-    ("tpu", (9, 0), jnp.bfloat16, 1, "paged"),  # lowering for a TPU on a GPU host
-    ("gpu", (9, 0), jnp.float32, 1, "paged"), ("gpu", (9, 0), jnp.bfloat16, 2, "paged")])
-def test_impl_on_a_pretend_gpu(monkeypatch, platform, cap, dtype, rows, want):
+@pytest.mark.parametrize("platform,cap,dtype,want", [
+    ("gpu", (9, 0), jnp.bfloat16, "cudnn"), ("gpu", (10, 0), jnp.float16, "cudnn"),
+    ("gpu", (8, 0), jnp.bfloat16, "paged"),  # cuDNN takes heads only up to 128 wide before Hopper
+    ("gpu", None, jnp.bfloat16, "paged"),  # a GPU that reports no CUDA capability (ROCm)
+    ("tpu", (9, 0), jnp.bfloat16, "paged"),  # lowering for a TPU on a GPU host
+    ("gpu", (9, 0), jnp.float32, "paged")])
+def test_impl_on_a_pretend_gpu(monkeypatch, platform, cap, dtype, want):
     monkeypatch.setattr(mla.kernel_backend, "platform", lambda: platform)
     monkeypatch.setattr(mla, "reads_live_keys_only", lambda backend: True)
     monkeypatch.setattr(mla.kernel_backend, "gpu_capability", lambda: ("gpu:0", cap))
-    assert self_attention_impl("pallas_gpu", dtype, rows) == want
+    assert self_attention_impl("pallas_gpu", dtype) == want
 
 
 def test_shapes_the_dense_kernel_refuses_take_the_paged_path(monkeypatch):
@@ -127,12 +139,13 @@ def test_pad_tokens_are_zero_whatever_the_dense_kernel_leaves_in_their_rows(monk
     assert (got[~real] == 0).all() and np.isfinite(got).all()
 
 
-def test_the_dense_branch_is_the_one_that_runs(monkeypatch):
+@pytest.mark.parametrize("rows,new,context", [(1, [8], [0]), (3, [0, 7, 0], [0, 0, 4])])
+def test_the_dense_branch_is_the_one_that_runs(monkeypatch, rows, new, context):
     """Both branches of the step's conditional are traced; which one ran shows in the output:
-    the dense attention doubled here comes out doubled for a fresh row only."""
+    the dense attention doubled here comes out doubled for one fresh row only."""
     real_fn = mla.dense_causal_attention
     monkeypatch.setattr(mla, "dense_causal_attention", lambda *a, **k: 2.0 * real_fn(*a, **k))
-    fresh, real = case(np.random.default_rng(7), rows=1, T=10, new=[8], context=[0])
+    fresh, real = case(np.random.default_rng(7), rows=rows, T=10, new=new, context=context)
     np.testing.assert_allclose(run(fresh, "xla")[real], 2.0 * run(fresh, "paged")[real], atol=4e-6, rtol=0)
-    cached, _ = case(np.random.default_rng(8), rows=1, T=10, new=[4], context=[5])
+    cached, _ = case(np.random.default_rng(8), rows=2, T=10, new=[4, 3], context=[0, 0])
     np.testing.assert_array_equal(run(cached, "xla"), run(cached, "paged"))
