@@ -665,8 +665,8 @@ class DeepseekV3:
       attention_form: ``"auto"`` (default: ``"split"`` where the paged-attention kernel runs,
         ``"absorbed"`` elsewhere; :func:`kvjax.models.hf.mla.step_form`), ``"split"`` (a
         decode-only step absorbed, otherwise the step's
-        own tokens naive and the cached context absorbed, as vLLM; a one-row step with no
-        context attends over its own tokens in cuDNN's flash attention where
+        own tokens naive and the cached context absorbed, as vLLM; a step of one fresh prefill
+        attends over its own tokens in cuDNN's flash attention where
         :func:`kvjax.models.hf.mla.self_attention_impl` says so), ``"absorbed"`` or ``"naive"``
         (the jnp gather over the whole block table: a reference); see :mod:`kvjax.models.hf.mla`.
       model_shards: tensor-parallel shards (:meth:`shard`); heads and MLP widths split over "model".
