@@ -263,9 +263,11 @@ def split_latent_attention(
     def no_context():
         return jnp.zeros((T, H, w_uv.shape[1]), f32), jnp.full((T, H), -jnp.inf, f32)
 
-    def paged():  # the context part is skipped (a conditional) when no row has one: a step of
-        # fresh prefills would otherwise write and up-project a [T, H, kv_lora_rank] float32 zero
-        return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0]
+    def with_context():
+        return merge_attention(*paged_self(), *context())[0]
+
+    def without_context():  # a step of fresh prefills: no [T, H, kv_lora_rank] float32 zero
+        return merge_attention(*paged_self(), *no_context())[0]  # written and up-projected
 
     if self_attention not in ("paged", "cudnn", "xla"):
         raise ValueError(f"self_attention must be 'paged', 'cudnn' or 'xla', got {self_attention!r}")
@@ -273,7 +275,8 @@ def split_latent_attention(
         # One row with tokens: they are 0 .. n (the rows before it have none; pad tokens after
         # them). With no context they attend only to each other, a dense causal attention:
         # cuDNN's flash kernel (no log-sum-exp needed, so none is rounded). Otherwise the
-        # paged path below.
+        # paged path, with or without the context part: one three-way conditional, not two
+        # nested ones (each conditional costs a mixed step; BENCHMARKS.md).
         active = query_len > 0
         one_fresh_row = (jnp.sum(active) == 1) & ~jnp.any(active & (context_lens > 0))
 
@@ -283,11 +286,13 @@ def split_latent_attention(
                                        implementation=self_attention)
             return jnp.where(real[:, None, None], o, 0.0)
 
+        which = jnp.where(one_fresh_row, 0, jnp.where(has_context, 1, 2))
         try:
-            return jax.lax.cond(one_fresh_row, dense, paged)
+            return jax.lax.switch(which, (dense, with_context, without_context))
         except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
             pass
-    return paged()
+    # the context part is skipped (a conditional) when no row has one (as without_context)
+    return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0]
 
 
 def dense_causal_attention(q, k, v, length, softmax_scale: float, *, implementation: str) -> jax.Array:
