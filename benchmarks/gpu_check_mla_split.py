@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.models.hf.mla import self_attention_impl, split_latent_attention
+from kvjax.models.attention import self_attention_impl
+from kvjax.models.hf.mla import split_latent_attention
 from _gpu_check import case, on_gpu_or_allowed, run_cases, summary  # noqa: E402
 from _trace import jax_device_us  # noqa: E402
 

@@ -54,9 +54,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded
-from kvjax.models.hf.mla import (MLA_FORMS, paged_latent_attention, rope, self_attention_impl,
-                                 split_latent_attention, step_form)
+from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded, self_attention_impl
+from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
 from kvjax.models.step_context import StepContext
@@ -667,7 +666,7 @@ class DeepseekV3:
         decode-only step absorbed, otherwise the step's
         own tokens naive and the cached context absorbed, as vLLM; a step of one fresh prefill
         attends over its own tokens in cuDNN's flash attention where
-        :func:`kvjax.models.hf.mla.self_attention_impl` says so), ``"absorbed"`` or ``"naive"``
+        :func:`kvjax.models.attention.self_attention_impl` says so), ``"absorbed"`` or ``"naive"``
         (the jnp gather over the whole block table: a reference); see :mod:`kvjax.models.hf.mla`.
       model_shards: tensor-parallel shards (:meth:`shard`); heads and MLP widths split over "model".
     """

@@ -45,14 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.models.attention import MASK_VALUE, attention_query, dot_operands
-from pallas_kernels import backend as kernel_backend
+from kvjax.models.attention import (MASK_VALUE, attention_query, dense_causal_attention, dot_operands,
+                                    one_fresh_prefill)
 from pallas_kernels.attention_math import merge_attention
 from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 from pallas_kernels.paged_attention import reads_live_keys_only
 
 MLA_FORMS = ("naive", "absorbed", "split", "auto")
-CUDNN_MIN_CAPABILITY = (9, 0)  # Hopper: cuDNN's flash attention takes heads up to 256 wide
 
 
 def step_form(form: str, backend: str, decode_only: bool) -> str:
@@ -277,8 +276,6 @@ def split_latent_attention(
         # cuDNN's flash kernel (no log-sum-exp needed, so none is rounded). Otherwise the
         # paged path, with or without the context part: one three-way conditional, not two
         # nested ones (each conditional costs a mixed step; BENCHMARKS.md).
-        active = query_len > 0
-        one_fresh_row = (jnp.sum(active) == 1) & ~jnp.any(active & (context_lens > 0))
 
         def dense():
             n = jnp.sum(query_len).reshape(1)
@@ -286,40 +283,10 @@ def split_latent_attention(
                                        implementation=self_attention)
             return jnp.where(real[:, None, None], o, 0.0)
 
-        which = jnp.where(one_fresh_row, 0, jnp.where(has_context, 1, 2))
+        which = jnp.where(one_fresh_prefill(query_len, seq_lens), 0, jnp.where(has_context, 1, 2))
         try:
             return jax.lax.switch(which, (dense, with_context, without_context))
         except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
             pass
     # the context part is skipped (a conditional) when no row has one (as without_context)
     return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0]
-
-
-def dense_causal_attention(q, k, v, length, softmax_scale: float, *, implementation: str) -> jax.Array:
-    """One sequence's causal self-attention -> float32 ``[T, H, Dv]``: ``q, k [T, H, D]``,
-    ``v [T, H, Dv]`` (one dtype), token ``i < length[0]`` sees keys ``j <= i``; rows from
-    ``length[0]`` on are anything (the caller masks them). ``jax.nn.dot_product_attention``
-    with ``implementation`` (``"cudnn"``: its flash kernel, bf16 / fp16 only; ``"xla"``: any
-    backend); values narrower than the keys are zero-padded to the keys' width (both
-    implementations take one head size), their extra output columns dropped."""
-    D, Dv = k.shape[-1], v.shape[-1]
-    if Dv < D:
-        v = jnp.pad(v, ((0, 0), (0, 0), (0, D - Dv)))
-    n = length.reshape(1).astype(jnp.int32)
-    o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=softmax_scale, is_causal=True,
-                                     query_seq_lengths=n, key_value_seq_lengths=n,
-                                     implementation=implementation)[0]
-    return o[..., :Dv].astype(jnp.float32)
-
-
-def self_attention_impl(backend: str, dtype) -> str:
-    """How the split form attends over a step of one fresh prefill
-    (:func:`split_latent_attention`'s ``self_attention``): ``"cudnn"`` for a bf16 / fp16 model
-    where the paged kernel runs on a CUDA GPU of compute capability >= 9.0 (cuDNN's flash
-    attention takes DeepSeek's 192-wide heads there, not on older GPUs; 4.3x the paged kernel's
-    speed at DeepSeek-V2-Lite's 8k prefill on an H200), else ``"paged"``."""
-    if (jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            or not reads_live_keys_only(backend) or kernel_backend.platform() != "gpu"):
-        return "paged"
-    cap = kernel_backend.gpu_capability()[1]  # None off CUDA (a ROCm GPU reports no CUDA capability)
-    return "cudnn" if cap is not None and cap >= CUDNN_MIN_CAPABILITY else "paged"

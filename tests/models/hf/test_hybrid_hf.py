@@ -91,6 +91,37 @@ def test_runner_serves_token_for_token_with_transformers(case, hf_checkpoint, hf
             assert report.requests[f"r{i}"]["output"] == hf_greedy(hf, p, n_new, torch), (case, i)
 
 
+def test_lone_fresh_prefills_through_the_dense_attention(hf_checkpoint, hf_model, monkeypatch):
+    """Requests that arrive one at a time, each prompt one step's worth: each first step is a
+    fresh prefill alone in its 3-row bucket, whose attention layers take
+    ``dense_causal_attention`` (forced to ``"xla"`` here; cuDNN on a Hopper GPU). Served with
+    NaN-poisoned pools, every logits row matches ``dense_logits`` and the greedy tokens are
+    transformers'. Granite's checkpoint here has a Mamba layer after its attention layer, so
+    every prefill token's attention reaches the logits. (Which branch runs, and that others stay paged bitwise:
+    ``tests/models/test_fresh_prefill_attention.py``.)"""
+    import kvjax.models.attention as attention
+
+    traced = []
+    real_fn = attention.dense_causal_attention
+    monkeypatch.setattr(attention, "self_attention_impl", lambda backend, dtype: "xla")
+    monkeypatch.setattr(attention, "dense_causal_attention",
+                        lambda *a, **k: traced.append(k["implementation"]) or real_fn(*a, **k))
+    model, params = load_pretrained(hf_checkpoint("granite_rope_moe"))
+    cfg = RunnerConfig(model=model, block_size=4, num_blocks=32, max_model_len=32, max_num_seqs=3,
+                       max_num_batched_tokens=8, token_sizes=(8,), backend="reference", poison=True)
+    runner = Runner(cfg, params=params, compiler_options=FAST)
+    prompts, n_new = [PROMPTS[1], PROMPTS[2][:8], [7, 3]], 3
+    reqs = [Request(f"r{i}", p, n_new, arrival_step=6 * i) for i, p in enumerate(prompts)]
+    report, runner = serve(cfg, reqs, runner=runner, compile_workers=1, progress_stream=None)
+    assert traced and set(traced) == {"xla"}
+    assert report.nan_count == 0 and report.serving_compiles == 0
+    hf = hf_model("granite_rope_moe")
+    for i, p in enumerate(prompts):
+        r = report.requests[f"r{i}"]
+        assert r["matches_reference"], (i, r)
+        assert r["output"] == hf_greedy(hf, p, n_new, torch), i
+
+
 def test_bfloat16_params_and_dense_logits(hf_checkpoint):
     path = hf_checkpoint("granite_rope_moe")
     m32, p32 = load_pretrained(path)

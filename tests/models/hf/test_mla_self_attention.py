@@ -1,7 +1,8 @@
 """The MLA split form's dense self-attention of a step of one fresh prefill
 (``self_attention="cudnn"`` on a CUDA GPU; ``"xla"``, the same function through XLA, here): the
 same attention as the paged path, and taken only where it applies (one row with tokens, no
-context)."""
+context). The shared parts (the dense attention, the step's condition, the implementation's
+choice) are tested with their owner, ``tests/models/test_fresh_prefill_attention.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvjax.models.hf.mla as mla
-from kvjax.models.hf.mla import dense_causal_attention, self_attention_impl, split_latent_attention
+from kvjax.models.hf.mla import split_latent_attention
 
 H, r, pe, nope, v, BS = 3, 16, 8, 8, 6, 4
 
@@ -75,40 +76,10 @@ def test_with_context_or_several_rows_the_paged_path_runs(rows, new, context):
     np.testing.assert_array_equal(run(args, "xla"), run(args, "paged"))
 
 
-def test_dense_causal_attention_against_numpy():
-    rng = np.random.default_rng(2)
-    T, n, D, Dv = 7, 5, 8, 4
-    q, k = rng.standard_normal((T, 2, D)), rng.standard_normal((T, 2, D))
-    val = rng.standard_normal((T, 2, Dv))
-    got = np.asarray(dense_causal_attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, val)),
-                                            jnp.asarray([n], jnp.int32), 0.5, implementation="xla"))
-    assert got.shape == (T, 2, Dv) and got.dtype == np.float32
-    for i in range(n):
-        s = np.einsum("hd,jhd->hj", q[i], k[: i + 1]) * 0.5
-        p = np.exp(s - s.max(-1, keepdims=True))
-        want = np.einsum("hj,jhv->hv", p / p.sum(-1, keepdims=True), val[: i + 1])
-        np.testing.assert_allclose(got[i], want, atol=1e-5)
-
-
-def test_impl_is_paged_off_a_cuda_gpu_and_bad_names_refused():
-    assert self_attention_impl("pallas_gpu", jnp.bfloat16) == "paged"  # this CPU
-    assert self_attention_impl("reference", jnp.bfloat16) == "paged"
+def test_bad_self_attention_names_refused():
     args, _ = case(np.random.default_rng(3), rows=1, T=4, new=[2], context=[0])
     with pytest.raises(ValueError, match="self_attention must be"):
         run(args, "flash")
-
-
-@pytest.mark.parametrize("platform,cap,dtype,want", [
-    ("gpu", (9, 0), jnp.bfloat16, "cudnn"), ("gpu", (10, 0), jnp.float16, "cudnn"),
-    ("gpu", (8, 0), jnp.bfloat16, "paged"),  # cuDNN takes heads only up to 128 wide before Hopper
-    ("gpu", None, jnp.bfloat16, "paged"),  # a GPU that reports no CUDA capability (ROCm)
-    ("tpu", (9, 0), jnp.bfloat16, "paged"),  # lowering for a TPU on a GPU host
-    ("gpu", (9, 0), jnp.float32, "paged")])
-def test_impl_on_a_pretend_gpu(monkeypatch, platform, cap, dtype, want):
-    monkeypatch.setattr(mla.kernel_backend, "platform", lambda: platform)
-    monkeypatch.setattr(mla, "reads_live_keys_only", lambda backend: True)
-    monkeypatch.setattr(mla.kernel_backend, "gpu_capability", lambda: ("gpu:0", cap))
-    assert self_attention_impl("pallas_gpu", dtype) == want
 
 
 def test_shapes_the_dense_kernel_refuses_take_the_paged_path(monkeypatch):
