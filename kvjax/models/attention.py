@@ -273,7 +273,8 @@ def attention_mixer(
         # (cuDNN's flash kernel where self_attention_impl says so), chosen by a conditional. A
         # decode-only step never is one; an fp8 cache keeps the paged path (it reads the
         # quantised keys).
-        impl = "paged" if fp8 or ctx.decode_only or k.dtype != q.dtype else self_attention_impl(backend, q.dtype)
+        plain = not (fp8 or ctx.decode_only or k.dtype != q.dtype)
+        impl = self_attention_impl(backend, q.dtype) if plain else "paged"
         o = None
         if impl != "paged":
             def dense():

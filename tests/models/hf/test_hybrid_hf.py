@@ -97,8 +97,8 @@ def test_lone_fresh_prefills_through_the_dense_attention(hf_checkpoint, hf_model
     ``dense_causal_attention`` (forced to ``"xla"`` here; cuDNN on a Hopper GPU). Served with
     NaN-poisoned pools, every logits row matches ``dense_logits`` and the greedy tokens are
     transformers'. Granite's checkpoint here has a Mamba layer after its attention layer, so
-    every prefill token's attention reaches the logits. (Which branch runs, and that others stay paged bitwise:
-    ``tests/models/test_fresh_prefill_attention.py``.)"""
+    every prefill token's attention reaches the logits. (Which branch runs, and that other
+    steps stay paged bitwise: ``tests/models/test_fresh_prefill_attention.py``.)"""
     import kvjax.models.attention as attention
 
     traced = []
