@@ -7,8 +7,9 @@ path, at Granite-4.0-H-Micro's and Nemotron-H-8B's attention shapes, bf16.
 ``attention_mixer`` compiled twice on the same step: as it chooses (``self_attention_impl``:
 cuDNN for a bf16 model on a Hopper GPU) and with the choice forced to ``"paged"``. The outputs
 agree within bf16 rounding (relative to the largest), pad tokens are finite, the KV caches
-written are bitwise equal; a step with context takes the paged path either way. Prints both
-mixers' device time for the 8k prefills.
+written are bitwise equal; the program as chosen holds a cuDNN call and the paged one none
+(the conditional's dense branch compiled, not refused); a step with context takes the paged
+path either way. Prints both mixers' device time for the 8k prefills.
 """
 
 from __future__ import annotations
@@ -72,14 +73,18 @@ def compiled(args, impl):
         c = fn.lower(h, ctx, kc, vc, w).compile()
     finally:
         attention.self_attention_impl = real
-    return lambda: c(h, ctx, kc, vc, w)
+    return (lambda: c(h, ctx, kc, vc, w)), "cudnn" in c.as_text().lower()
 
 
 def compare(seed, shape, *, T, new, context, rows=1, row=0, timed=False):
     args, real = inputs(seed, shape, T=T, new=new, context=context, rows=rows, row=row)
-    fd, fp = compiled(args, "auto"), compiled(args, "paged")
+    (fd, cudnn_d), (fp, cudnn_p) = compiled(args, "auto"), compiled(args, "paged")
     (od, kd, vd), (op, kp, vp) = jax.device_get(fd()), jax.device_get(fp())
     problems = []
+    # the program as chosen holds cuDNN's attention (for its conditional's dense branch); the
+    # paged one none: a fallback to the paged path (a shape cuDNN refused) would show here
+    if not cudnn_d or cudnn_p:
+        problems.append(f"cuDNN in the compiled programs: as chosen {cudnn_d}, paged {cudnn_p}")
     if not np.isfinite(od[real]).all():
         problems.append("non-finite output")
     err = float(np.abs(od[real] - op[real]).max() / np.abs(op[real]).max())

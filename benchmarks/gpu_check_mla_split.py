@@ -61,6 +61,11 @@ def compare(seed, *, T, new, context, timed=False, rows=1, row=0):
     fd, fp = call("cudnn"), call("paged")
     dense, paged = np.asarray(fd(*args)), np.asarray(fp(*args))
     problems = []
+    # the "cudnn" program holds cuDNN's attention (the switch's dense branch), the paged one
+    # none: a fallback to the paged path (a shape cuDNN refused) would show here
+    has = [("cudnn" in f.lower(*args).compile().as_text().lower()) for f in (fd, fp)]
+    if has != [True, False]:
+        problems.append(f"cuDNN in the compiled programs (cudnn, paged): {has}")
     if not np.isfinite(dense).all():
         problems.append("non-finite output")
     if (dense[~real] != 0).any():

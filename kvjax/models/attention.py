@@ -6,6 +6,12 @@ by position (causal) and by ``seq_len``. Masking is done on *values* with
 their probabilities exactly 0, and their K/V entries 0 before any product — so
 a NaN in the null block, in an unused block or in a block's unwritten tail
 cannot reach a real token (``0 * NaN`` would).
+
+A step of one fresh prefill (:func:`one_fresh_prefill`: one row with tokens, no context)
+attends over its own tokens instead, with a dense causal attention
+(:func:`dense_causal_attention`; cuDNN's flash kernel on a Hopper GPU,
+:func:`self_attention_impl`), its pad tokens' keys and values zeroed first. MLA's split form
+(:mod:`kvjax.models.hf.mla`) takes the same three functions.
 """
 
 from __future__ import annotations
@@ -224,6 +230,11 @@ def attention_mixer(
     ``bq``, ``bk``, ``bv``, ``bo``. With ``model_axis`` the heads are this shard's and the
     output is summed over the axis (``bo`` added once, after the sum).
 
+    The flash layout attends with :func:`live_paged_attention`, or, in a step of one fresh
+    prefill where :func:`self_attention_impl` picks a dense kernel, with
+    :func:`dense_causal_attention` (a conditional; not in a decode-only step or over an fp8
+    cache).
+
     Returns ``(out [n, d] float32, key_cache, value_cache)``; ``out`` is not masked (the
     caller masks pad tokens). ``kv_layout="rpa"``: ``key_cache`` holds the combined pages.
     ``h`` may have ``n >= T`` rows (the step's ``T`` tokens first, zero rows after them, as
@@ -278,9 +289,12 @@ def attention_mixer(
         o = None
         if impl != "paged":
             def dense():
+                real = ctx.token_real[:T, None, None]
                 scale = spec.sm_scale if spec.sm_scale is not None else 1.0 / float(np.sqrt(D))
-                o = dense_causal_attention(q, k, v, jnp.sum(ctx.query_len), scale, implementation=impl)
-                return jnp.where(ctx.token_real[:T, None, None], o, 0.0)
+                # pad tokens' keys and values zeroed: a masked key's 0 weight times a NaN is NaN
+                kz, vz = (jnp.where(real, a, jnp.zeros((), a.dtype)) for a in (k, v))
+                o = dense_causal_attention(q, kz, vz, jnp.sum(ctx.query_len), scale, implementation=impl)
+                return jnp.where(real, o, 0.0)
 
             try:
                 o = jax.lax.cond(one_fresh_prefill(ctx.query_len, ctx.seq_lens), dense, paged)

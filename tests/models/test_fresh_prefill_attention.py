@@ -107,14 +107,18 @@ W = {n: jnp.asarray(np.random.default_rng(9).standard_normal(s) / np.sqrt(s[0]),
 
 
 def mix(monkeypatch, impl, args, *, spec=AttnSpec(Hq, Hkv, D, rope_theta=100.0, sm_scale=0.3),
-        kv="auto"):
-    """The mixer's output and caches with the fresh-prefill choice forced to ``impl``."""
+        kv="auto", weights=jnp.float32, cache=None):
+    """The mixer's output and caches (as float32) with the fresh-prefill choice forced to
+    ``impl``; ``weights`` / ``cache``: the weights' and the caches' dtypes (default float32)."""
     monkeypatch.setattr(attention, "self_attention_impl", lambda backend, dtype: impl)
     ctx, h, (kc, vc), _ = args
     if kv != "auto":
         kc, vc = jnp.zeros(kc.shape, jnp.float8_e4m3fn), jnp.zeros(vc.shape, jnp.float8_e4m3fn)
-    out, kc, vc = attention_mixer(h, ctx, kc, vc, W, spec, kv_cache_dtype=kv, backend="reference")
-    return np.asarray(out), np.asarray(kc), np.asarray(vc)
+    elif cache is not None:
+        kc, vc = kc.astype(cache), vc.astype(cache)
+    w = {n: a.astype(weights) for n, a in W.items()}
+    out, kc, vc = attention_mixer(h, ctx, kc, vc, w, spec, kv_cache_dtype=kv, backend="reference")
+    return tuple(np.asarray(a.astype(jnp.float32)) for a in (out, kc, vc))
 
 
 @pytest.mark.parametrize("rows,new,context", [(1, [9], [0]), (3, [0, 7, 0], [0, 0, 4]), (2, [6, 0], [0, 0])])
@@ -189,3 +193,33 @@ def test_an_fp8_cache_and_refused_shapes_take_the_paged_path(monkeypatch):
     monkeypatch.setattr(attention, "dense_causal_attention", refuses)
     for a, b in zip(mix(monkeypatch, "xla", args), mix(monkeypatch, "paged", args)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_pad_tokens_reach_no_real_token_on_the_dense_path(monkeypatch):
+    """A pad token's row of ``h`` non-finite (its keys and values with it): the dense path zeroes
+    them before the attention, as the paged path never reads them."""
+    ctx, h, caches, real = step(3, [0, 7, 0], [0, 0, 4])
+    h = jnp.where(jnp.asarray(real)[:, None], h, jnp.inf)
+    args = (ctx, h, caches, real)
+    dense, paged = mix(monkeypatch, "xla", args)[0], mix(monkeypatch, "paged", args)[0]
+    assert np.isfinite(dense[real]).all()
+    np.testing.assert_allclose(dense[real], paged[real], atol=3e-6, rtol=0)
+
+
+def test_bf16_weights_and_cache_dense_within_rounding_a_wider_cache_paged(monkeypatch):
+    """A bf16 model with a bf16 cache takes the dense path, within bf16 rounding of the paged
+    one; with a float32 cache its keys are wider than its queries, and the paged path runs,
+    bitwise (the dense attention not even traced)."""
+    args = step(1, [9], [0])
+    real = args[3]
+    dense = mix(monkeypatch, "xla", args, weights=jnp.bfloat16, cache=jnp.bfloat16)[0]
+    paged = mix(monkeypatch, "paged", args, weights=jnp.bfloat16, cache=jnp.bfloat16)[0]
+    assert np.abs(dense[real] - paged[real]).max() <= 2e-2 * np.abs(paged[real]).max()
+    traced = []
+    real_fn = attention.dense_causal_attention
+    monkeypatch.setattr(attention, "dense_causal_attention",
+                        lambda *a, **k: traced.append(1) or real_fn(*a, **k))
+    for a, b in zip(mix(monkeypatch, "xla", args, weights=jnp.bfloat16),
+                    mix(monkeypatch, "paged", args, weights=jnp.bfloat16)):
+        np.testing.assert_array_equal(a, b)
+    assert not traced

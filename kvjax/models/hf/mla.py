@@ -219,10 +219,10 @@ def split_latent_attention(
     up-projected with ``W_uv`` first, which commutes with the merge's weighted sum).
 
     ``self_attention``: ``"paged"`` as above; ``"cudnn"`` or ``"xla"``
-    (:func:`self_attention_impl` picks): a step where one row has tokens and that row has no
-    context (one fresh prefill, whatever the bucket's rows) attends through
-    :func:`dense_causal_attention` with that implementation, and nothing is merged; any other
-    step (a conditional) takes the paged path.
+    (:func:`kvjax.models.attention.self_attention_impl` picks): a step where one row has tokens
+    and that row has no context (one fresh prefill, whatever the bucket's rows) attends through
+    :func:`kvjax.models.attention.dense_causal_attention` with that implementation, and nothing
+    is merged; any other step (a conditional) takes the paged path.
     """
     T, H, _ = q_nope.shape
     R = seq_lens.shape[0]

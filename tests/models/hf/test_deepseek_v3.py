@@ -427,7 +427,7 @@ def test_split_form_matches_dense_with_nan_poisoned_pools(checkpoints, lora_pois
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_one_row_prefill_through_the_dense_self_attention(checkpoints, monkeypatch, rows):
+def test_one_fresh_prefill_through_the_dense_self_attention(checkpoints, monkeypatch, rows):
     """The model hands the split form its self-attention choice: a prefill step of one request
     (in a one-row bucket, and alone in a three-row one) with the choice forced to ``"xla"``
     (``"cudnn"`` on a Hopper GPU) runs ``dense_causal_attention`` in every layer and gives the
