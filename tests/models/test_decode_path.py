@@ -219,12 +219,16 @@ def test_one_token_steps_run_two_rows(monkeypatch, make):
     (``PAD_ONE_ROW_ON_CPU``) with the GPU kernels interpreted, a Granite-like hybrid (Mamba,
     attention, MLP) and a DeepSeek-V3-like model (MLA, a dense layer, a grouped-routed MoE layer)
     serve the same tokens as with one row, logits and pools within float32 rounding (XLA orders a
-    two-row norm's sums otherwise). Planted: the token placed in the second row -> fails."""
+    two-row norm's sums otherwise). A token budget of one: every step is a one-token step, the
+    prompt's (one-token prefill chunks, the mixed bucket) and the decodes (the decode-only
+    bucket), and a runner compiles those two programs only (a second, larger token size would
+    compile two more programs, the same with one or two rows). Planted: the token placed in the
+    second row -> fails."""
     import kvjax.models.attention as attention
 
     model = make()
     config = RunnerConfig(model=model, block_size=4, num_blocks=37, max_model_len=32, max_num_seqs=2,
-                          max_num_batched_tokens=8, token_sizes=(1, 8), backend="pallas_gpu")
+                          max_num_batched_tokens=1, token_sizes=(1,), backend="pallas_gpu")
 
     def serve(two_rows):
         monkeypatch.setattr(attention, "PAD_ONE_ROW_ON_CPU", two_rows)
@@ -235,7 +239,8 @@ def test_one_token_steps_run_two_rows(monkeypatch, make):
     one, pools_one = serve(False)
     two, pools_two = serve(True)
     assert attention.row_count(1) == 2  # still forced: the second run padded
-    assert sum(1 for d, out in two if d and out.sampled.shape[0] == 1) >= 4  # one-token steps ran
+    assert sum(1 for d, _ in two if d) >= 4 and sum(1 for d, _ in two if not d) >= 4  # decodes, prefill chunks
+    assert all(out.sampled.shape[0] == 1 for _, out in two)  # every step a one-token step
     for (_, a), (_, b) in zip(one, two):
         np.testing.assert_array_equal(a.sampled, b.sampled)
         np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=TOL)
