@@ -59,9 +59,11 @@ def test_force_host_device_count_replaces_an_existing_flag(monkeypatch):
     assert not force_host_device_count(8)
 
 
-# The worker's sizes (mesh_worker.config) as demo options.
+# The worker's sizes (mesh_worker.config) as demo options, and its one compile thread
+# (mesh_worker.COMPILE_WORKERS).
 CLI_SIZES = ("--poison", "--quiet", "--block-size", "8", "--num-blocks", "24", "--max-model-len", "48",
-             "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--token-sizes", "16")
+             "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--token-sizes", "16",
+             "--compile-workers", "1")
 
 
 def run_cli_2x1(tmp_path):
