@@ -120,7 +120,9 @@ def test_valid_looking_options_serve_to_completion_or_are_refused(seed, monkeypa
 
         def precompile(self, *args, **kwargs):
             compiled.append(True)
-            return super().precompile(*args, **kwargs)
+            # one compile thread (the CLI's default is two): the suite's two xdist workers keep
+            # both cores busy, and two threads cost ~20% more CPU time for the same programs
+            return super().precompile(*args, **{**kwargs, "workers": 1})
 
     monkeypatch.setattr(cli.demo_cli, "Runner", FastRunner)
     monkeypatch.setattr(cli.demo_cli, "start_devices", lambda args, shape: False)

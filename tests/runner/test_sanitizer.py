@@ -176,5 +176,5 @@ def test_bf16_pools_keep_the_poison_payload(tmp_path):
     assert any(a.dtype == jnp.bfloat16 for a in pools.values())
     for name, a in pools.items():
         assert (bits(a) == sanitizer.poison_bits(a.dtype)).all(), name
-    report, _ = serve(config, requests(), runner=r, progress_stream=None)
+    report, _ = serve(config, requests(), runner=r, progress_stream=None, compile_workers=1)
     assert report.checked and report.generated_tokens == sum(m for _, _, m, _ in WORKLOAD)
