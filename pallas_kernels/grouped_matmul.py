@@ -42,7 +42,7 @@ from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
 from pallas_kernels import gpu_tiling
 
-__all__ = ["ACTIVATIONS", "GroupedMatmulConfig", "group_tiles", "grouped_matmul", "num_tiles", "tile_rows_for"]
+__all__ = ["ACTIVATIONS", "FEW_ROWS", "GroupedMatmulConfig", "group_tiles", "grouped_matmul", "num_tiles", "tile_rows_for"]
 
 OP_GROUPED_MATMUL = "grouped_matmul"
 
@@ -59,16 +59,26 @@ def _activate(v, name: str):
 #: Tile heights :func:`tile_rows_for` picks from (Triton products need >= 16 rows).
 MIN_TILE_ROWS, MAX_TILE_ROWS = 16, 128
 
+#: The most tile rows (``NT * tile_rows``, in tiles of at most ``MIN_TILE_ROWS``) of a call whose
+#: GPU tiling takes the few-rows regime of :class:`GroupedMatmulConfig`.
+FEW_ROWS = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
     """Tuning knobs of the GPU kernel (a static argument).
 
+    Two regimes (``None`` defaults): a call of at most :data:`FEW_ROWS` rows in tiles of 16 (a
+    token or two's experts: a product that streams its weights) takes deeper steps, ``block_k``
+    128, and halves ``block_n`` to 64 at least; a larger call takes ``block_k`` 64 and halves
+    ``block_n`` to 32 at least (measured in BENCHMARKS.md's H200 notes, item 26).
+
     Attributes:
-      gpu_block_n: output columns of a program (a power of two). None: 128, or 64 when that
-        gives fewer than ``gpu_min_programs`` programs.
-      gpu_block_k: depth of one product step (a power of two). None: 64.
-      gpu_min_programs: the program count under which ``gpu_block_n`` halves (to 32 at least).
+      gpu_block_n: output columns of a program (a power of two). None: 128, halved while that
+        gives fewer than ``gpu_min_programs`` programs (to 64, or 32 beyond :data:`FEW_ROWS`).
+      gpu_block_k: depth of one product step (a power of two). None: 128 for at most
+        :data:`FEW_ROWS` tile rows, else 64 (at most ``K``'s power of two).
+      gpu_min_programs: the program count under which ``gpu_block_n`` halves.
       gpu_num_warps: None: 4 for tiles of up to 64 rows, else 8.
       gpu_num_stages: Triton's software pipelining of the ``K`` loop.
     """
@@ -183,12 +193,13 @@ def _reference(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, conf
 
 def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` (see :class:`GroupedMatmulConfig`)."""
+    few = TM <= MIN_TILE_ROWS and NT * TM <= FEW_ROWS
     BN = cfg.gpu_block_n
     if BN is None:
         BN = min(128, max(16, pl.next_power_of_2(N)))
-        while BN > 32 and NT * -(-N // BN) < cfg.gpu_min_programs:
+        while BN > (64 if few else 32) and NT * -(-N // BN) < cfg.gpu_min_programs:
             BN //= 2
-    BK = cfg.gpu_block_k or min(64, max(16, pl.next_power_of_2(K)))
+    BK = cfg.gpu_block_k or min(128 if few else 64, max(16, pl.next_power_of_2(K)))
     warps = cfg.gpu_num_warps or (4 if TM <= 64 else 8)
     return int(BN), int(BK), int(warps)
 

@@ -129,6 +129,7 @@ CASES = [  # P, G, K, N, TM: divisible blocks, ragged K and N, one pair per tile
     (12, 4, 32, 64, 16),
     (20, 3, 40, 33, 16),
     (6, 8, 64, 48, 16),
+    (3, 8, 300, 80, 16),  # few rows: block_k 128 over a ragged K, block_n 64 over a ragged N
 ]
 
 
@@ -143,6 +144,24 @@ def test_kernel_matches_numpy_exactly(P, G, K, N, TM, dtype):
         out = grouped_matmul(*args, tile_rows=TM, backend=backend, config=cfg)
         assert out.dtype == jnp.float32
         assert_bitwise(np.asarray(out), want, f"{backend} {cfg}")
+
+
+def test_few_rows_take_deeper_steps():
+    """A call of at most FEW_ROWS rows in 16-row tiles (one token's experts: weight streaming) takes block_k
+    128 and keeps block_n >= 64; a larger one the throughput tiling (block_k 64, block_n >= 32).
+    The shapes are DeepSeek-V2-Lite's expert products (d 2048, F 1408): one token's 6 tiles of
+    16 rows, then 16 tokens' 66 tiles."""
+    from pallas_kernels.grouped_matmul import FEW_ROWS, _blocks
+
+    cfg = GroupedMatmulConfig()
+    assert 6 * 16 <= FEW_ROWS < 66 * 16
+    assert _blocks(6, 1408, 2048, 16, cfg) == (64, 128, 4)  # gated first product
+    assert _blocks(6, 2048, 1408, 16, cfg) == (64, 128, 4)  # down
+    assert _blocks(66, 1408, 2048, 16, cfg) == (128, 64, 4)
+    assert _blocks(17, 1408, 2048, 16, cfg) == (64, 64, 4)  # 272 rows: not few
+    assert _blocks(2, 4096, 2048, 128, cfg) == (32, 64, 8)  # 256 rows in 128-row tiles: not few
+    assert _blocks(6, 1408, 2048, 16, GroupedMatmulConfig(gpu_block_n=32, gpu_block_k=64)) == (32, 64, 4)
+    assert _blocks(1, 40, 24, 16, cfg) == (64, 32, 4)  # at most K's and N's powers of two
 
 
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
