@@ -84,8 +84,8 @@ class PagedAttentionConfig:
       gpu_block_m: rows of a query tile, tokens x GQA group (padded to a power of
         two): ``block_q = gpu_block_m // G`` tokens. None: 16 when the call has at
         most one token per row (decode), else 64.
-      gpu_block_n: keys per loop step (a power of two, >= 16 compiled). None: 128 with
-        16-row tiles, else 64.
+      gpu_block_n: keys per loop step (a power of two, >= 16 compiled). None: 64 (more
+        programs resident per SM than 128 allows; BENCHMARKS.md's H200 notes, item 29).
       gpu_kv_splits: programs sharing one tile's keys (flash-decoding: each takes a
         slice of the key chunks, an XLA pass combines them). None: the rule of
         ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
@@ -188,7 +188,7 @@ def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int,
     block): an estimate (MLA's rows padded to 1024 / 512 at 16 x 128 asked Triton for 320 KiB,
     this said 425). Wide heads get narrower tiles; the usual head sizes keep the defaults."""
     BM = _tile_rows(T, R, G, cfg)
-    BN = cfg.gpu_block_n or (128 if BM <= 16 else 64)
+    BN = cfg.gpu_block_n or 64
 
     def need(bm, bn):
         return (bm * Dp + bn * (Dp + Dvp)) * itemsize

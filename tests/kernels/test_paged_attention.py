@@ -347,15 +347,15 @@ def test_tiles_fit_shared_memory():
     from pallas_kernels.paged_attention import SHARED_MEMORY_BUDGET, _fit_shared_memory
 
     cfg = PagedAttentionConfig()
-    assert _fit_shared_memory(64, 64, 4, 128, 128, 2, cfg) == (16, 128)  # bf16 decode
+    assert _fit_shared_memory(64, 64, 4, 128, 128, 2, cfg) == (16, 64)  # bf16 decode
     assert _fit_shared_memory(2048, 256, 4, 128, 128, 2, cfg) == (64, 64)  # bf16 prefill
-    assert _fit_shared_memory(64, 64, 4, 128, 128, 4, cfg) == (16, 128)  # float32 decode
+    assert _fit_shared_memory(64, 64, 4, 128, 128, 4, cfg) == (16, 64)  # float32 decode
     for T in (64, 2048):
         bm, bn = _fit_shared_memory(T, 64, 16, 1024, 512, 2, cfg)
         assert bm >= 16 and bn >= 16 and (bm * 1024 + bn * 1536) * 2 <= SHARED_MEMORY_BUDGET
     assert _fit_shared_memory(64, 64, 16, 1024, 512, 2, PagedAttentionConfig(gpu_block_n=128))[1] == 128
     # MLA's 576 key features as 512 + 64, the values read from the first block: default tiles
-    assert _fit_shared_memory(64, 64, 16, 576, 0, 2, cfg) == (16, 128)
+    assert _fit_shared_memory(64, 64, 16, 576, 0, 2, cfg) == (16, 64)
     assert _fit_shared_memory(2048, 256, 16, 576, 0, 2, cfg) == (64, 64)
 
 
