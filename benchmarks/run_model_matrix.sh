@@ -17,9 +17,12 @@
 set -u
 out=${1:-model-matrix}
 shift
-parts=${*:-probe-sampling overlap hybrids hybrids-prefill hybrids-peers deepseek granite-mml1k}
+parts=${*:-probe-sampling overlap hybrids hybrids-prefill hybrids-peers deepseek granite-mml1k long-hybrids long-deepseek}
 # (deepseek-kvjax, deepseek-prefill8k and probe-dispatch, not in the default: DeepSeek's kvjax rows
-# without their transformers peers, its 8k prefill, profiled, and probe_launch.py --dispatch)
+# without their transformers peers, its 8k prefill, profiled, and probe_launch.py --dispatch.
+# long-hybrids and long-deepseek are the cells whose runner is larger: 16k at batch 64 (profiled),
+# 4k at batch 256 (16k at batch 256 does not run: the hybrids' KV pool passes the GPU kernels' int32
+# offsets, DeepSeek's latent cache would be 131 GB); join them as plain parts.)
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
@@ -53,10 +56,15 @@ part deepseek-prefill8k 100 $PY $B --gpu-run "$out/deepseek-prefill8k" --preset 
   --prefill 8192 --max-model-len 32768 --profile-prefill --no-peers --budget-s 90
 part granite-mml1k 90 $PY $B --gpu-run "$out/granite-mml1k" --preset granite-4.0-h-micro \
   --decode 1024:1,16,64,256 --prefill '' --no-peers --budget-s 80
+part long-hybrids 200 $PY $B --gpu-run "$out/long-hybrids" --preset granite-4.0-h-micro --preset nemotron-h-8b \
+  --decode 16384:64 --decode 4096:256 --prefill '' --max-model-len 32768 --profile-batch 64 --no-peers --budget-s 190
+part long-deepseek 180 $PY $B --gpu-run "$out/long-deepseek" --preset deepseek-v2-lite \
+  --decode 16384:1,16,64 --decode 4096:256 --prefill '' --max-model-len 32768 --profile-batch 64 --no-peers --budget-s 170
 # where a launch's host time goes (argument handling against the graph's launch), Granite b1 / b64
 part probe-dispatch 120 $PY benchmarks/probe_launch.py --preset granite-4.0-h-micro --batch 1,64 --dispatch \
   --variants runner --out "$out/probe-dispatch"
-for p in hybrids hybrids-prefill hybrids-peers deepseek deepseek-kvjax deepseek-prefill8k granite-mml1k; do
+for p in hybrids hybrids-prefill hybrids-peers deepseek deepseek-kvjax deepseek-prefill8k granite-mml1k \
+    long-hybrids long-deepseek; do
   [ -f "$out/$p/model.json" ] && cp "$out/$p/model.json" "$out/model-$p.json"
   rm -rf "$out/$p"
 done
