@@ -42,7 +42,8 @@ from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
 from pallas_kernels import gpu_tiling
 
-__all__ = ["ACTIVATIONS", "FEW_ROWS", "GroupedMatmulConfig", "group_tiles", "grouped_matmul", "num_tiles", "tile_rows_for"]
+__all__ = ["ACTIVATIONS", "FEW_ROWS", "GroupedMatmulConfig", "group_tiles", "grouped_matmul", "num_tiles",
+           "tile_rows_for"]
 
 OP_GROUPED_MATMUL = "grouped_matmul"
 

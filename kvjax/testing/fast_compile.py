@@ -32,33 +32,23 @@ from __future__ import annotations
 import jaxlib
 
 
-def _knows_fusion_emitters_option() -> bool:
-    """Whether this XLA has ``xla_cpu_use_fusion_emitters``: jaxlib 0.11 dropped it (XLA exits
-    with "Unknown flag in XLA_FLAGS" when it is set), so there the settings leave it out."""
+def _jaxlib_0_10(**options) -> dict:
+    """``options`` under jaxlib < 0.11, else none. Its XLA has ``xla_cpu_use_fusion_emitters``,
+    which jaxlib 0.11 dropped (XLA exits with "Unknown flag in XLA_FLAGS" when it is set), and
+    the split count was checked there; under 0.11 the settings leave both out."""
     major, minor = (int(x) for x in jaxlib.__version__.split(".")[:2])
-    return (major, minor) < (0, 11)
-
-
-def _emitters(use: bool) -> dict:
-    return {"xla_cpu_use_fusion_emitters": use} if _knows_fusion_emitters_option() else {}
+    return options if (major, minor) < (0, 11) else {}
 
 
 #: XLA:CPU's default number of parts a program's LLVM module is split into for compiling.
 XLA_DEFAULT_SPLIT_COUNT = 32
 
 
-def _split_count(n: int) -> dict:
-    """``xla_cpu_parallel_codegen_split_count``, where it was checked to exist (as the emitters'
-    option, jaxlib < 0.11)."""
-    return {"xla_cpu_parallel_codegen_split_count": n} if _knows_fusion_emitters_option() else {}
-
-
 #: The settings, as XLA compile options.
 FAST_COMPILER_OPTIONS = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
-    **_emitters(False),
-    **_split_count(1),
+    **_jaxlib_0_10(xla_cpu_use_fusion_emitters=False, xla_cpu_parallel_codegen_split_count=1),
 }
 
 #: The same settings in ``XLA_FLAGS`` form.
@@ -66,7 +56,7 @@ FAST_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILER_OP
 
 #: Per-executable options that restore XLA:CPU's default fusion emitters under
 #: :data:`FAST_XLA_FLAGS` (the optimisation level stays 0: it leaves the optimised HLO as it is).
-DEFAULT_FUSION_OPTIONS = {"xla_backend_optimization_level": 0, **_emitters(True)}
+DEFAULT_FUSION_OPTIONS = {"xla_backend_optimization_level": 0, **_jaxlib_0_10(xla_cpu_use_fusion_emitters=True)}
 
 #: XLA's own defaults of these options, for a test whose numbers must be those of the program a
 #: user gets on a CPU: level 0 changes how dots accumulate (a float32 ulp or so), and with the
@@ -74,8 +64,8 @@ DEFAULT_FUSION_OPTIONS = {"xla_backend_optimization_level": 0, **_emitters(True)
 XLA_DEFAULT_COMPILER_OPTIONS = {
     "xla_backend_optimization_level": 2,
     "xla_llvm_disable_expensive_passes": False,
-    **_emitters(True),
-    **_split_count(XLA_DEFAULT_SPLIT_COUNT),
+    **_jaxlib_0_10(xla_cpu_use_fusion_emitters=True,
+                   xla_cpu_parallel_codegen_split_count=XLA_DEFAULT_SPLIT_COUNT),
 }
 
 
