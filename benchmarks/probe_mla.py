@@ -13,7 +13,8 @@ rope 64``, values 128; latent 512 + 64), bf16:
 * ``context-empty``: the absorbed part over a context of 0 keys (a fresh prefill), default config.
 
 * ``decode``: the absorbed form at ``batch`` rows of ``context`` keys each (a table of 2,048
-  columns: max_model_len 32k), under split variants.
+  columns: max_model_len 32k), under tile, warp, stage and split variants, with the rate the
+  latent rows were read at (their bytes over the call's kernel time).
 
 Each row: summed kernel time per call from a profiler trace of 3 calls, and the FLOPs of the
 causal products (``2 T^2 / 2 * H * (D + Dv)``) over it.
@@ -40,13 +41,17 @@ VARIANTS = dict(default={}, m128=dict(gpu_block_m=128), m128_w8=dict(gpu_block_m
                 w8=dict(gpu_num_warps=8), stages3=dict(gpu_num_stages=3),
                 m128_n32_w8=dict(gpu_block_m=128, gpu_block_n=32, gpu_num_warps=8),
                 m128_w8_s3=dict(gpu_block_m=128, gpu_num_warps=8, gpu_num_stages=3))
-DECODE_VARIANTS = dict(default={}, splits32=dict(gpu_max_kv_splits=32), splits64=dict(gpu_max_kv_splits=64),
-                       splits64_n16=dict(gpu_max_kv_splits=64, gpu_block_n=16),
-                       splits32_p1024=dict(gpu_max_kv_splits=32, gpu_min_programs=1024),
-                       splits64_p1024=dict(gpu_max_kv_splits=64, gpu_min_programs=1024))
+DECODE_VARIANTS = dict(default={}, s1=dict(gpu_num_stages=1), s3=dict(gpu_num_stages=3),
+                       s4=dict(gpu_num_stages=4), w8=dict(gpu_num_warps=8),
+                       w8_s3=dict(gpu_num_warps=8, gpu_num_stages=3),
+                       n32_w8=dict(gpu_block_n=32, gpu_num_warps=8),
+                       n16=dict(gpu_block_n=16), n16_s4=dict(gpu_block_n=16, gpu_num_stages=4),
+                       n128_w8=dict(gpu_block_n=128, gpu_num_warps=8),
+                       p1024=dict(gpu_min_programs=1024), w8_p512=dict(gpu_num_warps=8, gpu_min_programs=512),
+                       p128=dict(gpu_min_programs=128))
 
 
-def decode(batch: int, ctx: int, rng) -> list:
+def decode(batch: int, ctx: int, rng, variants=()) -> list:
     """The absorbed MLA decode call at ``batch`` rows of ``ctx`` keys, under DECODE_VARIANTS."""
     W, bs = 2048, 16
     per = -(-ctx // bs)
@@ -60,6 +65,8 @@ def decode(batch: int, ctx: int, rng) -> list:
     q = jnp.asarray(rng.standard_normal((batch, H, R_LAT + ROPE)), jnp.bfloat16)
     out = []
     for name, kw in DECODE_VARIANTS.items():
+        if variants and name not in variants:
+            continue
         cfg = PagedAttentionConfig(**kw)
         f = jax.jit(lambda q, c=cfg: paged_attention(q, cache, None, table, lens, pos, row, v_head_dim=R_LAT,
                                                       sm_scale=0.1, backend="pallas_gpu", config=c))
@@ -68,9 +75,13 @@ def decode(batch: int, ctx: int, rng) -> list:
             t = jax_device_us(lambda: jax.block_until_ready(f(q)), 3, 1)
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects
             t = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        out.append(dict(part="decode", batch=batch, context=ctx, variant=name, config=kw, **t))
-        print(f"decode b={batch:3d} ctx={ctx} {name:16s} {t.get('device_us_per_call')} us "
-              f"({t.get('kernels_per_call')} kernels) {t.get('error', '')}", flush=True)
+        us = t.get("device_us_per_call")
+        tbps = None if not us else batch * ctx * (R_LAT + ROPE) * 2 / us / 1e6  # latent rows read
+        out.append(dict(part="decode", batch=batch, context=ctx, variant=name, config=kw, **t,
+                        latent_TBps=tbps))
+        print(f"decode b={batch:3d} ctx={ctx} {name:16s} {us and round(us, 1)} us "
+              f"{tbps and round(tbps, 2)} TB/s ({t.get('kernels_per_call')} kernels) {t.get('error', '')}",
+              flush=True)
     return out
 
 
@@ -80,12 +91,13 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--decode", default="1:1024,1:4096,16:1024")
+    ap.add_argument("--decode-variants", default="", help="comma-separated DECODE_VARIANTS names (default: all)")
     a = ap.parse_args()
     rows = []
     rng = np.random.default_rng(0)
     for spec in filter(None, a.decode.split(",")):
         b, c = spec.split(":")
-        rows += decode(int(b), int(c), rng)
+        rows += decode(int(b), int(c), rng, tuple(filter(None, a.decode_variants.split(","))))
     for T in [int(x) for x in filter(None, a.tokens.split(","))]:
         D = NOPE + ROPE
         q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16)
