@@ -55,7 +55,8 @@ def decode(batch: int, ctx: int, rng, variants=()) -> list:
     """The absorbed MLA decode call at ``batch`` rows of ``ctx`` keys, under DECODE_VARIANTS."""
     W, bs = 2048, 16
     per = -(-ctx // bs)
-    cache = jnp.asarray(rng.standard_normal((batch * per + 1, bs, 1, R_LAT + ROPE)), jnp.bfloat16)
+    cache = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (batch * per + 1, bs, 1, R_LAT + ROPE),
+                              jnp.bfloat16)
     table = np.zeros((batch, W), np.int32)
     table[:, :per] = 1 + np.arange(batch * per).reshape(batch, per)
     table = jnp.asarray(table)
@@ -68,11 +69,15 @@ def decode(batch: int, ctx: int, rng, variants=()) -> list:
         if variants and name not in variants:
             continue
         cfg = PagedAttentionConfig(**kw)
-        f = jax.jit(lambda q, c=cfg: paged_attention(q, cache, None, table, lens, pos, row, v_head_dim=R_LAT,
-                                                      sm_scale=0.1, backend="pallas_gpu", config=c))
+        # the cache is an argument, not a constant closed over (which compiled its 1.2 GB into
+        # every variant's program: ~50 s each)
+        f = jax.jit(lambda q, cache, table, lens, pos, row, c=cfg: paged_attention(
+            q, cache, None, table, lens, pos, row, v_head_dim=R_LAT, sm_scale=0.1, backend="pallas_gpu",
+            config=c))
+        args = (q, cache, table, lens, pos, row)
         try:
-            jax.block_until_ready(f(q))
-            t = jax_device_us(lambda: jax.block_until_ready(f(q)), 3, 1)
+            jax.block_until_ready(f(*args))
+            t = jax_device_us(lambda: jax.block_until_ready(f(*args)), 3, 1)
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects
             t = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         us = t.get("device_us_per_call")

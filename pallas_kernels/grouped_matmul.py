@@ -145,14 +145,21 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, row
         valid = (g >= 0) & (g < G)
         return (jnp.where(valid, jnp.arange(P, dtype=jnp.int32) * TM, NT * TM).astype(jnp.int32),
                 jnp.where(valid, g, G).astype(jnp.int32))
-    onehot = (g[:, None] == jnp.arange(G, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [P, G]
-    counts = jnp.sum(onehot, axis=0)
-    rank = jnp.sum(onehot * (jnp.cumsum(onehot, axis=0) - 1), axis=1)  # row's index in its group
+    valid = (g >= 0) & (g < G)
+    key = jnp.where(valid, g, G)  # rows of no group sort last
+    # The rows in group order, row order within a group: a stable sort, not a running count
+    # down a [P, G] one-hot (XLA:GPU fuses that into a reduction of G outputs, each thread
+    # walking all P rows: 121 us at P 384, G 64 on an H200; BENCHMARKS.md's H200 notes).
+    sorted_key, order = jax.lax.sort((key, jnp.arange(P, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    groups = jnp.arange(G, dtype=jnp.int32)
+    counts = jnp.sum((g[None, :] == groups[:, None]).astype(jnp.int32), axis=1)  # [G]
     tiles = (counts + TM - 1) // TM
     ends = jnp.cumsum(tiles)  # [G] exclusive end tile of each group
     starts = ends - tiles
-    valid = (g >= 0) & (g < G)
-    slot = jnp.where(valid, jnp.sum(onehot * starts[None, :], axis=1) * TM + rank, NT * TM)
+    first = jnp.cumsum(counts) - counts  # [G] sorted position of each group's first row
+    k = jnp.minimum(sorted_key, G - 1)
+    ranked = jnp.where(sorted_key < G, starts[k] * TM + jnp.arange(P, dtype=jnp.int32) - first[k], NT * TM)
+    slot = jnp.zeros((P,), jnp.int32).at[order].set(ranked, unique_indices=True)
     tile = jnp.arange(NT, dtype=jnp.int32)
     tile_group = jnp.sum((ends[None, :] <= tile[:, None]).astype(jnp.int32), axis=1)  # G: unused
     return slot.astype(jnp.int32), tile_group.astype(jnp.int32)

@@ -309,12 +309,23 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         # Tile row m -> token i + k_of_m, query head h * G + g_of_m (lanes g >= G unused).
         k_of_m, g_of_m = jax.lax.div(m, Gp), jax.lax.rem(m, Gp)
         head_ok = g_of_m < G
-        feats = []  # per key block: (columns clamped into the row, column mask)
+        # Per key block: (columns, column mask). A block inside the row takes its columns as
+        # they are, unmasked: Triton vectorises a row's loads only where it can see the columns
+        # are consecutive, and a clamp hides that (each element became a load of its own).
+        # Only a padded block clamps its columns into the row and masks the padding.
+        feats = []
         for start, width in segs:
             cols_p = start + jnp.arange(width, dtype=jnp.int32)[None, :]
-            feats.append((jnp.minimum(cols_p, D - 1), cols_p < D))
+            feats.append((cols_p, None) if start + width <= D else
+                         (jnp.minimum(cols_p, D - 1), cols_p < D))
         vcols_p = jnp.arange(Dvp, dtype=jnp.int32)[None, :]
-        vcols, vcol_ok = jnp.minimum(vcols_p, Dv - 1), vcols_p < Dv  # value features
+        vcols, vcol_ok = ((vcols_p, None) if Dvp == Dv else  # value features
+                          (jnp.minimum(vcols_p, Dv - 1), vcols_p < Dv))
+
+        def rows_and(ok, col_ok, width):
+            """The load mask of rows ``ok`` and columns ``col_ok`` (None: every column)."""
+            return (jnp.broadcast_to(ok[:, None], (ok.shape[0], width)) if col_ok is None
+                    else ok[:, None] & col_ok)
         t = i + k_of_m
         lane = sp * lanes + (t * Hkv + h) * Gp + g_of_m  # distinct per tile row
 
@@ -351,8 +362,9 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
             first = jnp.minimum(sp * per_split, num_chunks)
             last = jnp.minimum(first + per_split, num_chunks)
             q_rows = t_c * Hq + h * G + jnp.minimum(g_of_m, G - 1)
-            q_tiles = [load(q_ref.at[q_rows[:, None] * D + cols], mask=member[:, None] & col_ok,
-                            other=0).astype(cdt) for cols, col_ok in feats]
+            q_tiles = [load(q_ref.at[q_rows[:, None] * D + cols], other=0,
+                            mask=rows_and(member, col_ok, cols.shape[1])).astype(cdt)
+                       for cols, col_ok in feats]
             score_scale = jnp.float32(scale)
             if fp8:
                 score_scale = score_scale * refs[0][h]
@@ -366,12 +378,12 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
                 bid = load(table_ref.at[base + col], mask=live, other=0)
                 ok = live & (bid >= 0) & (bid < N)  # a bad id reads nothing
                 kv_rows = (jnp.where(ok, bid, 0) * bs + jax.lax.rem(j, bs)) * Hkv + h
-                kbs = [read_kv(k_ref.at[kv_rows[:, None] * D + cols], ok[:, None] & col_ok)
+                kbs = [read_kv(k_ref.at[kv_rows[:, None] * D + cols], rows_and(ok, col_ok, cols.shape[1]))
                        for cols, col_ok in feats]
                 if values_in_keys:
                     vb = kbs[0]
                 else:
-                    vb = read_kv(v_ref.at[kv_rows[:, None] * Vw + vcols], ok[:, None] & vcol_ok)
+                    vb = read_kv(v_ref.at[kv_rows[:, None] * Vw + vcols], rows_and(ok, vcol_ok, Dvp))
                 s = sum(jax.lax.dot_general(qt, kb, (((1,), (1,)), ((), ())), precision=prec,
                                             preferred_element_type=jnp.float32)
                         for qt, kb in zip(q_tiles, kbs)) * score_scale

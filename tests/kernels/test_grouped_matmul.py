@@ -14,11 +14,15 @@ Planted bugs each test was seen to fail on (then restored):
 * ``group_tiles`` starting each group at ``starts * TM + rank`` with ``starts`` off by one
   tile: the layout test fails;
 * ``num_tiles`` one tile short: the layout test's bound fails (and the slots overflow);
+* the layout counted by a running sum down a ``[P, G]`` one-hot (the former way):
+  ``test_group_tiles_sorts_instead_of_counting_down_the_rows`` fails;
 * the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.extend.core
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -66,6 +70,24 @@ def test_group_tiles_layout(P, G, TM):
         unused = sorted(set(range(NT)) - used)
         assert np.all(tg[unused] == G)
         assert unused == list(range(len(used), NT)), "used tiles come first"
+
+
+def test_group_tiles_sorts_instead_of_counting_down_the_rows():
+    """The layout's work is one stable sort of the rows; any running sum is over the groups.
+    A running count down the rows of a ``[P, G]`` one-hot gives the same layout, but XLA:GPU
+    fuses it into a reduction of G outputs, each walking all P rows (121 us a MoE layer at
+    DeepSeek's batch 64 on an H200, BENCHMARKS.md)."""
+    P, G = 384, 64
+    def walk(jaxpr):  # every equation, those of nested jits included
+        for e in jaxpr.eqns:
+            yield e
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from walk(sub)
+
+    eqns = list(walk(jax.make_jaxpr(lambda g: group_tiles(g, G, 16))(jnp.zeros((P,), jnp.int32)).jaxpr))
+    sums = [e for e in eqns if e.primitive.name in ("cumsum", "reduce_window_sum")]
+    assert sum(e.primitive.name == "sort" for e in eqns) == 1
+    assert sums and all(max(v.aval.shape) <= G for e in sums for v in e.invars), sums
 
 
 @pytest.mark.parametrize("G,TM", [(64, 16), (5, 4)])

@@ -24,6 +24,8 @@ Planted bugs each test was seen to fail on (then restored):
   tile test fails;
 * the reference scaling scores by ``sqrt(D)`` instead of ``1 / sqrt(D)``:
   ``test_reference_is_the_models_attention_bitwise`` fails.
+* every feature block's columns clamped into the row, as only a padded block needs: both
+  lowering tests fail (a clamp on a row of columns).
 
 Not observable here: a tile taking in the next row's tokens (membership without the
 row check). The interpreter runs programs in grid order, so the later, right tile
@@ -31,6 +33,8 @@ overwrites them; on a GPU it would be a race between two stores.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -486,6 +490,13 @@ def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt,
     assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
     module = str(verified_triton_modules[0].module)
     assert module.count("tt.dot") == 2 and "scf.for" in module  # the key loop, two products
+    assert not COLUMN_CLAMP.search(module)
+
+
+#: A clamp (``jnp.minimum``) on a row of column indices: Triton then cannot see that a load's
+#: columns are consecutive, and loads each element alone. Only a feature block padded past the
+#: head's width may clamp; every block of these shapes lies inside the row.
+COLUMN_CLAMP = re.compile(r"arith\.minsi [^\n]*: tensor<1x\d+xi32>")
 
 
 def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_modules):
@@ -503,4 +514,5 @@ def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_m
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
-    assert str(verified_triton_modules[0].module).count("tt.dot") == 3
+    module = str(verified_triton_modules[0].module)
+    assert module.count("tt.dot") == 3 and not COLUMN_CLAMP.search(module)
