@@ -41,29 +41,35 @@ VARIANTS = dict(default={}, m128=dict(gpu_block_m=128), m128_w8=dict(gpu_block_m
                 w8=dict(gpu_num_warps=8), stages3=dict(gpu_num_stages=3),
                 m128_n32_w8=dict(gpu_block_m=128, gpu_block_n=32, gpu_num_warps=8),
                 m128_w8_s3=dict(gpu_block_m=128, gpu_num_warps=8, gpu_num_stages=3))
-DECODE_VARIANTS = dict(default={}, s1=dict(gpu_num_stages=1), s3=dict(gpu_num_stages=3),
+DECODE_VARIANTS = dict(default={}, s1=dict(gpu_num_stages=1), s2=dict(gpu_num_stages=2), s3=dict(gpu_num_stages=3),
                        s4=dict(gpu_num_stages=4), w8=dict(gpu_num_warps=8),
                        w8_s3=dict(gpu_num_warps=8, gpu_num_stages=3),
                        n32_w8=dict(gpu_block_n=32, gpu_num_warps=8),
                        n16=dict(gpu_block_n=16), n16_s4=dict(gpu_block_n=16, gpu_num_stages=4),
                        n128_w8=dict(gpu_block_n=128, gpu_num_warps=8),
                        p1024=dict(gpu_min_programs=1024), w8_p512=dict(gpu_num_warps=8, gpu_min_programs=512),
-                       p128=dict(gpu_min_programs=128))
+                       p128=dict(gpu_min_programs=128), n64=dict(gpu_block_n=64),
+                       n64_s3=dict(gpu_block_n=64, gpu_num_stages=3), s3_p512=dict(gpu_num_stages=3, gpu_min_programs=512),
+                       n128_s3=dict(gpu_block_n=128, gpu_num_stages=3))
 
 
-def decode(batch: int, ctx: int, rng, variants=()) -> list:
-    """The absorbed MLA decode call at ``batch`` rows of ``ctx`` keys, under DECODE_VARIANTS."""
+def decode(batch: int, ctx: int, rng, variants=(), gqa: bool = False) -> list:
+    """The absorbed MLA decode call at ``batch`` rows of ``ctx`` keys, under DECODE_VARIANTS;
+    ``gqa``: Nemotron-H's GQA decode instead (32 query heads over 8 kv heads x 128, keys and
+    values in two caches), for comparison."""
     W, bs = 2048, 16
     per = -(-ctx // bs)
-    cache = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), (batch * per + 1, bs, 1, R_LAT + ROPE),
-                              jnp.bfloat16)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    kv_heads, width = (8, 128) if gqa else (1, R_LAT + ROPE)
+    cache = jax.random.normal(key, (batch * per + 1, bs, kv_heads, width), jnp.bfloat16)
+    values = jax.random.normal(jax.random.fold_in(key, 1), cache.shape, jnp.bfloat16) if gqa else None
     table = np.zeros((batch, W), np.int32)
     table[:, :per] = 1 + np.arange(batch * per).reshape(batch, per)
     table = jnp.asarray(table)
     lens = jnp.full((batch,), ctx, jnp.int32)
     pos = jnp.full((batch,), ctx - 1, jnp.int32)
     row = jnp.arange(batch, dtype=jnp.int32)
-    q = jnp.asarray(rng.standard_normal((batch, H, R_LAT + ROPE)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((batch, 32, 128) if gqa else (batch, H, R_LAT + ROPE)), jnp.bfloat16)
     out = []
     for name, kw in DECODE_VARIANTS.items():
         if variants and name not in variants:
@@ -71,20 +77,21 @@ def decode(batch: int, ctx: int, rng, variants=()) -> list:
         cfg = PagedAttentionConfig(**kw)
         # the cache is an argument, not a constant closed over (which compiled its 1.2 GB into
         # every variant's program: ~50 s each)
-        f = jax.jit(lambda q, cache, table, lens, pos, row, c=cfg: paged_attention(
-            q, cache, None, table, lens, pos, row, v_head_dim=R_LAT, sm_scale=0.1, backend="pallas_gpu",
-            config=c))
-        args = (q, cache, table, lens, pos, row)
+        f = jax.jit(lambda q, cache, values, table, lens, pos, row, c=cfg: paged_attention(
+            q, cache, values, table, lens, pos, row, v_head_dim=None if gqa else R_LAT, sm_scale=0.1,
+            backend="pallas_gpu", config=c))
+        args = (q, cache, values, table, lens, pos, row)
         try:
             jax.block_until_ready(f(*args))
             t = jax_device_us(lambda: jax.block_until_ready(f(*args)), 3, 1)
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects
             t = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         us = t.get("device_us_per_call")
-        tbps = None if not us else batch * ctx * (R_LAT + ROPE) * 2 / us / 1e6  # latent rows read
-        out.append(dict(part="decode", batch=batch, context=ctx, variant=name, config=kw, **t,
-                        latent_TBps=tbps))
-        print(f"decode b={batch:3d} ctx={ctx} {name:16s} {us and round(us, 1)} us "
+        read = batch * ctx * kv_heads * width * 2 * (2 if gqa else 1)  # the cache rows read
+        tbps = None if not us else read / us / 1e6
+        out.append(dict(part="gqa-decode" if gqa else "decode", batch=batch, context=ctx, variant=name,
+                        config=kw, **t, cache_TBps=tbps))
+        print(f"{'gqa ' if gqa else ''}decode b={batch:3d} ctx={ctx} {name:16s} {us and round(us, 1)} us "
               f"{tbps and round(tbps, 2)} TB/s ({t.get('kernels_per_call')} kernels) {t.get('error', '')}",
               flush=True)
     return out
@@ -97,12 +104,16 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--decode", default="1:1024,1:4096,16:1024")
     ap.add_argument("--decode-variants", default="", help="comma-separated DECODE_VARIANTS names (default: all)")
+    ap.add_argument("--gqa-decode", default="", help="BATCH:CONTEXT,...: Nemotron-H's GQA decode, the same variants")
     a = ap.parse_args()
     rows = []
     rng = np.random.default_rng(0)
     for spec in filter(None, a.decode.split(",")):
         b, c = spec.split(":")
         rows += decode(int(b), int(c), rng, tuple(filter(None, a.decode_variants.split(","))))
+    for spec in filter(None, a.gqa_decode.split(",")):
+        b, c = spec.split(":")
+        rows += decode(int(b), int(c), rng, tuple(filter(None, a.decode_variants.split(","))), gqa=True)
     for T in [int(x) for x in filter(None, a.tokens.split(","))]:
         D = NOPE + ROPE
         q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16)

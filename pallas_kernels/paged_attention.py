@@ -94,7 +94,8 @@ class PagedAttentionConfig:
         head at batch 1, MLA's absorbed decode, spread a long context over 64 programs).
       gpu_num_warps: Triton warps; None: the rule of ``_fit_registers`` (4, or 8 for MLA's
         prefill tiles).
-      gpu_num_stages: software pipelining of the key loop.
+      gpu_num_stages: software pipelining of the key loop; None: the rule of ``_stages`` (3
+        for a decode tile over wide key rows, MLA's latent rows, else 2).
     """
 
     gpu_block_m: int | None = None
@@ -103,7 +104,7 @@ class PagedAttentionConfig:
     gpu_max_kv_splits: int = 64
     gpu_min_programs: int = 256
     gpu_num_warps: int | None = None
-    gpu_num_stages: int = 2
+    gpu_num_stages: int | None = None
 
     def __post_init__(self):
         for name in ("gpu_block_m", "gpu_block_n", "gpu_num_warps", "gpu_kv_splits",
@@ -113,8 +114,9 @@ class PagedAttentionConfig:
                 continue
             if not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v!r}")
-        if not isinstance(self.gpu_num_stages, int) or self.gpu_num_stages < 1:
-            raise ValueError(f"gpu_num_stages must be an int >= 1, got {self.gpu_num_stages!r}")
+        if self.gpu_num_stages is not None and (not isinstance(self.gpu_num_stages, int)
+                                                or self.gpu_num_stages < 1):
+            raise ValueError(f"gpu_num_stages must be None or an int >= 1, got {self.gpu_num_stages!r}")
 
 
 # --------------------------------------------------------------------------
@@ -202,9 +204,9 @@ def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int,
 
 
 #: Key-chunk elements (block_n x padded key width) one warp holds in registers, at most: MLA's
-#: 576-wide rows at 16 x 128 tiles (73K elements on 4 warps) spilled and ran about 8x slower
-#: than at 16 x 32 (H100, 2026-11-27).
-KEY_CHUNK_ELEMENTS_PER_WARP = 8192
+#: 576-wide rows take 64 keys on 4 warps (37K elements), the fastest of 16-128 keys on 4 or 8
+#: warps in the H200's sweep; 128 keys (74K) ran 1.2x slower (BENCHMARKS.md's H200 notes).
+KEY_CHUNK_ELEMENTS_PER_WARP = 16384
 
 
 def _fit_registers(BM: int, BN: int, Dp: int, Dvp: int, cfg: PagedAttentionConfig) -> tuple[int, int]:
@@ -215,6 +217,20 @@ def _fit_registers(BM: int, BN: int, Dp: int, Dvp: int, cfg: PagedAttentionConfi
     while cfg.gpu_block_n is None and BN > 16 and BN * Dp > KEY_CHUNK_ELEMENTS_PER_WARP * warps:
         BN //= 2
     return int(BN), int(warps)
+
+
+#: Key rows wider than this (padded) take a third pipeline stage in decode tiles: MLA's
+#: 576-wide latent rows ran 1.1-1.3x faster with 3 stages than with 2 on the H200; 128-wide
+#: GQA rows gained nothing (-7% to +1%).
+WIDE_KEY_ROWS = 256
+
+
+def _stages(T: int, R: int, Dp: int, cfg: PagedAttentionConfig) -> int:
+    """Pipeline stages of the key loop: the config's, else 3 for a decode tile (at most one
+    token per row) over key rows wider than :data:`WIDE_KEY_ROWS`, else 2."""
+    if cfg.gpu_num_stages is not None:
+        return cfg.gpu_num_stages
+    return 3 if T <= R and Dp > WIDE_KEY_ROWS else 2
 
 
 def _kv_splits(T: int, Hkv: int, max_keys: int, block_n: int, cfg: PagedAttentionConfig) -> int:
@@ -415,7 +431,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         grid=(T, Hkv, splits),
         compiler_params=_backend.triton.CompilerParams(
             num_warps=warps,
-            num_stages=config.gpu_num_stages),
+            num_stages=_stages(T, R, Dp, config)),
         interpret=interpret,
         name="paged_attention_gpu",
     )

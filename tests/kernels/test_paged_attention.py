@@ -364,16 +364,31 @@ def test_tiles_fit_shared_memory():
 
 
 def test_tiles_fit_registers():
-    """Key chunks stay within the per-warp register budget: MLA's decode tiles 16 x 32 on 4
-    warps (16 x 128 spilled on an H100), its prefill tiles 64 x 64 on 8; usual heads unchanged."""
+    """Key chunks stay within the per-warp register budget: MLA's decode tiles 16 x 64 on 4
+    warps (16 x 128 ran slower on an H200), its prefill tiles 64 x 64 on 8; usual heads unchanged."""
     from pallas_kernels.paged_attention import _fit_registers
 
     cfg = PagedAttentionConfig()
-    assert _fit_registers(16, 128, 576, 512, cfg) == (32, 4)
+    assert _fit_registers(16, 128, 576, 512, cfg) == (64, 4)
+    assert _fit_registers(16, 64, 576, 512, cfg) == (64, 4)
     assert _fit_registers(64, 64, 576, 512, cfg) == (64, 8)
     assert _fit_registers(16, 128, 128, 128, cfg) == (128, 4)
     assert _fit_registers(64, 64, 128, 128, cfg) == (64, 4)
     assert _fit_registers(16, 128, 576, 512, PagedAttentionConfig(gpu_block_n=128)) == (128, 4)
+
+
+def test_stages_rule():
+    """Three pipeline stages for decode tiles over MLA's 576-wide latent rows; two for GQA's
+    128-wide rows and for prefill tiles; the config's value wins."""
+    from pallas_kernels.paged_attention import _stages
+
+    cfg = PagedAttentionConfig()
+    assert _stages(64, 64, 576, cfg) == 3 and _stages(1, 256, 576, cfg) == 3  # MLA decode
+    assert _stages(2048, 64, 576, cfg) == 2  # MLA prefill over its context
+    assert _stages(64, 64, 128, cfg) == 2 and _stages(64, 64, 256, cfg) == 2  # GQA decode
+    assert _stages(64, 64, 576, PagedAttentionConfig(gpu_num_stages=1)) == 1
+    with pytest.raises(ValueError, match="gpu_num_stages must be None or an int >= 1"):
+        PagedAttentionConfig(gpu_num_stages=0)
 
 
 def test_feature_segments():
