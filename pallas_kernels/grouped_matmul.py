@@ -158,7 +158,8 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, row
     starts = ends - tiles
     first = jnp.cumsum(counts) - counts  # [G] sorted position of each group's first row
     k = jnp.minimum(sorted_key, G - 1)
-    ranked = jnp.where(sorted_key < G, starts[k] * TM + jnp.arange(P, dtype=jnp.int32) - first[k], NT * TM)
+    position = jnp.arange(P, dtype=jnp.int32)  # in the sorted order
+    ranked = jnp.where(sorted_key < G, starts[k] * TM + position - first[k], NT * TM)
     slot = jnp.zeros((P,), jnp.int32).at[order].set(ranked, unique_indices=True)
     tile = jnp.arange(NT, dtype=jnp.int32)
     tile_group = jnp.sum((ends[None, :] <= tile[:, None]).astype(jnp.int32), axis=1)  # G: unused

@@ -327,7 +327,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         head_ok = g_of_m < G
         # Per key block: (columns, column mask). A block inside the row takes its columns as
         # they are, unmasked: Triton vectorises a row's loads only where it can see the columns
-        # are consecutive, and a clamp hides that (each element became a load of its own).
+        # are consecutive, and a clamp hides that (each element would be a load of its own).
         # Only a padded block clamps its columns into the row and masks the padding.
         feats = []
         for start, width in segs:
@@ -394,8 +394,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
                 bid = load(table_ref.at[base + col], mask=live, other=0)
                 ok = live & (bid >= 0) & (bid < N)  # a bad id reads nothing
                 kv_rows = (jnp.where(ok, bid, 0) * bs + jax.lax.rem(j, bs)) * Hkv + h
-                kbs = [read_kv(k_ref.at[kv_rows[:, None] * D + cols], rows_and(ok, col_ok, cols.shape[1]))
-                       for cols, col_ok in feats]
+                kbs = [read_kv(k_ref.at[kv_rows[:, None] * D + cols],
+                               rows_and(ok, col_ok, cols.shape[1])) for cols, col_ok in feats]
                 if values_in_keys:
                     vb = kbs[0]
                 else:
