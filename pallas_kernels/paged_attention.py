@@ -182,18 +182,22 @@ def _feature_segments(D: int) -> tuple[tuple[int, int], ...]:
     return ((0, head),) if rest <= 0 else ((0, head), (head, max(16, pl.next_power_of_2(rest))))
 
 
-def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int,
+def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int, stages: int,
                        cfg: PagedAttentionConfig) -> tuple[int, int]:
     """``(block_m, block_n)``: the defaults (or the config's), the defaults halved while one
-    program's tiles would not fit :data:`SHARED_MEMORY_BUDGET`: the query tile plus one K and V
-    chunk, ``Dp`` / ``Dvp`` their padded widths (``Dvp`` 0 where the values are the keys' first
-    block): an estimate (MLA's rows padded to 1024 / 512 at 16 x 128 asked Triton for 320 KiB,
-    this said 425). Wide heads get narrower tiles; the usual head sizes keep the defaults."""
+    program's tiles would not fit :data:`SHARED_MEMORY_BUDGET`: the query tile plus the K and V
+    chunks the key loop's pipeline holds, ``stages - 1`` of them (one at least), ``Dp`` /
+    ``Dvp`` their padded widths (``Dvp`` 0 where the values are the keys' first block). An
+    estimate: at 2 stages MLA's rows padded to 1024 / 512 at 16 x 128 asked Triton for 320 KiB,
+    this said 425; at 3 stages MLA's 576-wide bf16 decode tile of 64 keys compiles in Hopper's
+    227 KiB, this says 162. Wide heads get narrower tiles; the usual head sizes keep the
+    defaults."""
     BM = _tile_rows(T, R, G, cfg)
     BN = cfg.gpu_block_n or 64
+    chunks = max(1, stages - 1)
 
     def need(bm, bn):
-        return (bm * Dp + bn * (Dp + Dvp)) * itemsize
+        return (bm * Dp + chunks * bn * (Dp + Dvp)) * itemsize
 
     floor_m = pl.next_power_of_2(G)
     while cfg.gpu_block_m is None and BM > max(16, floor_m) and need(BM, BN) > SHARED_MEMORY_BUDGET:
@@ -270,8 +274,9 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     G = Hq // Hkv
     Gp = pl.next_power_of_2(G)
     cdt = _dot_dtype(q.dtype, key_cache.dtype)
+    stages = _stages(T, R, Dp, config)
     BM, BN = _fit_shared_memory(T, R, G, Dp, 0 if values_in_keys else Dvp,
-                                jnp.dtype(cdt).itemsize, config)
+                                jnp.dtype(cdt).itemsize, stages, config)
     BN, warps = _fit_registers(BM, BN, Dp, Dvp, config)
     BQ = BM // Gp  # tokens per tile
     S = W * bs
@@ -431,7 +436,7 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         grid=(T, Hkv, splits),
         compiler_params=_backend.triton.CompilerParams(
             num_warps=warps,
-            num_stages=_stages(T, R, Dp, config)),
+            num_stages=stages),
         interpret=interpret,
         name="paged_attention_gpu",
     )

@@ -347,20 +347,26 @@ def test_head_sizes_not_powers_of_two_and_shared_latent_values(backend, D, Dv, s
 
 def test_tiles_fit_shared_memory():
     """The usual head sizes keep the default tiles; MLA's latent rows (576 / 512 features padded
-    to 1024 / 512) get tiles that fit the budget; a config's explicit sizes are kept."""
+    to 1024 / 512) get tiles that fit the budget, counting the chunks a third pipeline stage
+    holds; a config's explicit sizes are kept."""
     from pallas_kernels.paged_attention import SHARED_MEMORY_BUDGET, _fit_shared_memory
 
     cfg = PagedAttentionConfig()
-    assert _fit_shared_memory(64, 64, 4, 128, 128, 2, cfg) == (16, 64)  # bf16 decode
-    assert _fit_shared_memory(2048, 256, 4, 128, 128, 2, cfg) == (64, 64)  # bf16 prefill
-    assert _fit_shared_memory(64, 64, 4, 128, 128, 4, cfg) == (16, 64)  # float32 decode
+    assert _fit_shared_memory(64, 64, 4, 128, 128, 2, 2, cfg) == (16, 64)  # bf16 decode
+    assert _fit_shared_memory(2048, 256, 4, 128, 128, 2, 2, cfg) == (64, 64)  # bf16 prefill
+    assert _fit_shared_memory(64, 64, 4, 128, 128, 4, 2, cfg) == (16, 64)  # float32 decode
     for T in (64, 2048):
-        bm, bn = _fit_shared_memory(T, 64, 16, 1024, 512, 2, cfg)
-        assert bm >= 16 and bn >= 16 and (bm * 1024 + bn * 1536) * 2 <= SHARED_MEMORY_BUDGET
-    assert _fit_shared_memory(64, 64, 16, 1024, 512, 2, PagedAttentionConfig(gpu_block_n=128))[1] == 128
-    # MLA's 576 key features as 512 + 64, the values read from the first block: default tiles
-    assert _fit_shared_memory(64, 64, 16, 576, 0, 2, cfg) == (16, 64)
-    assert _fit_shared_memory(2048, 256, 16, 576, 0, 2, cfg) == (64, 64)
+        for stages in (1, 2, 3, 4):
+            bm, bn = _fit_shared_memory(T, 64, 16, 1024, 512, 2, stages, cfg)
+            chunks = max(1, stages - 1)
+            assert bm >= 16 and bn >= 16 and (bm * 1024 + chunks * bn * 1536) * 2 <= SHARED_MEMORY_BUDGET
+    assert _fit_shared_memory(64, 64, 16, 1024, 512, 2, 2, PagedAttentionConfig(gpu_block_n=128))[1] == 128
+    # MLA's 576 key features as 512 + 64, the values read from the first block: default tiles,
+    # 64 keys at 3 stages in bf16 (decode); a float32 decode tile halves to 32 keys to hold 2 chunks
+    assert _fit_shared_memory(64, 64, 16, 576, 0, 2, 3, cfg) == (16, 64)
+    assert _fit_shared_memory(2048, 256, 16, 576, 0, 2, 2, cfg) == (64, 64)
+    assert _fit_shared_memory(64, 64, 16, 576, 0, 4, 3, cfg) == (16, 32)
+    assert _fit_shared_memory(64, 64, 16, 576, 0, 4, 2, cfg) == (16, 64)
 
 
 def test_tiles_fit_registers():
