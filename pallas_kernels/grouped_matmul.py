@@ -152,18 +152,19 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, row
     # walking all P rows: 121 us at P 384, G 64 on an H200; BENCHMARKS.md's H200 notes).
     sorted_key, order = jax.lax.sort((key, jnp.arange(P, dtype=jnp.int32)), num_keys=1, is_stable=True)
     groups = jnp.arange(G, dtype=jnp.int32)
-    counts = jnp.sum((g[None, :] == groups[:, None]).astype(jnp.int32), axis=1)  # [G]
+    i32 = jnp.int32  # sums stay int32 under x64 (the slots are scattered into int32)
+    counts = jnp.sum(g[None, :] == groups[:, None], axis=1, dtype=i32)  # [G]
     tiles = (counts + TM - 1) // TM
-    ends = jnp.cumsum(tiles)  # [G] exclusive end tile of each group
+    ends = jnp.cumsum(tiles, dtype=i32)  # [G] exclusive end tile of each group
     starts = ends - tiles
-    first = jnp.cumsum(counts) - counts  # [G] sorted position of each group's first row
+    first = jnp.cumsum(counts, dtype=i32) - counts  # [G] sorted position of each group's first row
     k = jnp.minimum(sorted_key, G - 1)
     position = jnp.arange(P, dtype=jnp.int32)  # in the sorted order
     ranked = jnp.where(sorted_key < G, starts[k] * TM + position - first[k], NT * TM)
     slot = jnp.zeros((P,), jnp.int32).at[order].set(ranked, unique_indices=True)
     tile = jnp.arange(NT, dtype=jnp.int32)
-    tile_group = jnp.sum((ends[None, :] <= tile[:, None]).astype(jnp.int32), axis=1)  # G: unused
-    return slot.astype(jnp.int32), tile_group.astype(jnp.int32)
+    tile_group = jnp.sum(ends[None, :] <= tile[:, None], axis=1, dtype=i32)  # G: unused
+    return slot, tile_group
 
 
 # --------------------------------------------------------------------------

@@ -16,6 +16,8 @@ Planted bugs each test was seen to fail on (then restored):
 * ``num_tiles`` one tile short: the layout test's bound fails (and the slots overflow);
 * the layout counted by a running sum down a ``[P, G]`` one-hot (the former way):
   ``test_group_tiles_sorts_instead_of_counting_down_the_rows`` fails;
+* ``group_tiles``' per-group sums left in the default integer type (int64 under x64):
+  ``test_group_tiles_under_x64`` fails (the int32 scatter warns);
 * the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails.
 """
 
@@ -87,7 +89,22 @@ def test_group_tiles_sorts_instead_of_counting_down_the_rows():
     eqns = list(walk(jax.make_jaxpr(lambda g: group_tiles(g, G, 16))(jnp.zeros((P,), jnp.int32)).jaxpr))
     sums = [e for e in eqns if e.primitive.name in ("cumsum", "reduce_window_sum")]
     assert sum(e.primitive.name == "sort" for e in eqns) == 1
-    assert sums and all(max(v.aval.shape) <= G for e in sums for v in e.invars), sums
+    assert all(max(v.aval.shape) <= G for e in sums for v in e.invars), sums
+
+
+def test_group_tiles_under_x64():
+    """With x64 on, the layout is the same int32 arrays and traces without a dtype warning (an
+    int64 sum scattered into the int32 slots warns, and JAX says that will become an error)."""
+    import warnings
+
+    groups = np.array([3, 0, -1, 3, 7, 1, 3, 0], np.int32)
+    want = _layout(groups, 4, 2)
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for g in (jnp.asarray(groups), jnp.asarray(groups.astype(np.int64))):
+            got = jax.jit(lambda x: group_tiles(x, 4, 2))(g)
+            assert [a.dtype for a in got] == [jnp.int32, jnp.int32]
+            assert all(np.array_equal(a, b) for a, b in zip(map(np.asarray, got), want))
 
 
 @pytest.mark.parametrize("G,TM", [(64, 16), (5, 4)])

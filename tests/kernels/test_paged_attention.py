@@ -321,13 +321,16 @@ def test_value_checks_when_concrete():
 
 
 @pytest.mark.parametrize("backend", ["reference", GPU])
-@pytest.mark.parametrize("D,Dv,shared", [(24, 24, False), (40, 16, False), (36, 32, True)],
-                         ids=["pad-24", "dv-16", "latent-36-32"])
+@pytest.mark.parametrize("D,Dv,shared", [(24, 24, False), (40, 16, False), (36, 32, True), (48, 48, False),
+                                         (48, 16, True)],
+                         ids=["pad-24", "dv-16", "latent-36-32", "blocks-32-16", "latent-48-16"])
 def test_head_sizes_not_powers_of_two_and_shared_latent_values(backend, D, Dv, shared):
-    """Head sizes need not be powers of two (the GPU kernel pads its blocks and masks the rest);
-    values may have their own head size, or be the keys' first ``v_head_dim`` features
-    (``value_cache=None``: a latent cache read as MQA, MLA's absorbed form). Poisoned mixed step
-    against the float64 oracle; the padded columns' NaN-free zeros never reach an output."""
+    """Head sizes need not be powers of two (the GPU kernel pads its blocks and masks the rest,
+    or, at 48 = 32 + 16, reads two unpadded blocks, the second from column 32); values may have
+    their own head size, or be the keys' first ``v_head_dim`` features (``value_cache=None``: a
+    latent cache read as MQA, MLA's absorbed form; at 48 / 16 the values are narrower than the
+    keys' first block). Poisoned mixed step against the float64 oracle; the padded columns'
+    NaN-free zeros never reach an output."""
     a = mixed(7, Hq=4, Hkv=1 if shared else 2, D=D)
     v_full = a["value_cache"]
     if shared:
@@ -518,6 +521,19 @@ def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt,
 #: columns are consecutive, and loads each element alone. Only a feature block padded past the
 #: head's width may clamp; every block of these shapes lies inside the row.
 COLUMN_CLAMP = re.compile(r"arith\.minsi [^\n]*: tensor<1x\d+xi32>")
+
+
+def test_column_clamp_pattern_finds_a_padded_block(verified_triton_modules):
+    """The control of ``COLUMN_CLAMP``: a head of 72 features (blocks 64 + 16, the second padded)
+    clamps that block's columns, and the pattern sees it in the lowered module."""
+    T, Hq, Hkv, D, N, bs, R, W = 4, 4, 2, 72, 8, 16, 4, 8
+    SD = jax.ShapeDtypeStruct
+    args = (SD((T, Hq, D), jnp.bfloat16), SD((N, bs, Hkv, D), jnp.bfloat16),
+            SD((N, bs, Hkv, D), jnp.bfloat16), SD((R, W), jnp.int32), SD((R,), jnp.int32),
+            SD((T,), jnp.int32), SD((T,), jnp.int32))
+    jax.jit(lambda *x: paged_attention(*x, backend=GPU, interpret=False)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    assert COLUMN_CLAMP.search(str(verified_triton_modules[0].module))
 
 
 def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_modules):
