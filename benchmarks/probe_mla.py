@@ -111,12 +111,11 @@ def main() -> int:
     a = ap.parse_args()
     rows = []
     rng = np.random.default_rng(0)
-    for spec in filter(None, a.decode.split(",")):
-        b, c = spec.split(":")
-        rows += decode(int(b), int(c), rng, tuple(filter(None, a.decode_variants.split(","))))
-    for spec in filter(None, a.gqa_decode.split(",")):
-        b, c = spec.split(":")
-        rows += decode(int(b), int(c), rng, tuple(filter(None, a.decode_variants.split(","))), gqa=True)
+    variants = tuple(filter(None, a.decode_variants.split(",")))
+    for specs, gqa in ((a.decode, False), (a.gqa_decode, True)):
+        for spec in filter(None, specs.split(",")):
+            b, c = spec.split(":")
+            rows += decode(int(b), int(c), rng, variants, gqa=gqa)
     for T in [int(x) for x in filter(None, a.tokens.split(","))]:
         D = NOPE + ROPE
         q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16)

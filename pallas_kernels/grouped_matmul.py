@@ -139,14 +139,12 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, row
     G, TM = int(num_groups), int(tile_rows)
     NT = num_tiles(P, G, TM)
     g = jnp.asarray(group_of_row).astype(jnp.int32)
+    valid = (g >= 0) & (g < G)
+    key = jnp.where(valid, g, G)  # rows of no group: G (they sort last)
     if rows_apart:
         if NT != P:
             raise ValueError(f"rows_apart needs at most num_groups={G} rows (one tile each), got {P}")
-        valid = (g >= 0) & (g < G)
-        return (jnp.where(valid, jnp.arange(P, dtype=jnp.int32) * TM, NT * TM).astype(jnp.int32),
-                jnp.where(valid, g, G).astype(jnp.int32))
-    valid = (g >= 0) & (g < G)
-    key = jnp.where(valid, g, G)  # rows of no group sort last
+        return jnp.where(valid, jnp.arange(P, dtype=jnp.int32) * TM, NT * TM).astype(jnp.int32), key
     # The rows in group order, row order within a group: a stable sort, not a running count
     # down a [P, G] one-hot (XLA:GPU fuses that into a reduction of G outputs, each thread
     # walking all P rows: 121 us at P 384, G 64 on an H200; BENCHMARKS.md's H200 notes).

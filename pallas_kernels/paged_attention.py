@@ -162,10 +162,15 @@ def _reference(q, key_cache, value_cache, block_table, seq_lens, positions, toke
 # --------------------------------------------------------------------------
 
 
+def _decode_tiles(T: int, R: int) -> bool:
+    """Whether the call's tiles are decode tiles: at most one token per row (``T <= R``)."""
+    return T <= R
+
+
 def _tile_rows(T: int, R: int, group: int, cfg: PagedAttentionConfig) -> int:
     """``block_m``: rows of a query tile (a power of two >= the padded group)."""
     gp = pl.next_power_of_2(group)
-    want = cfg.gpu_block_m if cfg.gpu_block_m is not None else (16 if T <= R else 64)
+    want = cfg.gpu_block_m if cfg.gpu_block_m is not None else (16 if _decode_tiles(T, R) else 64)
     return int(max(want, gp))
 
 
@@ -230,11 +235,11 @@ WIDE_KEY_ROWS = 256
 
 
 def _stages(T: int, R: int, Dp: int, cfg: PagedAttentionConfig) -> int:
-    """Pipeline stages of the key loop: the config's, else 3 for a decode tile (at most one
-    token per row) over key rows wider than :data:`WIDE_KEY_ROWS`, else 2."""
+    """Pipeline stages of the key loop: the config's, else 3 for decode tiles
+    (:func:`_decode_tiles`) over key rows wider than :data:`WIDE_KEY_ROWS`, else 2."""
     if cfg.gpu_num_stages is not None:
         return cfg.gpu_num_stages
-    return 3 if T <= R and Dp > WIDE_KEY_ROWS else 2
+    return 3 if _decode_tiles(T, R) and Dp > WIDE_KEY_ROWS else 2
 
 
 def _kv_splits(T: int, Hkv: int, max_keys: int, block_n: int, cfg: PagedAttentionConfig) -> int:

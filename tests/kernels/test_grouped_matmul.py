@@ -23,6 +23,8 @@ Planted bugs each test was seen to fail on (then restored):
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -95,8 +97,6 @@ def test_group_tiles_sorts_instead_of_counting_down_the_rows():
 def test_group_tiles_under_x64():
     """With x64 on, the layout is the same int32 arrays and traces without a dtype warning (an
     int64 sum scattered into the int32 slots warns, and JAX says that will become an error)."""
-    import warnings
-
     groups = np.array([3, 0, -1, 3, 7, 1, 3, 0], np.int32)
     want = _layout(groups, 4, 2)
     with jax.enable_x64(True), warnings.catch_warnings():

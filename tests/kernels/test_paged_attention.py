@@ -493,24 +493,27 @@ def test_registered_flavours_and_routing():
 # --------------------------------------------------------------------------
 
 
+def _lower_for_cuda(T, *, Hq, Hkv, D, qdt, cdt, N=64, bs=16, R=32, W=64) -> str:
+    """The compiled GPU kernel over K and V caches of ``D`` features, lowered for CUDA (its Triton
+    module lands in ``verified_triton_modules``); returns the lowered text."""
+    SD = jax.ShapeDtypeStruct
+    args = (SD((T, Hq, D), qdt), SD((N, bs, Hkv, D), cdt), SD((N, bs, Hkv, D), cdt),
+            SD((R, W), jnp.int32), SD((R,), jnp.int32), SD((T,), jnp.int32),
+            SD((T,), jnp.int32))
+    scale = jnp.float32(0.5) if cdt == jnp.float8_e4m3fn else None
+
+    def f(*x):
+        return paged_attention(*x, k_scale=scale, v_scale=scale, backend=GPU, interpret=False)
+
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize(
     "qdt,cdt,T", [(jnp.bfloat16, jnp.bfloat16, 4), (jnp.bfloat16, jnp.float8_e4m3fn, 64),
                   (jnp.float32, jnp.float32, 64), (jnp.bfloat16, jnp.bfloat16, 300)],
     ids=["bf16-decode-splits", "fp8-decode", "f32", "bf16-prefill"])
 def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt, T):
-    Hq, Hkv, D, N, bs, R, W = 16, 4, 128, 64, 16, 32, 64
-    SD = jax.ShapeDtypeStruct
-    args = (SD((T, Hq, D), qdt), SD((N, bs, Hkv, D), cdt), SD((N, bs, Hkv, D), cdt),
-            SD((R, W), jnp.int32), SD((R,), jnp.int32), SD((T,), jnp.int32),
-            SD((T,), jnp.int32))
-    fp8 = cdt == jnp.float8_e4m3fn
-
-    def f(*x):
-        return paged_attention(*x, k_scale=jnp.float32(0.5) if fp8 else None,
-                               v_scale=jnp.float32(0.5) if fp8 else None, backend=GPU,
-                               interpret=False)
-
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lower_for_cuda(T, Hq=16, Hkv=4, D=128, qdt=qdt, cdt=cdt)
     assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
     module = str(verified_triton_modules[0].module)
     assert module.count("tt.dot") == 2 and "scf.for" in module  # the key loop, two products
@@ -526,13 +529,7 @@ COLUMN_CLAMP = re.compile(r"arith\.minsi [^\n]*: tensor<1x\d+xi32>")
 def test_column_clamp_pattern_finds_a_padded_block(verified_triton_modules):
     """The control of ``COLUMN_CLAMP``: a head of 72 features (blocks 64 + 16, the second padded)
     clamps that block's columns, and the pattern sees it in the lowered module."""
-    T, Hq, Hkv, D, N, bs, R, W = 4, 4, 2, 72, 8, 16, 4, 8
-    SD = jax.ShapeDtypeStruct
-    args = (SD((T, Hq, D), jnp.bfloat16), SD((N, bs, Hkv, D), jnp.bfloat16),
-            SD((N, bs, Hkv, D), jnp.bfloat16), SD((R, W), jnp.int32), SD((R,), jnp.int32),
-            SD((T,), jnp.int32), SD((T,), jnp.int32))
-    jax.jit(lambda *x: paged_attention(*x, backend=GPU, interpret=False)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    _lower_for_cuda(4, Hq=4, Hkv=2, D=72, qdt=jnp.bfloat16, cdt=jnp.bfloat16)
     assert COLUMN_CLAMP.search(str(verified_triton_modules[0].module))
 
 
