@@ -44,6 +44,18 @@ def _variants():
         # the products' kernels: XLA's autotuner over every Triton tiling, or cuBLAS for all
         "exhaustive_tiling": {**GPU_COMPILER_OPTIONS, "xla_gpu_exhaustive_tiling_search": True},
         "cublas": {**GPU_COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False},
+        # the graph's shape: one chain of nodes, or XLA's dependency DAG; programmatic dependent launch
+        "serialize": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
+        "concurrent": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+        "lhs": {**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "LHS"},
+        "no_pdl": {**GPU_COMPILER_OPTIONS, "xla_gpu_enable_pdl": False},
+        # XLA's experimental fusions: Triton fusions with several outputs (a residual add and the
+        # norm after it), fusions without a reduction or product at their root, every fusion in Triton
+        "mof": {**GPU_COMPILER_OPTIONS, "xla_gpu_unsupported_enable_triton_multi_output_fusion": True},
+        "heroless": {**GPU_COMPILER_OPTIONS, "xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+        "mof_heroless": {**GPU_COMPILER_OPTIONS, "xla_gpu_unsupported_enable_triton_multi_output_fusion": True,
+                         "xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+        "all_triton": {**GPU_COMPILER_OPTIONS, "xla_gpu_experimental_all_fusions_with_triton": True},
     }
 
 
