@@ -47,8 +47,8 @@ TPU path being JAX's ragged paged attention, :mod:`pallas_kernels.rpa`):
   gathered through the block table, with an online softmax (float32 running max,
   sum and accumulator; bf16 products where q and cache are bf16 or fp8, IEEE float32
   products otherwise). Split ``s`` takes the ``s``-th share of the chunks; with
-  ``splits > 1`` (few tokens: decode at small batch) one XLA pass combines the
-  splits' maxima, sums and outputs, otherwise the call is one launch. Tiles of a
+  ``splits > 1`` (few tokens: decode at small batch) a second kernel combines the
+  splits' maxima, sums and outputs (``_combine_gpu``), otherwise the call is one launch. Tiles of a
   decode row hold one token; a prefill chunk of ``L`` tokens makes about
   ``L / block_q`` tiles. Compiled: head sizes >= 16. The same body
   runs in interpret mode on a CPU. Measured on an H100:
@@ -87,7 +87,7 @@ class PagedAttentionConfig:
       gpu_block_n: keys per loop step (a power of two, >= 16 compiled). None: 64 (more
         programs resident per SM than 128 allows; BENCHMARKS.md's H200 notes, item 29).
       gpu_kv_splits: programs sharing one tile's keys (flash-decoding: each takes a
-        slice of the key chunks, an XLA pass combines them). None: the rule of
+        slice of the key chunks, a second kernel combines them). None: the rule of
         ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
         at most ``gpu_max_kv_splits``, each with two chunks of the table's width.
       gpu_max_kv_splits, gpu_min_programs: bounds of that rule (64 splits let a call of one kv
@@ -448,22 +448,70 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     outs = call(token_row, positions, seq_lens, flat[3], *flat[:3], *scales)
     if not stats:
         return outs[0].reshape(T, Hkv, Gp, Dvp)[:, :, :G, :Dv].reshape(T, Hq, Dv)
-    out, lse = _combine_splits(*(o.reshape(splits, T, Hkv, Gp, -1) for o in outs))
-    out = out[:, :, :G, :Dv].reshape(T, Hq, Dv)
-    if return_lse:
-        return out, lse[:, :, :G, 0].reshape(T, Hq)
-    return out.astype(q.dtype)
+    out, lse = _combine_gpu(*outs, splits=splits, T=T, Hkv=Hkv, G=G, Dvp=Dvp, Dv=Dv,
+                            out_dtype=jnp.float32 if return_lse else q.dtype, interpret=interpret)
+    return (out, lse) if return_lse else out
 
 
-def _combine_splits(o, m, l):
-    """One softmax from per-split results: ``o [splits, ..., D]`` (each normalised by its
-    own sum), running maxima ``m`` and sums ``l`` ``[splits, ..., 1]`` -> float32 ``(out,
-    lse)``. A lane no split saw (``l`` all 0) gets 0 and ``lse = -inf``."""
-    top = jnp.max(m, axis=0)
-    w = jnp.where(l > 0, l * jnp.exp(m - top), 0.0)
-    den = jnp.sum(w, axis=0)
-    out = jnp.sum(jnp.where(w > 0, w * o, 0.0), axis=0) / jnp.where(den > 0, den, 1.0)
-    return out, lse_of(top, den)
+#: Elements of one split-combine program's ``[splits, columns]`` tile of split outputs.
+COMBINE_TILE_ELEMENTS = 8192
+
+
+def _combine_gpu(o, m, l, *, splits, T, Hkv, G, Dvp, Dv, out_dtype, interpret):
+    """One softmax from the kernel's per-split results, as one Pallas Triton kernel.
+
+    Inputs (flat): ``o [splits * lanes * Dvp]`` (each split's output normalised by its own
+    sum), running maxima ``m`` and sums ``l [splits * lanes]``; lane ``(t, h, g)`` of the group
+    padded to ``Gp``. Per lane, with ``top = max_s m_s`` and ``w_s = l_s * exp(m_s - top)``
+    (0 where ``l_s`` is 0): ``out = sum_s w_s * o_s / sum_s w_s`` (0 for a lane no split saw)
+    and ``lse = top + log(sum_s w_s)`` (``-inf`` there).
+
+    Grid ``(lanes, Dvp / BD)``: program ``(lane, j)`` reads its lane's ``splits`` maxima and
+    sums and a ``[splits, BD]`` tile of outputs and writes ``out [T, Hq, Dv]`` in
+    ``out_dtype`` (columns ``j * BD ...``) and, from ``j = 0``, ``lse [T, Hq]`` float32. Lanes
+    of the padded group (``g >= G``) store nothing. XLA ran this as five kernels (the maxima,
+    the sums, a transpose of the outputs, their weighted sum, the division and rounding)."""
+    Gp = pl.next_power_of_2(G)
+    lanes = T * Hkv * Gp
+    Hq = Hkv * G
+    BD = int(min(Dvp, max(16, COMBINE_TILE_ELEMENTS // splits)))
+    load, store = _backend.triton.load, _backend.triton.store
+
+    def kernel(o_ref, m_ref, l_ref, out_ref, lse_ref):
+        lane, j = pl.program_id(0), pl.program_id(1)
+        t, h, g = lane // (Hkv * Gp), jax.lax.rem(lane // Gp, Hkv), jax.lax.rem(lane, Gp)
+        s = jnp.arange(splits, dtype=jnp.int32)
+        cols = j * BD + jnp.arange(BD, dtype=jnp.int32)
+        mv = load(m_ref.at[s * lanes + lane])
+        lv = load(l_ref.at[s * lanes + lane])
+        top = jnp.max(mv)
+        w = jnp.where(lv > 0, lv * jnp.exp(mv - top), 0.0)
+        den = jnp.sum(w)
+        ov = load(o_ref.at[(s[:, None] * lanes + lane) * Dvp + cols[None, :]])
+        wt = w[:, None]
+        acc = jnp.sum(jnp.where(wt > 0, wt * ov, 0.0), axis=0)
+        res = (acc / jnp.where(den > 0, den, 1.0)).astype(out_dtype)
+        head = t * Hq + h * G + g
+
+        @pl.when(g < G)
+        def _store():
+            store(out_ref.at[head * Dvp + cols], res)  # BD divides Dvp: no column past the row
+
+            @pl.when(j == 0)
+            def _lse():
+                lse_ref[head] = lse_of(top, den)
+
+    out, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((T * Hq * Dvp,), out_dtype),
+                   jax.ShapeDtypeStruct((T * Hq,), jnp.float32)),
+        grid=(lanes, pl.cdiv(Dvp, BD)),
+        compiler_params=_backend.triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_attention_combine_gpu",
+    )(o, m, l)
+    out = out.reshape(T, Hq, Dvp)
+    return (out if Dv == Dvp else out[:, :, :Dv]), lse.reshape(T, Hq)
 
 
 # --------------------------------------------------------------------------

@@ -190,10 +190,16 @@ def test_poisoned_mixed_step_matches_the_oracle(backend, seed):
     check(paged_attention(*a.values(), backend=backend), oracle(a), 2e-5, a)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("Hq,Hkv", [(6, 2), (8, 1)], ids=["gqa-3-padded-to-4", "gqa-8"])
-def test_gqa_ratios(Hq, Hkv):
+def test_gqa_ratios(Hq, Hkv, splits):
+    """Groups of 3 heads run padded to 4, with 1 or 4 splits (the split combine over padded
+    groups). The combine's guard on padded lanes cannot fail here: interpret mode runs the
+    programs in lane order, so a padded lane's store into the next head's row would be
+    overwritten by that head's own (planted: no test fails)."""
     a = mixed(4, Hq=Hq, Hkv=Hkv)
-    check(paged_attention(*a.values(), backend=GPU), oracle(a), 2e-5, a)
+    cfg = PagedAttentionConfig(gpu_kv_splits=splits, gpu_block_n=2)
+    check(paged_attention(*a.values(), backend=GPU, config=cfg), oracle(a), 2e-5, a)
 
 
 @pytest.mark.parametrize("qdt,cdt", [(BF16, BF16), (np.float32, BF16)],
@@ -513,11 +519,22 @@ def _lower_for_cuda(T, *, Hq, Hkv, D, qdt, cdt, N=64, bs=16, R=32, W=64) -> str:
                   (jnp.float32, jnp.float32, 64), (jnp.bfloat16, jnp.bfloat16, 300)],
     ids=["bf16-decode-splits", "fp8-decode", "f32", "bf16-prefill"])
 def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt, T):
+    """One kernel; a decode call that splits the keys (4 tokens: 4 x 4 x 16 programs) adds the
+    split combine's kernel, and nothing else: no XLA pass between or after them."""
     text = _lower_for_cuda(T, Hq=16, Hkv=4, D=128, qdt=qdt, cdt=cdt)
-    assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
+    splits = T == 4
+    assert len(verified_triton_modules) == (2 if splits else 1) and "paged_attention_gpu" in text
     module = str(verified_triton_modules[0].module)
     assert module.count("tt.dot") == 2 and "scf.for" in module  # the key loop, two products
     assert not COLUMN_CLAMP.search(module)
+    if splits:
+        assert "paged_attention_combine_gpu" in text
+        combine = str(verified_triton_modules[1].module)
+        assert "tt.dot" not in combine and not COLUMN_CLAMP.search(combine)
+        body = text[text.index("func.func public @main"):]
+        ops = re.findall(r"= (stablehlo\.[a-z_]+)", body)
+        assert set(ops) <= {"stablehlo.custom_call", "stablehlo.reshape", "stablehlo.constant",
+                            "stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.slice"}, ops
 
 
 #: A clamp (``jnp.minimum``) on a row of column indices: Triton then cannot see that a load's
@@ -547,6 +564,7 @@ def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_m
                                backend=GPU, interpret=False)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(verified_triton_modules) == 1 and "paged_attention_gpu" in text
+    # 64 tokens of one kv head split their keys 4 ways: the attention, then the combine
+    assert len(verified_triton_modules) == 2 and "paged_attention_combine_gpu" in text
     module = str(verified_triton_modules[0].module)
     assert module.count("tt.dot") == 3 and not COLUMN_CLAMP.search(module)
