@@ -24,6 +24,41 @@ CONFIGS = [(16, 128, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (
            (32, 64, 4, 4), (64, 256, 8, 3), (16, 512, 4, 3), (32, 512, 8, 3)]
 
 
+def weight_copies(K: int, N: int, copies: int) -> list:
+    """``copies`` random bf16 ``[K, N]`` weights (seeded by the shape): together more than L2
+    holds, so each product reads its weights from memory."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(K * N), copies)
+    return [jax.random.normal(k, (K, N), jnp.bfloat16) * 0.02 for k in keys]
+
+
+def time_products(f, x, mats, ref, rows_checked: int) -> dict:
+    """``f(x, w)`` for each weight copy in ``mats``, in turn inside one jitted function, traced
+    three times: per product the summed kernel time, the kernel count and the median of the
+    largest kernels, and the first copy's relative error over its first ``rows_checked`` rows
+    against ``ref`` (or ``{"error": ...}``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from _trace import trace_device
+
+    fn = jax.jit(lambda x, *ws: [f(x, w) for w in ws])
+    try:
+        out = fn(x, *mats)
+        got = out[0][:rows_checked].astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+        tr = trace_device(lambda: fn(x, *mats), 3)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    n = 3 * len(mats)
+    kern = tr.pop("_kernels", [])
+    return {"kernels_per_product": len(kern) / n, "us_per_product": sum(k[1] for k in kern) / n,
+            "largest_kernel_us": statistics.median(sorted(k[1] for k in kern)[-n:]) if kern else 0.0,
+            "rel_err": err}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -33,14 +68,12 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from _trace import trace_device
     from kvjax.models.attention import linear
     from pallas_kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul
 
     rows = []
     for K, N in SHAPES:
-        keys = jax.random.split(jax.random.key(K * N), a.copies)
-        ws = [jax.random.normal(k, (K, N), jnp.bfloat16) * 0.02 for k in keys]
+        ws = weight_copies(K, N, a.copies)
         x1 = jax.random.normal(jax.random.key(1), (1, K), jnp.float32)
         x2 = jnp.concatenate([x1, jax.random.normal(jax.random.key(2), (1, K), jnp.float32)])  # row 0 is x1
         x16 = jnp.zeros((16, K), jnp.bfloat16).at[0].set(x1[0].astype(jnp.bfloat16))
@@ -53,23 +86,16 @@ def main(argv=None) -> int:
                 lambda x, w, cfg=cfg: grouped_matmul(x, w[None], jnp.zeros((1,), jnp.int32), tile_rows=16,
                                                      out_dtype=jnp.bfloat16, config=cfg, backend="pallas_gpu"), x16)
         for name, (f, x) in variants.items():
-            fn = jax.jit(lambda x, *ws, f=f: [f(x, w) for w in ws])
-            try:
-                out = fn(x, *ws)
-                err = float(jnp.max(jnp.abs(out[0][:1].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-                tr = trace_device(lambda: fn(x, *ws), 3)
-            except Exception as e:  # noqa: BLE001
-                print(f"{K}x{N} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            t = time_products(f, x, ws, ref, rows_checked=1)
+            if "error" in t:
+                print(f"{K}x{N} {name}: {t['error']}", flush=True)
                 continue
-            kern = tr.pop("_kernels", [])
-            us = sum(k[1] for k in kern) / (3 * a.copies)
-            n_k = len(kern) / (3 * a.copies)
-            big = statistics.median(sorted(k[1] for k in kern)[-3 * a.copies:])
-            row = {"K": K, "N": N, "variant": name, "kernels_per_product": n_k, "us_per_product": us,
-                   "largest_kernel_us": big, "TBps": K * N * 2 / us / 1e6, "rel_err": err}
+            row = {"K": K, "N": N, "variant": name, **t,
+                   "TBps": K * N * 2 / max(t["us_per_product"], 1e-9) / 1e6}
             rows.append(row)
-            print(f"{K:5d}x{N:<6d} {name:28s} {us:7.2f} us ({n_k:.1f} kernels, largest {big:6.2f})"
-                  f"  {row['TBps']:5.2f} TB/s  err {err:.1e}", flush=True)
+            print(f"{K:5d}x{N:<6d} {name:28s} {row['us_per_product']:7.2f} us ({row['kernels_per_product']:.1f} "
+                  f"kernels, largest {row['largest_kernel_us']:6.2f})  {row['TBps']:5.2f} TB/s  "
+                  f"err {row['rel_err']:.1e}", flush=True)
     with open(os.path.join(a.out, "probe_gemv.json"), "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "rows": rows}, f, indent=1)
     return 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,12 +73,11 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from _trace import trace_device
+    from probe_gemv import time_products, weight_copies
 
     rows_out = []
     for K, N in SHAPES:
-        keys = jax.random.split(jax.random.key(K * N), a.copies)
-        ws = [jax.random.normal(k, (K, N), jnp.bfloat16) * 0.02 for k in keys]
+        ws = weight_copies(K, N, a.copies)
         wts = [jnp.asarray(w.T) for w in ws]
         for M in [int(v) for v in a.rows.split(",")]:
             x = jax.random.normal(jax.random.key(M), (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -99,22 +97,16 @@ def main(argv=None) -> int:
                         lambda x, w, c=(bn, bk, warps, stages, split), M=M, x16=x16: nk_gemv(
                             x16, w, bn=c[0], bk=c[1], warps=c[2], stages=c[3], split=c[4]).sum(0)[:M], wts)
             for name, (f, mats) in variants.items():
-                fn = jax.jit(lambda x, *ws, f=f: [f(x, w) for w in ws])
-                try:
-                    out = fn(x, *mats)
-                    err = float(jnp.max(jnp.abs(out[0] - ref)) / jnp.max(jnp.abs(ref)))
-                    tr = trace_device(lambda: fn(x, *mats), 3)
-                except Exception as e:  # noqa: BLE001
-                    print(f"{K}x{N} M{M} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                t = time_products(f, x, mats, ref, rows_checked=M)
+                if "error" in t:
+                    print(f"{K}x{N} M{M} {name}: {t['error']}", flush=True)
                     continue
-                kern = tr.pop("_kernels", [])
-                us = sum(k[1] for k in kern) / (3 * a.copies)
-                n_k = len(kern) / (3 * a.copies)
-                row = {"K": K, "N": N, "M": M, "variant": name, "kernels_per_product": n_k,
-                       "us_per_product": us, "TBps": K * N * 2 / us / 1e6, "rel_err": err}
+                row = {"K": K, "N": N, "M": M, "variant": name, **t,
+                       "TBps": K * N * 2 / max(t["us_per_product"], 1e-9) / 1e6}
                 rows_out.append(row)
-                print(f"{K:5d}x{N:<6d} M{M:<4d} {name:34s} {us:8.2f} us ({n_k:.1f} kernels)"
-                      f"  {row['TBps']:5.2f} TB/s  err {err:.1e}", flush=True)
+                print(f"{K:5d}x{N:<6d} M{M:<4d} {name:34s} {row['us_per_product']:8.2f} us "
+                      f"({row['kernels_per_product']:.1f} kernels)  {row['TBps']:5.2f} TB/s  "
+                      f"err {row['rel_err']:.1e}", flush=True)
         _write(a.out, jax, rows_out)
     return 0
 
