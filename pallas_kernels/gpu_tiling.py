@@ -1,8 +1,8 @@
 """Launch rules shared by the GPU (Pallas Triton and Mosaic GPU) kernels of several ops.
 
-How many tokens a program writes, how many warps it runs, the int32 element-offset
-bound of Triton's addressing, and the unsigned views that the zeroing kernels store
-through. The numbers (``KVWriteConfig``'s defaults) are BENCHMARKS.md's "Kernel design
+How many tokens a program writes, how many warps it runs, how much shared memory a
+program's tiles may take on the GPU at hand, the int32 element-offset bound of Triton's
+addressing, and the unsigned views that the zeroing kernels store through. The numbers (``KVWriteConfig``'s defaults) are BENCHMARKS.md's "Kernel design
 notes"; ``config`` arguments are any object with ``KVWriteConfig``'s ``gpu_*`` fields.
 """
 
@@ -14,10 +14,13 @@ import numpy as np
 from pallas_kernels.contract import INT32_MAX
 
 __all__ = [
+    "SHARED_MEMORY_FRACTION",
     "UINT_OF_WIDTH",
     "check_int32_offsets",
     "num_warps",
     "pow2_floor",
+    "shared_memory_budget",
+    "shared_memory_per_block",
     "tokens_per_program",
 ]
 
@@ -38,6 +41,36 @@ def check_int32_offsets(name: str, shape) -> None:
             f"the GPU kernel indexes with int32 offsets; {name} has {size} elements "
             f"(shape {list(shape)}), more than {INT32_MAX}"
         )
+
+
+#: The share of a block's shared memory a kernel's tile rule may plan for: the rest is headroom
+#: for Triton's own buffers (layout conversions, reductions). Hopper's 227 KiB gives 192 KiB,
+#: the budget the H100 / H200 measurements were made with.
+SHARED_MEMORY_FRACTION = 0.85
+
+
+def shared_memory_per_block(capability: tuple[int, ...] | None) -> int:
+    """Bytes of shared memory one thread block may use (CUDA's opt-in maximum) on a GPU of compute
+    ``capability`` ``(major, minor)``: 227 KiB on Hopper and the data-centre Blackwells (9.x,
+    10.x), 163 KiB on the A100 and Orin (8.0, 8.7), 99 KiB on the other 8.x and 12.x parts (RTX,
+    A10, L4, L40) and any capability not named here, 96 KiB on Volta (7.0), 64 KiB on Turing
+    (7.5). None (no CUDA device: a CPU, interpret mode, lowering for CUDA from a CPU host):
+    Hopper's."""
+    KiB = 1024
+    if capability is None:
+        return 227 * KiB
+    major, minor = (tuple(capability) + (0,))[:2]
+    if major in (9, 10):
+        return 227 * KiB
+    if (major, minor) in ((8, 0), (8, 7)):
+        return 163 * KiB
+    return {(7, 0): 96 * KiB, (7, 5): 64 * KiB}.get((major, minor), 99 * KiB)
+
+
+def shared_memory_budget(capability: tuple[int, ...] | None) -> int:
+    """The bytes a tile rule may plan one program's tiles for: :data:`SHARED_MEMORY_FRACTION` of
+    :func:`shared_memory_per_block`, rounded down to whole KiB (Hopper: 192 KiB)."""
+    return int(shared_memory_per_block(capability) * SHARED_MEMORY_FRACTION) // 1024 * 1024
 
 
 def pow2_floor(n: int) -> int:

@@ -212,12 +212,33 @@ def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig) -> tuple
     return int(BN), int(BK), int(warps)
 
 
+def _fit_shared_memory(TM: int, BN: int, BK: int, itemsize: int, gated: bool, cfg: GroupedMatmulConfig,
+                       budget: int) -> tuple[int, int]:
+    """``(block_n, block_k)``: :func:`_blocks`' sizes, ``block_k`` then ``block_n`` halved (where
+    the config leaves them free, down to 16) while the chunks the ``K`` loop's pipeline holds
+    (``stages - 1``, one at least: an ``x`` tile and one weight tile, two when gated) pass
+    ``budget`` bytes (:func:`gpu_tiling.shared_memory_budget`). On Hopper the bf16 tiles keep
+    their sizes (a gated few-rows step: 139 KiB of 192); on smaller GPUs they shrink."""
+    chunks = max(1, cfg.gpu_num_stages - 1)
+
+    def need(bn, bk):
+        return chunks * (TM * bk + (2 if gated else 1) * bk * bn) * itemsize
+
+    while cfg.gpu_block_k is None and BK > 16 and need(BN, BK) > budget:
+        BK //= 2
+    while cfg.gpu_block_n is None and BN > 16 and need(BN, BK) > budget:
+        BN //= 2
+    return int(BN), int(BK)
+
+
 @_backend.register(OP_GROUPED_MATMUL, "gpu")
 def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, interpret):
     TM = tile_rows
     G, K, N = w.shape
     NT = tile_group.shape[0]
     BN, BK, warps = _blocks(NT, N, K, TM, config)
+    BN, BK = _fit_shared_memory(TM, BN, BK, jnp.dtype(x.dtype).itemsize, gate is not None, config,
+                                gpu_tiling.shared_memory_budget(_backend.gpu_capability()[1]))
     if not interpret and TM < 16:
         raise NotImplementedError(f"the GPU kernel needs tile_rows >= 16 (Triton products), got {TM}")
     for name, shape in (("x", x.shape), ("w", w.shape), ("the output", (NT * TM, N + BN))):

@@ -174,10 +174,6 @@ def _tile_rows(T: int, R: int, group: int, cfg: PagedAttentionConfig) -> int:
     return int(max(want, gp))
 
 
-# Shared memory one program may use (H100 / H200: 227 KiB per block; headroom for Triton's own).
-SHARED_MEMORY_BUDGET = 192 * 1024
-
-
 def _feature_segments(D: int) -> tuple[tuple[int, int], ...]:
     """``((start, width), ...)``: the key features cut into at most two power-of-two blocks,
     the largest power of two ``<= D`` then the rest padded to one (>= 16): 576 (MLA's latent
@@ -188,10 +184,11 @@ def _feature_segments(D: int) -> tuple[tuple[int, int], ...]:
 
 
 def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int, stages: int,
-                       cfg: PagedAttentionConfig) -> tuple[int, int]:
+                       cfg: PagedAttentionConfig, budget: int) -> tuple[int, int]:
     """``(block_m, block_n)``: the defaults (or the config's), the defaults halved while one
-    program's tiles would not fit :data:`SHARED_MEMORY_BUDGET`: the query tile plus the K and V
-    chunks the key loop's pipeline holds, ``stages - 1`` of them (one at least), ``Dp`` /
+    program's tiles would not fit ``budget`` bytes (:func:`gpu_tiling.shared_memory_budget` of
+    the GPU at hand: 192 KiB on Hopper, 138 on an A100, 84 on an L4): the query tile plus the K
+    and V chunks the key loop's pipeline holds, ``stages - 1`` of them (one at least), ``Dp`` /
     ``Dvp`` their padded widths (``Dvp`` 0 where the values are the keys' first block). An
     estimate: at 2 stages MLA's rows padded to 1024 / 512 at 16 x 128 asked Triton for 320 KiB,
     this said 425; at 3 stages MLA's 576-wide bf16 decode tile of 64 keys compiles in Hopper's
@@ -205,9 +202,9 @@ def _fit_shared_memory(T: int, R: int, G: int, Dp: int, Dvp: int, itemsize: int,
         return (bm * Dp + chunks * bn * (Dp + Dvp)) * itemsize
 
     floor_m = pl.next_power_of_2(G)
-    while cfg.gpu_block_m is None and BM > max(16, floor_m) and need(BM, BN) > SHARED_MEMORY_BUDGET:
+    while cfg.gpu_block_m is None and BM > max(16, floor_m) and need(BM, BN) > budget:
         BM //= 2
-    while cfg.gpu_block_n is None and BN > 16 and need(BM, BN) > SHARED_MEMORY_BUDGET:
+    while cfg.gpu_block_n is None and BN > 16 and need(BM, BN) > budget:
         BN //= 2
     return int(BM), int(BN)
 
@@ -280,8 +277,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     Gp = pl.next_power_of_2(G)
     cdt = _dot_dtype(q.dtype, key_cache.dtype)
     stages = _stages(T, R, Dp, config)
-    BM, BN = _fit_shared_memory(T, R, G, Dp, 0 if values_in_keys else Dvp,
-                                jnp.dtype(cdt).itemsize, stages, config)
+    BM, BN = _fit_shared_memory(T, R, G, Dp, 0 if values_in_keys else Dvp, jnp.dtype(cdt).itemsize,
+                                stages, config, gpu_tiling.shared_memory_budget(_backend.gpu_capability()[1]))
     BN, warps = _fit_registers(BM, BN, Dp, Dvp, config)
     BQ = BM // Gp  # tokens per tile
     S = W * bs

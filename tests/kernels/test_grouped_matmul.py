@@ -203,6 +203,29 @@ def test_few_rows_take_deeper_steps():
     assert _blocks(1, 40, 24, 16, cfg) == (64, 32, 4)  # at most K's and N's powers of two
 
 
+def test_tiles_fit_shared_memory():
+    """Hopper's bf16 tiles keep :func:`_blocks`' sizes; float32 tiles and smaller GPUs (an A100:
+    138 KiB, an L4: 84 KiB) get shallower steps (then narrower columns); a config's sizes are kept."""
+    from pallas_kernels import gpu_tiling
+    from pallas_kernels.grouped_matmul import _fit_shared_memory as fit
+
+    cfg = GroupedMatmulConfig()
+    hopper, a100, l4 = (gpu_tiling.shared_memory_budget(c) for c in (None, (8, 0), (8, 9)))
+    assert fit(16, 64, 128, 2, True, cfg, hopper) == (64, 128)  # DeepSeek's one-token gated step
+    assert fit(16, 128, 128, 2, True, cfg, hopper) == (128, 128)  # 139 KiB
+    assert fit(128, 128, 64, 2, True, cfg, hopper) == (128, 64)  # prefill tiles
+    assert fit(16, 128, 128, 4, True, cfg, hopper) == (128, 64)  # float32: 278 -> 147 KiB
+    assert fit(16, 128, 128, 2, True, cfg, a100) == (128, 128)  # 136 KiB of 138
+    assert fit(16, 128, 128, 2, True, cfg, l4) == (128, 64)
+    assert fit(128, 128, 64, 4, True, cfg, a100) == (128, 32)
+    assert fit(128, 128, 64, 4, True, cfg, l4) == (128, 16)
+    assert fit(16, 128, 128, 2, True, GroupedMatmulConfig(gpu_block_k=128, gpu_block_n=128), l4) == (128, 128)
+    for TM, BN, BK, size, gated in [(16, 128, 128, 2, True), (128, 128, 64, 4, True), (64, 64, 128, 4, False)]:
+        for budget in (hopper, a100, l4):
+            bn, bk = fit(TM, BN, BK, size, gated, cfg, budget)
+            assert bn >= 16 and bk >= 16 and 2 * (TM * bk + (2 if gated else 1) * bk * bn) * size <= budget
+
+
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 @pytest.mark.parametrize("P,G,K,N,TM", CASES[:2])
 def test_gated_form(P, G, K, N, TM, activation):

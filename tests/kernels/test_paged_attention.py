@@ -44,6 +44,7 @@ import pytest
 
 from kvjax.testing.asserts import assert_bitwise
 from pallas_kernels import backend as _backend  # the public module (test_kernel_hygiene)
+from pallas_kernels import gpu_tiling
 from pallas_kernels.paged_attention import (
     PagedAttentionConfig,
     paged_attention,
@@ -358,7 +359,13 @@ def test_tiles_fit_shared_memory():
     """The usual head sizes keep the default tiles; MLA's latent rows (576 / 512 features padded
     to 1024 / 512) get tiles that fit the budget, counting the chunks a third pipeline stage
     holds; a config's explicit sizes are kept."""
-    from pallas_kernels.paged_attention import SHARED_MEMORY_BUDGET, _fit_shared_memory
+    from pallas_kernels.paged_attention import _fit_shared_memory as rule
+
+    budget = gpu_tiling.shared_memory_budget(None)  # no CUDA device: Hopper's
+    assert budget == 192 * 1024 == gpu_tiling.shared_memory_budget((9, 0))
+
+    def _fit_shared_memory(*a, budget=budget):
+        return rule(*a, budget)
 
     cfg = PagedAttentionConfig()
     assert _fit_shared_memory(64, 64, 4, 128, 128, 2, 2, cfg) == (16, 64)  # bf16 decode
@@ -368,7 +375,7 @@ def test_tiles_fit_shared_memory():
         for stages in (1, 2, 3, 4):
             bm, bn = _fit_shared_memory(T, 64, 16, 1024, 512, 2, stages, cfg)
             chunks = max(1, stages - 1)
-            assert bm >= 16 and bn >= 16 and (bm * 1024 + chunks * bn * 1536) * 2 <= SHARED_MEMORY_BUDGET
+            assert bm >= 16 and bn >= 16 and (bm * 1024 + chunks * bn * 1536) * 2 <= budget
     assert _fit_shared_memory(64, 64, 16, 1024, 512, 2, 2, PagedAttentionConfig(gpu_block_n=128))[1] == 128
     # MLA's 576 key features as 512 + 64, the values read from the first block: default tiles,
     # 64 keys at 3 stages in bf16 (decode); a float32 decode tile halves to 32 keys to hold 2 chunks
@@ -376,6 +383,16 @@ def test_tiles_fit_shared_memory():
     assert _fit_shared_memory(2048, 256, 16, 576, 0, 2, 2, cfg) == (64, 64)
     assert _fit_shared_memory(64, 64, 16, 576, 0, 4, 3, cfg) == (16, 32)
     assert _fit_shared_memory(64, 64, 16, 576, 0, 4, 2, cfg) == (16, 64)
+    # Smaller GPUs get smaller tiles: MLA's bf16 decode tile (162 KiB at 64 keys) takes 32 keys
+    # on an A100 (138 KiB) and 16 on an L4 (84 KiB); GQA's tiles of 128-wide heads are unchanged.
+    a100, l4 = (gpu_tiling.shared_memory_budget(c) for c in ((8, 0), (8, 9)))
+    assert (a100, l4) == (138 * 1024, 84 * 1024)
+    assert _fit_shared_memory(64, 64, 16, 576, 0, 2, 3, cfg, budget=a100) == (16, 32)
+    assert _fit_shared_memory(64, 64, 16, 576, 0, 2, 3, cfg, budget=l4) == (16, 16)
+    assert _fit_shared_memory(2048, 256, 16, 576, 0, 2, 2, cfg, budget=l4) == (16, 32)
+    for b in (a100, l4):
+        assert _fit_shared_memory(64, 64, 4, 128, 128, 2, 2, cfg, budget=b) == (16, 64)
+        assert _fit_shared_memory(2048, 256, 4, 128, 128, 2, 2, cfg, budget=b) == (64, 64)
 
 
 def test_tiles_fit_registers():
