@@ -475,7 +475,10 @@ def _combine_gpu(o, m, l, *, splits, T, Hkv, G, Dvp, Dv, out_dtype, interpret):
     load, store = _backend.triton.load, _backend.triton.store
 
     def kernel(o_ref, m_ref, l_ref, out_ref, lse_ref):
-        lane, j = pl.program_id(0), pl.program_id(1)
+        # Lanes in reverse order: in interpret mode, where programs run one after another, a
+        # padded lane's store into the next head's row (were its guard missing) would land on
+        # a row already written, and show.
+        lane, j = lanes - 1 - pl.program_id(0), pl.program_id(1)
         t, h, g = lane // (Hkv * Gp), jax.lax.rem(lane // Gp, Hkv), jax.lax.rem(lane, Gp)
         s = jnp.arange(splits, dtype=jnp.int32)
         cols = j * BD + jnp.arange(BD, dtype=jnp.int32)

@@ -195,9 +195,8 @@ def test_poisoned_mixed_step_matches_the_oracle(backend, seed):
 @pytest.mark.parametrize("Hq,Hkv", [(6, 2), (8, 1)], ids=["gqa-3-padded-to-4", "gqa-8"])
 def test_gqa_ratios(Hq, Hkv, splits):
     """Groups of 3 heads run padded to 4, with 1 or 4 splits (the split combine over padded
-    groups). The combine's guard on padded lanes cannot fail here: interpret mode runs the
-    programs in lane order, so a padded lane's store into the next head's row would be
-    overwritten by that head's own (planted: no test fails)."""
+    groups: its padded lanes store nothing; planted, a padded lane's store into the next
+    head's row fails the 4-split case, the combine's lanes running in reverse order)."""
     a = mixed(4, Hq=Hq, Hkv=Hkv)
     cfg = PagedAttentionConfig(gpu_kv_splits=splits, gpu_block_n=2)
     check(paged_attention(*a.values(), backend=GPU, config=cfg), oracle(a), 2e-5, a)
