@@ -53,8 +53,8 @@ def shared_memory_per_block(capability: tuple[int, ...] | None) -> int:
     """Bytes of shared memory one thread block may use (CUDA's opt-in maximum) on a GPU of compute
     ``capability`` ``(major, minor)``: 227 KiB on Hopper and the data-centre Blackwells (9.x,
     10.x), 163 KiB on the A100 and Orin (8.0, 8.7), 99 KiB on the other 8.x and 12.x parts (RTX,
-    A10, L4, L40) and any capability not named here, 96 KiB on Volta (7.0), 64 KiB on Turing
-    (7.5). None (no CUDA device: a CPU, interpret mode, lowering for CUDA from a CPU host):
+    A10, L4, L40) and later ones not named here, 96 KiB on Volta (7.0, 7.2), 64 KiB on Turing
+    (7.5), 48 KiB before. None (no CUDA device: a CPU, interpret mode, lowering for CUDA from a CPU host):
     Hopper's."""
     KiB = 1024
     if capability is None:
@@ -64,7 +64,11 @@ def shared_memory_per_block(capability: tuple[int, ...] | None) -> int:
         return 227 * KiB
     if (major, minor) in ((8, 0), (8, 7)):
         return 163 * KiB
-    return {(7, 0): 96 * KiB, (7, 5): 64 * KiB}.get((major, minor), 99 * KiB)
+    if major < 7:
+        return 48 * KiB
+    if major == 7:
+        return 64 * KiB if minor >= 5 else 96 * KiB
+    return 99 * KiB
 
 
 def shared_memory_budget(capability: tuple[int, ...] | None) -> int:

@@ -244,7 +244,7 @@ def _kv_splits(T: int, Hkv: int, max_keys: int, block_n: int, cfg: PagedAttentio
     when the call has few tokens (decode at small batch), each with >= 2 key chunks."""
     if cfg.gpu_kv_splits is not None:
         return cfg.gpu_kv_splits
-    most = max(1, max_keys // (2 * block_n))
+    most = gpu_tiling.pow2_floor(max_keys // (2 * block_n))  # a power of two, as the combine needs
     return int(min(cfg.gpu_max_kv_splits, most,
                    gpu_tiling.pow2_floor(cfg.gpu_min_programs // (T * Hkv))))
 
@@ -471,6 +471,9 @@ def _combine_gpu(o, m, l, *, splits, T, Hkv, G, Dvp, Dv, out_dtype, interpret):
     Gp = pl.next_power_of_2(G)
     lanes = T * Hkv * Gp
     Hq = Hkv * G
+    # Triton blocks are powers of two: the split axis (``_kv_splits`` and the config give one),
+    # and BD, which then divides Dvp
+    assert splits & (splits - 1) == 0, f"the split count must be a power of two, got {splits}"
     BD = int(min(Dvp, max(16, COMBINE_TILE_ELEMENTS // splits)))
     load, store = _backend.triton.load, _backend.triton.store
 

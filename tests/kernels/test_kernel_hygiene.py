@@ -131,3 +131,16 @@ def test_the_former_backend_name_is_the_public_module():
     assert importlib.import_module("pallas_kernels._backend") is backend
     assert set(backend.__all__) <= set(dir(backend))
     assert "kv_write" in backend.ops() and "reference" in backend.flavors("kv_write")
+
+
+def test_shared_memory_by_compute_capability():
+    """CUDA's per-block shared memory by capability, and the tile rules' 85% of it (Hopper's 192
+    KiB is the budget the H100 / H200 figures were measured with; no CUDA device: Hopper's)."""
+    from pallas_kernels import gpu_tiling
+
+    KiB = 1024
+    want = {None: 227, (9, 0): 227, (10, 0): 227, (8, 0): 163, (8, 7): 163, (8, 6): 99, (8, 9): 99,
+            (12, 0): 99, (7, 0): 96, (7, 5): 64, (6, 1): 48}
+    for cap, kib in want.items():
+        assert gpu_tiling.shared_memory_per_block(cap) == kib * KiB, cap
+    assert [gpu_tiling.shared_memory_budget(c) // KiB for c in (None, (9, 0), (8, 0), (8, 9))] == [192, 192, 138, 84]

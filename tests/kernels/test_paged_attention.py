@@ -553,6 +553,21 @@ def test_lowers_to_one_verified_triton_kernel(verified_triton_modules, qdt, cdt,
                             "stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.slice"}, ops
 
 
+def test_split_counts_are_powers_of_two(verified_triton_modules):
+    """The split rule gives a power of two for any table (the combine's Triton blocks need one):
+    a batch-1 decode over a 384-key table (24 blocks of 16: 3 splits before) lowers for CUDA to
+    the attention and the combine."""
+    from pallas_kernels.paged_attention import _kv_splits
+
+    cfg = PagedAttentionConfig()
+    for keys in range(1, 5000, 7):
+        for bn in (16, 32, 64):
+            n = _kv_splits(1, 1, keys, bn, cfg)
+            assert n >= 1 and n & (n - 1) == 0 and (n == 1 or keys // (2 * bn) >= n), (keys, bn, n)
+    _lower_for_cuda(1, Hq=16, Hkv=1, D=128, qdt=jnp.bfloat16, cdt=jnp.bfloat16, R=1, W=24)
+    assert len(verified_triton_modules) == 2
+
+
 #: A clamp (``jnp.minimum``) on a row of column indices: Triton then cannot see that a load's
 #: columns are consecutive, and loads each element alone. Only a feature block padded past the
 #: head's width may clamp; every block of these shapes lies inside the row.
