@@ -2,8 +2,9 @@
 
 How many tokens a program writes, how many warps it runs, how much shared memory a
 program's tiles may take on the GPU at hand, the int32 element-offset bound of Triton's
-addressing, and the unsigned views that the zeroing kernels store through. The numbers (``KVWriteConfig``'s defaults) are BENCHMARKS.md's "Kernel design
-notes"; ``config`` arguments are any object with ``KVWriteConfig``'s ``gpu_*`` fields.
+addressing, and the unsigned views that the zeroing kernels store through. The numbers
+(``KVWriteConfig``'s defaults) are BENCHMARKS.md's "Kernel design notes"; ``config``
+arguments are any object with ``KVWriteConfig``'s ``gpu_*`` fields.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def shared_memory_per_block(capability: tuple[int, ...] | None) -> int:
     ``capability`` ``(major, minor)``: 227 KiB on Hopper and the data-centre Blackwells (9.x,
     10.x), 163 KiB on the A100 and Orin (8.0, 8.7), 99 KiB on the other 8.x and 12.x parts (RTX,
     A10, L4, L40) and later ones not named here, 96 KiB on Volta (7.0, 7.2), 64 KiB on Turing
-    (7.5), 48 KiB before. None (no CUDA device: a CPU, interpret mode, lowering for CUDA from a CPU host):
-    Hopper's."""
+    (7.5), 48 KiB before. None (no CUDA device: a CPU, interpret mode, lowering for CUDA from
+    a CPU host): Hopper's."""
     KiB = 1024
     if capability is None:
         return 227 * KiB

@@ -48,8 +48,8 @@ TPU path being JAX's ragged paged attention, :mod:`pallas_kernels.rpa`):
   sum and accumulator; bf16 products where q and cache are bf16 or fp8, IEEE float32
   products otherwise). Split ``s`` takes the ``s``-th share of the chunks; with
   ``splits > 1`` (few tokens: decode at small batch) a second kernel combines the
-  splits' maxima, sums and outputs (``_combine_gpu``), otherwise the call is one launch. Tiles of a
-  decode row hold one token; a prefill chunk of ``L`` tokens makes about
+  splits' maxima, sums and outputs (``_combine_gpu``), otherwise the call is one
+  launch. Tiles of a decode row hold one token; a prefill chunk of ``L`` tokens makes about
   ``L / block_q`` tiles. Compiled: head sizes >= 16. The same body
   runs in interpret mode on a CPU. Measured on an H100:
   ``benchmarks/results/2026-11-24-h100-paged-attention.json``.
@@ -277,8 +277,9 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     Gp = pl.next_power_of_2(G)
     cdt = _dot_dtype(q.dtype, key_cache.dtype)
     stages = _stages(T, R, Dp, config)
+    budget = gpu_tiling.shared_memory_budget(_backend.gpu_capability()[1])
     BM, BN = _fit_shared_memory(T, R, G, Dp, 0 if values_in_keys else Dvp, jnp.dtype(cdt).itemsize,
-                                stages, config, gpu_tiling.shared_memory_budget(_backend.gpu_capability()[1]))
+                                stages, config, budget)
     BN, warps = _fit_registers(BM, BN, Dp, Dvp, config)
     BQ = BM // Gp  # tokens per tile
     S = W * bs
@@ -464,10 +465,11 @@ def _combine_gpu(o, m, l, *, splits, T, Hkv, G, Dvp, Dv, out_dtype, interpret):
     and ``lse = top + log(sum_s w_s)`` (``-inf`` there).
 
     Grid ``(lanes, Dvp / BD)``: program ``(lane, j)`` reads its lane's ``splits`` maxima and
-    sums and a ``[splits, BD]`` tile of outputs and writes ``out [T, Hq, Dv]`` in
-    ``out_dtype`` (columns ``j * BD ...``) and, from ``j = 0``, ``lse [T, Hq]`` float32. Lanes
-    of the padded group (``g >= G``) store nothing. XLA ran this as five kernels (the maxima,
-    the sums, a transpose of the outputs, their weighted sum, the division and rounding)."""
+    sums and a ``[splits, BD]`` tile of outputs and writes ``out [T, Hq, Dvp]`` in
+    ``out_dtype`` (columns ``j * BD ...``; returned sliced to ``Dv``) and, from ``j = 0``,
+    ``lse [T, Hq]`` float32. Lanes of the padded group (``g >= G``) store nothing. XLA ran this
+    as five kernels (the maxima, the sums, a transpose of the outputs, their weighted sum, the
+    division and rounding)."""
     Gp = pl.next_power_of_2(G)
     lanes = T * Hkv * Gp
     Hq = Hkv * G
