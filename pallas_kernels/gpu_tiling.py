@@ -12,12 +12,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import backend
 from pallas_kernels.contract import INT32_MAX
 
 __all__ = [
     "SHARED_MEMORY_FRACTION",
     "UINT_OF_WIDTH",
     "check_int32_offsets",
+    "device_shared_memory_budget",
     "num_warps",
     "pow2_floor",
     "shared_memory_budget",
@@ -76,6 +78,12 @@ def shared_memory_budget(capability: tuple[int, ...] | None) -> int:
     """The bytes a tile rule may plan one program's tiles for: :data:`SHARED_MEMORY_FRACTION` of
     :func:`shared_memory_per_block`, rounded down to whole KiB (Hopper: 192 KiB)."""
     return int(shared_memory_per_block(capability) * SHARED_MEMORY_FRACTION) // 1024 * 1024
+
+
+def device_shared_memory_budget() -> int:
+    """:func:`shared_memory_budget` of the GPU JAX runs on (:func:`backend.gpu_capability`;
+    Hopper's where there is no CUDA device): what the GPU kernels' tile rules plan for."""
+    return shared_memory_budget(backend.gpu_capability()[1])
 
 
 def pow2_floor(n: int) -> int:

@@ -238,7 +238,7 @@ def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, in
     NT = tile_group.shape[0]
     BN, BK, warps = _blocks(NT, N, K, TM, config)
     BN, BK = _fit_shared_memory(TM, BN, BK, jnp.dtype(x.dtype).itemsize, gate is not None, config,
-                                gpu_tiling.shared_memory_budget(_backend.gpu_capability()[1]))
+                                gpu_tiling.device_shared_memory_budget())
     if not interpret and TM < 16:
         raise NotImplementedError(f"the GPU kernel needs tile_rows >= 16 (Triton products), got {TM}")
     for name, shape in (("x", x.shape), ("w", w.shape), ("the output", (NT * TM, N + BN))):

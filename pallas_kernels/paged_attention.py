@@ -277,9 +277,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
     Gp = pl.next_power_of_2(G)
     cdt = _dot_dtype(q.dtype, key_cache.dtype)
     stages = _stages(T, R, Dp, config)
-    budget = gpu_tiling.shared_memory_budget(_backend.gpu_capability()[1])
     BM, BN = _fit_shared_memory(T, R, G, Dp, 0 if values_in_keys else Dvp, jnp.dtype(cdt).itemsize,
-                                stages, config, budget)
+                                stages, config, gpu_tiling.device_shared_memory_budget())
     BN, warps = _fit_registers(BM, BN, Dp, Dvp, config)
     BQ = BM // Gp  # tokens per tile
     S = W * bs

@@ -18,7 +18,8 @@ Planted bugs each test was seen to fail on (then restored):
   ``test_group_tiles_sorts_instead_of_counting_down_the_rows`` fails;
 * ``group_tiles``' per-group sums left in the default integer type (int64 under x64):
   ``test_group_tiles_under_x64`` fails (the int32 scatter warns);
-* the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails.
+* the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails;
+* the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails.
 """
 
 from __future__ import annotations

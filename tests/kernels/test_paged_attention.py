@@ -25,7 +25,12 @@ Planted bugs each test was seen to fail on (then restored):
 * the reference scaling scores by ``sqrt(D)`` instead of ``1 / sqrt(D)``:
   ``test_reference_is_the_models_attention_bitwise`` fails.
 * every feature block's columns clamped into the row, as only a padded block needs: both
-  lowering tests fail (a clamp on a row of columns).
+  lowering tests fail (a clamp on a row of columns);
+* the split combine's weights without ``exp(m - top)``: 2 tests fail; its log-sum-exp's sum off
+  by one: 3 fail; its guard on padded lanes removed: ``test_gqa_ratios``' 4-split case fails;
+* the split rule's count left unrounded (3, 5, 7 splits): ``test_split_counts_are_powers_of_two``
+  fails;
+* the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails.
 
 Not observable here: a tile taking in the next row's tokens (membership without the
 row check). The interpreter runs programs in grid order, so the later, right tile
