@@ -56,6 +56,9 @@ def _variants():
         "mof_heroless": {**GPU_COMPILER_OPTIONS, "xla_gpu_unsupported_enable_triton_multi_output_fusion": True,
                          "xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
         "all_triton": {**GPU_COMPILER_OPTIONS, "xla_gpu_experimental_all_fusions_with_triton": True},
+        # the Runner's options and the XLA options of $KVJAX_XLA_EXTRA (a JSON object), e.g. the
+        # autotuner's results dumped or loaded (probe_autotune.sh)
+        "extra": {**GPU_COMPILER_OPTIONS, **json.loads(os.environ.get("KVJAX_XLA_EXTRA", "{}"))},
     }
 
 
@@ -166,7 +169,7 @@ def probe(bench, batch: int, opts, tag: str, log, base) -> dict:
         tr = trace_device(lambda: call(buf), 3)
         tr.pop("_kernels", None)
         row["kernels"] = {"per_step": tr.get("kernels_per_call"), "busy_us": tr.get("device_busy_us_per_call"),
-                          "top": tr.get("top_kernels", [])[:12]}
+                          "top": tr.get("top_kernels", [])[:16]}
         log(f"    kernels {row['kernels']['per_step']}, busy {row['kernels']['busy_us']} us per step")
         for t in row["kernels"]["top"][:8]:
             log(f"      {t}")
