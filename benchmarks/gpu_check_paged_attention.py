@@ -227,12 +227,17 @@ add_check("mha-8-8-prefill", [(300, 300), (64, 33)], qdt="bfloat16", cdt="bfloat
           Hq=8, Hkv=8)
 add_check("gqa-16-1-decode", [(700, 1), (33, 2)], qdt="bfloat16", cdt="bfloat16", Hq=16,
           Hkv=1)
+# a group of 3 heads, padded to 4 lanes through the kernel and the split combine
+add_check("gqa-12-4-decode-b1-splits", [(1200, 1)], qdt="bfloat16", cdt="bfloat16", Hq=12, Hkv=4, W=512)
+# a 384-key table: the split rule's count rounded down to a power of two (the combine's blocks)
+add_check("decode-b1-short-table-splits", [(300, 1)], qdt="bfloat16", cdt="bfloat16", W=24)
 add_lse_check("lse-mixed-bf16", MIXED, qdt="bfloat16", cdt="bfloat16")
 add_lse_check("lse-mixed-f32", MIXED, qdt="float32", cdt="float32")
 add_lse_check("lse-decode-b1-splits", [(1500, 1)], qdt="bfloat16", cdt="bfloat16", W=512)
 add_lse_check("lse-mixed-fp8", MIXED, qdt="bfloat16", cdt="fp8")
 add_lse_check("lse-mixed-f32-q-fp8", MIXED, qdt="float32", cdt="fp8")
 add_lse_check("lse-decode-b8-fp8-splits", [(11 + i, 1) for i in range(8)], qdt="float32", cdt="fp8", Hq=16, Hkv=1)
+add_lse_check("lse-gqa-12-4-decode-b1-splits", [(1200, 1)], qdt="float32", cdt="float32", Hq=12, Hkv=4, W=512)
 
 
 # --------------------------------------------------------------------------
