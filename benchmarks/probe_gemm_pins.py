@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             v = row.get("kernel_us", {}).get(name)
             if v is not None and name in row["pinned"] and v < t:
                 t, best[i] = v, row["tiling"]
-    doc["pinned"] = {name: best.get(i) for i, name, _ in products}
+    doc["pinned_tilings"] = {name: best.get(i) for i, name, _ in products}
     path = os.path.join(out, "pinned.textproto")
     with open(path, "w") as f:
         f.write(with_tilings(head, entries, best))
