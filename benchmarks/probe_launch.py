@@ -57,7 +57,7 @@ def _variants():
                          "xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
         "all_triton": {**GPU_COMPILER_OPTIONS, "xla_gpu_experimental_all_fusions_with_triton": True},
         # the Runner's options and the XLA options of $KVJAX_XLA_EXTRA (a JSON object), e.g. the
-        # autotuner's results dumped or loaded (probe_autotune.sh)
+        # autotuner's results dumped or loaded (probe_gemm_pins.py)
         "extra": {**GPU_COMPILER_OPTIONS, **json.loads(os.environ.get("KVJAX_XLA_EXTRA", "{}"))},
     }
 
