@@ -2,6 +2,7 @@
 
 from kvjax.state.block_tables import (
     BlockTables as BlockTables,
+    block_id_limit as block_id_limit,
     compute_slot_mapping as compute_slot_mapping,
     dummy_block_tables as dummy_block_tables,
     dummy_slot_mappings as dummy_slot_mappings,
@@ -40,6 +41,7 @@ from kvjax.state.invariants import (
 
 __all__ = [
     "BlockTables",
+    "block_id_limit",
     "compute_slot_mapping",
     "dummy_block_tables",
     "dummy_slot_mappings",

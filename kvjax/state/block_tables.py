@@ -35,6 +35,13 @@ from kvjax.state.padding import (
 )
 
 
+def block_id_limit(block_size: int) -> int:
+    """Block ids a cache of ``block_size``-token blocks can address: ``[0, limit)``, so that every
+    slot ``id * block_size + offset`` fits int32 (a larger id would wrap onto another block's
+    slots, or onto a negative slot that writes nothing)."""
+    return (INT32_RANGE[1]) // block_size
+
+
 @struct.dataclass
 class BlockTables:
     """Per-request-row block tables for one or more KV-cache groups.
@@ -143,16 +150,23 @@ class BlockTables:
             new_counts.append(upd["count"])
         return self.replace(tables=tuple(new_tables), num_blocks=jnp.stack(new_counts))
 
+    def _id_limit(self, g: int) -> int:
+        """Group ``g``'s logical ids lie in ``[0, limit)``: ``num_cache_blocks`` when known, and
+        never more than :func:`block_id_limit` of its block size (its slots fit int32)."""
+        limit = block_id_limit(self.specs[g].block_size)
+        return limit if self.num_cache_blocks is None else min(limit, self.num_cache_blocks)
+
     def _narrow_write(self, rows, num_new, block_ids):
         """int32 rows, counts and ids; under ``jit`` a row with an id outside
-        ``[0, num_cache_blocks)`` (compared before narrowing) writes nothing."""
+        ``[0, num_cache_blocks)`` or past :func:`block_id_limit` (compared before narrowing)
+        writes nothing."""
         rows = narrow_rows("rows", rows, self.max_num_reqs)
         width = max([b.shape[1] for b in block_ids], default=0)
         num_new = validation.narrow_ids("num_new", num_new, 0, width + 1, fill=0)
-        hi = self.num_cache_blocks if self.num_cache_blocks is not None else INT32_RANGE[1]
         bad_row = jnp.zeros(rows.shape, bool)
         narrowed = []
         for g, b in enumerate(block_ids):
+            hi = self._id_limit(g)
             b = b if validation.is_concrete(b) else jnp.asarray(b)
             used = jnp.arange(b.shape[1])[None, :] < num_new[g][:, None]
             ok = (b >= 0) & (b < hi) if b.size else jnp.ones(b.shape, bool)
@@ -195,10 +209,7 @@ class BlockTables:
                     f"PAD_SLOT_ID (-1) belongs in slot mappings; a skipped block is "
                     f"NULL_BLOCK_ID ({NULL_BLOCK_ID})"
                 )
-            validation.check_values_in_range(
-                f"block_ids[{g}]", used, 0,
-                self.num_cache_blocks if self.num_cache_blocks is not None else INT32_RANGE[1],
-            )
+            validation.check_values_in_range(f"block_ids[{g}]", used, 0, self._id_limit(g))
             counts = validation.concrete_values(self.num_blocks[g])
             ov = validation.concrete_values(overwrite)
             if counts is None or ov is None:
@@ -301,8 +312,10 @@ class BlockTables:
 
 
 def expand_to_kernel_blocks(block_ids: jax.Array, blocks_per_kv_block: int) -> jax.Array:
-    """``[..., M]`` logical ids -> ``[..., M*r]`` kernel ids ``b*r + k``, ``k < r``."""
+    """``[..., M]`` logical ids -> ``[..., M*r]`` kernel ids ``b*r + k``, ``k < r``. Concrete ids
+    must be below ``2**31 // r`` (their kernel ids fit int32): ``ValueError`` otherwise."""
     r = blocks_per_kv_block
+    validation.check_values_in_range("block_ids", block_ids, INT32_RANGE[0], INT32_RANGE[1] // r)
     block_ids = jnp.asarray(block_ids)
     if r == 1:
         return block_ids
@@ -338,8 +351,10 @@ def compute_slot_mapping(
       int32 ``[T]``. ``PAD_SLOT_ID`` from ``query_start_loc[R]`` to the end, for
       every token of a row whose ``idx_mapping`` is -1, and for a real token whose
       position is past the table or whose block is ``NULL_BLOCK_ID`` (never a
-      write into the null block). With concrete inputs the last two raise
+      write into the null block) or negative. With concrete inputs the last two raise
       ``ValueError``; under ``jit`` use :func:`kvjax.checkify_slot_mapping_inputs`.
+      A table id at or past :func:`block_id_limit` (its slots would pass int32) raises
+      with concrete inputs and reads as ``NULL_BLOCK_ID`` (``PAD_SLOT_ID``) under ``jit``.
     """
     block_table, idx_mapping, query_start_loc, positions = _validate_slot_mapping_inputs(
         block_table, idx_mapping, query_start_loc, positions, block_size, num_tokens_padded
@@ -367,6 +382,8 @@ def _slot_mapping_and_faults(block_table, idx_mapping, qsl, positions, block_siz
     col_ok = (pos >= 0) & (col < width)
     blk = block_table[jnp.where(row_ok, row, 0), jnp.where(col_ok, col, 0)].astype(jnp.int32)
     blk_ok = blk > NULL_BLOCK_ID
+    if block_id_limit(block_size) < INT32_RANGE[1]:  # block size 1: every int32 id is in reach
+        blk_ok &= blk < block_id_limit(block_size)
     ok = real & row_ok & col_ok & blk_ok
     slot = jnp.where(ok, blk * block_size + pos % block_size, PAD_SLOT_ID).astype(jnp.int32)
     faults = real & row_ok & ~(col_ok & blk_ok)
@@ -391,7 +408,9 @@ def _validate_slot_mapping_inputs(block_table, idx_mapping, qsl, positions, bloc
     validation.check_dtype("positions", positions, "integer")
     # Range checks before narrowing to int32: a wide id must not wrap onto a valid one.
     idx_mapping = narrow_rows("idx_mapping", idx_mapping, block_table.shape[0])
-    block_table = validation.narrow_ids("block_table", block_table, *INT32_RANGE, fill=NULL_BLOCK_ID)
+    # an id whose slots would pass int32 is refused (concrete) or reads as NULL (traced)
+    block_table = validation.narrow_ids("block_table", block_table, INT32_RANGE[0], block_id_limit(block_size),
+                                        fill=NULL_BLOCK_ID)
     qsl = validation.narrow_ids("query_start_loc", qsl, *INT32_RANGE, fill=0)
     positions = validation.narrow_ids("positions", positions, *INT32_RANGE, fill=-1)
     q = validation.concrete_values(qsl)
@@ -426,6 +445,13 @@ def _validate_slot_mapping_inputs(block_table, idx_mapping, qsl, positions, bloc
                 raise ValueError(
                     f"positions[{t}]={pos} (batch row {b}, request row {row}) is outside the "
                     f"block table: it holds positions [0, {width * block_size})"
+                )
+            blk = int(np.asarray(block_table)[row, pos // block_size])
+            if blk < NULL_BLOCK_ID:
+                raise ValueError(
+                    f"positions[{t}]={pos} (batch row {b}, request row {row}) falls in block-table "
+                    f"column {pos // block_size}, which holds {blk}: block ids are >= 0 "
+                    f"(PAD_SLOT_ID belongs in slot mappings, an unallocated column holds NULL_BLOCK_ID)"
                 )
             raise ValueError(
                 f"positions[{t}]={pos} (batch row {b}, request row {row}) falls in block-table "

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax import BlockTables, KVGroupSpec, NewRequests, RequestState, compute_slot_mapping
+from kvjax.state import block_id_limit, expand_to_kernel_blocks
 
 WIDE = 2**32  # an int64 id this far up used to wrap onto id - 2**32
 SPECS = (KVGroupSpec(block_size=4, max_num_blocks=3),)
@@ -37,11 +38,11 @@ def requests():
          r"idx_mapping must have values in \[0, 3\) \(or -1\); got 4294967297"),
         (lambda: compute_slot_mapping(np.array([[WIDE + 7, 0, 0]], np.int64), np.array([0]),
                                       np.array([0, 1]), np.array([0]), block_size=4, num_tokens_padded=2),
-         r"block_table must have values in \[-2147483648, 2147483648\); got 4294967303"),
+         r"block_table must have values in \[-2147483648, 536870912\); got 4294967303"),
         (lambda: compute_slot_mapping(np.asarray(tables().tables[0]), np.array([0]), np.array([0, 1]),
                                       np.array([WIDE + 1], np.int64), block_size=4, num_tokens_padded=2),
          r"positions must have values in"),
-        (lambda: tables().append_block_ids(0, [[WIDE + 5]]), r"block_ids\[0\] must have values in \[0, 2147483648\)"),
+        (lambda: tables().append_block_ids(0, [[WIDE + 5]]), r"block_ids\[0\] must have values in \[0, 536870912\)"),
         (lambda: BlockTables.create(SPECS, 3, num_cache_blocks=9).append_block_ids(0, [[WIDE + 5]]),
          r"block_ids\[0\] must have values in \[0, 9\); got 4294967301"),
         (lambda: tables().append_block_ids(WIDE + 1, [[5]]), r"row must have values in \[0, 3\); got 4294967297"),
@@ -106,6 +107,55 @@ def test_wide_ids_under_jit_with_x64_write_nothing():
     env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", X64_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+# ------------------------------ ids within int32 whose slots would not be (block_id_limit)
+
+def test_block_id_limit_keeps_every_slot_in_int32():
+    for bs in (1, 4, 16, 32, 64, 3):
+        lim = block_id_limit(bs)
+        assert (lim - 1) * bs + bs - 1 <= 2**31 - 1 < lim * bs + bs - 1
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        # 2**27 + 1 is an int32, but * 32 is 2**32 + 32: it wrapped onto block 1's slots 32..34
+        (lambda: compute_slot_mapping(np.array([[2**27 + 1, 0]], np.int32), np.array([0]), np.array([0, 3]),
+                                      np.arange(3), block_size=32, num_tokens_padded=4),
+         r"block_table must have values in \[-2147483648, 67108864\); got 134217729"),
+        # * 32 wrapped to a negative slot: the writes were dropped
+        (lambda: compute_slot_mapping(np.array([[3 * 2**26, 0]], np.int32), np.array([0]), np.array([0, 3]),
+                                      np.arange(3), block_size=32, num_tokens_padded=4),
+         r"block_table must have values in \[-2147483648, 67108864\); got 201326592"),
+        # without num_cache_blocks the logical id's kernel ids 4 * (2**30 + 1) + k wrapped to 4..7
+        (lambda: BlockTables.create((KVGroupSpec(64, 4, kernel_block_size=16),), 2)
+         .append_block_ids(0, [[2**30 + 1]], overwrite=True),
+         r"block_ids\[0\] must have values in \[0, 33554432\); got 1073741825"),
+        (lambda: expand_to_kernel_blocks(np.array([[2**30 + 1]], np.int32), 4),
+         r"block_ids must have values in \[-2147483648, 536870912\); got 1073741825"),
+        # a negative table entry is named as such, not as the null block
+        (lambda: compute_slot_mapping(np.array([[-3, 0]], np.int32), np.array([0]), np.array([0, 1]),
+                                      np.arange(1), block_size=4, num_tokens_padded=2),
+         r"which holds -3: block ids are >= 0"),
+    ],
+)
+def test_block_ids_whose_slots_pass_int32_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_block_ids_whose_slots_pass_int32_write_nothing_under_jit():
+    sm = jax.jit(lambda t: compute_slot_mapping(t, np.array([0]), np.array([0, 3]), np.arange(3),
+                                                block_size=32, num_tokens_padded=4))
+    for wide in (2**27 + 1, 3 * 2**26, 2**26):
+        assert np.asarray(sm(np.array([[wide, 0]], np.int32))).tolist() == [-1, -1, -1, -1], wide
+    assert np.asarray(sm(np.array([[2**26 - 1, 0]], np.int32))).tolist() == [
+        (2**26 - 1) * 32, (2**26 - 1) * 32 + 1, (2**26 - 1) * 32 + 2, -1]
+    t = BlockTables.create((KVGroupSpec(64, 4, kernel_block_size=16),), 2)
+    w = jax.jit(lambda b: t.write_rows(np.array([0]), [b], np.array([[1]]), np.array([True])))
+    assert np.asarray(w(np.array([[2**30 + 1]], np.int32)).tables[0])[0].tolist() == [0] * 16
+    assert np.asarray(w(np.array([[3]], np.int32)).tables[0])[0, :4].tolist() == [12, 13, 14, 15]
 
 
 # ------------------------------------- silent no-ops and truncations (issue 10 item 7)
