@@ -24,10 +24,10 @@ from flax import struct
 
 from pallas_kernels import combine_sampled_and_draft_tokens
 from pallas_kernels import contract as validation
-from kvjax.constants import PAD_ROW_ID
+from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
 from kvjax.state.block_tables import BlockTables
 from kvjax.state.padding import (
-    gather_index, is_real_row, narrow_rows, pad_accepted_counts, pad_state_indices, token_rows,
+    INT32_RANGE, gather_index, is_real_row, narrow_rows, pad_accepted_counts, pad_state_indices, token_rows,
 )
 from kvjax.state.request_state import RequestState
 
@@ -180,7 +180,8 @@ def build_step_batch(
       backend: kernel backend for the token combine (see ``pallas_kernels``).
       state_indices: int32 ``[R]`` or ``[R, 1 + k]`` each row's recurrent-state slots (None:
         every row ``NULL_BLOCK_ID``, a model without recurrent state); padding rows get
-        ``NULL_BLOCK_ID`` whatever is passed.
+        ``NULL_BLOCK_ID`` whatever is passed. Slots are ``>= 0`` and fit int32: concrete values
+        outside raise ``ValueError``, traced ones read as ``NULL_BLOCK_ID``.
 
     Raises:
       ValueError: shape errors; with concrete values, a schedule that does not
@@ -235,10 +236,13 @@ def build_step_batch(
     k = requests.num_speculative_tokens
     if state_indices is None:
         state_indices = jnp.zeros((R, 1 + k), jnp.int32)
-    si = jnp.asarray(state_indices)
+    si = state_indices if hasattr(state_indices, "shape") else np.asarray(state_indices)
     validation.check_rank("state_indices", si, (1, 2))
     validation.check_dtype("state_indices", si, "integer")
     validation.check_shape("state_indices", si, (R,) if si.ndim == 1 else (R, None))
+    # range-checked in the caller's width before narrowing: 2**32 + 3 must not become slot 3, and
+    # a state slot is >= 0 (NULL_BLOCK_ID: none); under jit such an entry reads as NULL_BLOCK_ID
+    si = validation.narrow_ids("state_indices", si, 0, INT32_RANGE[1], fill=NULL_BLOCK_ID)
     if si.ndim == 1:
         si = si[:, None]
 
@@ -319,8 +323,9 @@ def validate_schedule(
 
     Rows must be distinct and in range (or -1); query lengths non-negative and
     summing to at most ``T``; logits at most ``L``; positions within
-    ``max_model_len``; a row with drafts must be a decode row whose query is
-    exactly ``1 + num_draft`` tokens, with ``num_draft <= num_speculative_tokens``.
+    ``max_model_len``; a prefill row's query within its remaining ``prefill_len`` tokens; a
+    row with drafts must be a decode row whose query is exactly ``1 + num_draft`` tokens,
+    with ``num_draft <= num_speculative_tokens``.
     """
     idx = sched.idx_mapping
     validation.check_rank("idx_mapping", idx, 1)
@@ -375,6 +380,12 @@ def validate_schedule(
             raise ValueError(
                 f"batch row {b} has {db} drafts, so it must be a decode row "
                 f"(num_computed {nc} >= prefill_len {pl}) with query length {1 + db}, got {qb}"
+            )
+        if nc < pl and nc + qb > pl:
+            raise ValueError(
+                f"batch row {b} (request row {row}) is a prefill row with {pl - nc} of its "
+                f"{pl} tokens left to compute, but num_scheduled_tokens[{b}]={qb}: a chunk "
+                f"cannot pass the tokens the request has (the rest would be made-up zeros)"
             )
         if nc >= pl and qb not in (0, 1 + db):
             raise ValueError(

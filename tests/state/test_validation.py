@@ -199,3 +199,47 @@ def test_one_row_conveniences_accept_every_real_row():
     for row in range(3):
         t = t.append_block_ids(row, [[row + 1]], overwrite=True).clear_row(row)
     assert not np.asarray(t.num_blocks).any()
+
+
+# ------------------------------------------ a step's schedule and state slots (step_batch)
+
+def _prompt_row():
+    from kvjax import ScheduledBatch, build_step_batch  # noqa: F401
+    rs = RequestState.create(4, 16).add_request(0, [11, 12, 13, 14, 15])  # a 5-token prompt
+    tb = BlockTables.create((KVGroupSpec(block_size=4, max_num_blocks=4),), 4, num_cache_blocks=32)
+    return rs, tb.append_block_ids(0, [[3, 4]], overwrite=True)
+
+
+def test_a_prefill_chunk_cannot_pass_the_prompt():
+    from kvjax import ScheduledBatch, build_step_batch
+    rs, tb = _prompt_row()
+    # 7 tokens of a 5-token prompt: positions 5, 6 took slots 17, 18 with made-up token 0
+    with pytest.raises(ValueError, match=r"prefill row with 5 of its 5 tokens left.*num_scheduled_tokens\[0\]=7"):
+        build_step_batch(rs, tb, ScheduledBatch.from_lists([0], [7], pad_to=2), num_tokens_padded=8)
+    rs3 = rs.replace(num_computed_tokens=rs.num_computed_tokens.at[0].set(3))
+    with pytest.raises(ValueError, match=r"prefill row with 2 of its 5 tokens left"):
+        build_step_batch(rs3, tb, ScheduledBatch.from_lists([0], [3], pad_to=2), num_tokens_padded=8)
+    b = build_step_batch(rs, tb, ScheduledBatch.from_lists([0], [5], pad_to=2), num_tokens_padded=8)
+    assert np.asarray(b.input_ids).tolist()[:5] == [11, 12, 13, 14, 15]
+
+
+@pytest.mark.parametrize("si, match", [
+    (np.array([2**32 + 3, 7], np.int64), r"state_indices must have values in \[0, 2147483648\); got 4294967299"),
+    (np.array([-1, 5]), r"state_indices must have values in \[0, 2147483648\); got -1"),
+    (np.array([[1, 2], [2**31, 0]], np.int64), r"state_indices must have values in"),
+])
+def test_state_indices_are_range_checked_before_narrowing(si, match):
+    from kvjax import ScheduledBatch, build_step_batch
+    rs, tb = _prompt_row()
+    with pytest.raises(ValueError, match=match):
+        build_step_batch(rs, tb, ScheduledBatch.from_lists([0], [5], pad_to=2), num_tokens_padded=8,
+                         state_indices=si)
+
+
+def test_negative_state_indices_read_as_null_under_jit():
+    from kvjax import ScheduledBatch, build_step_batch
+    rs, tb = _prompt_row()
+    f = jax.jit(lambda si: build_step_batch(rs, tb, ScheduledBatch.from_lists([0], [5], pad_to=2),
+                                            num_tokens_padded=8, state_indices=si).state_indices)
+    assert np.asarray(f(np.array([-1, 5], np.int32))).tolist() == [[0], [0]]
+    assert np.asarray(f(np.array([6, 5], np.int32))).tolist() == [[6], [0]]
