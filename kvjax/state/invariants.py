@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from pallas_kernels import contract as validation
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
 from kvjax.state.block_tables import BlockTables, _slot_mapping_and_faults
-from kvjax.state.padding import gather_index, is_real_slot, token_rows
+from kvjax.state.padding import gather_index, is_real_slot, narrow_rows, token_rows
 from kvjax.state.step_batch import StepBatch
 
 
@@ -97,8 +98,16 @@ def block_table_violations(tables: BlockTables) -> dict[str, jax.Array]:
 
 
 def free_rows_are_empty(tables: BlockTables, free_rows) -> jax.Array:
-    """True (OK) when every free request row has a fully NULL table and count 0."""
-    rows = jnp.asarray(list(free_rows), jnp.int32)
+    """True (OK) when every free request row has a fully NULL table and count 0. ``free_rows``:
+    request rows in ``[0, max_num_reqs)`` (integers; a row outside raises ``ValueError``, it is
+    never clamped or wrapped onto another row)."""
+    rows = free_rows if hasattr(free_rows, "shape") else np.asarray(list(free_rows))
+    if rows.size == 0:
+        return jnp.asarray(True)
+    if not validation.is_concrete(rows):
+        raise ValueError("free_rows must be concrete (a host-side check of which rows are free)")
+    validation.check_rank("free_rows", rows, 1)
+    rows = narrow_rows("free_rows", rows, tables.max_num_reqs, allow_pad=False)
     if rows.size == 0:
         return jnp.asarray(True)
     ok = [jnp.all(tables.tables[g][rows] == NULL_BLOCK_ID) for g in range(tables.num_groups)]

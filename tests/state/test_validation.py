@@ -243,3 +243,18 @@ def test_negative_state_indices_read_as_null_under_jit():
                                             num_tokens_padded=8, state_indices=si).state_indices)
     assert np.asarray(f(np.array([-1, 5], np.int32))).tolist() == [[0], [0]]
     assert np.asarray(f(np.array([6, 5], np.int32))).tolist() == [[6], [0]]
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([4], r"free_rows must have values in \[0, 4\); got 4"),      # was clamped to row 3
+    ([-1], r"free_rows must have values in \[0, 4\); got -1"),    # wrapped to row 3
+    ([-3], r"free_rows must have values in \[0, 4\); got -3"),    # wrapped to row 1
+    ([1.9], r"free_rows must have dtype an integer dtype"),       # truncated to row 1
+])
+def test_free_rows_are_empty_refuses_rows_outside_the_table(rows, match):
+    from kvjax.state import free_rows_are_empty
+    tb = BlockTables.create(SPECS, 4, num_cache_blocks=32).append_block_ids(1, [[3]], overwrite=True)
+    with pytest.raises(ValueError, match=match):
+        free_rows_are_empty(tb, rows)
+    assert not bool(free_rows_are_empty(tb, [1])) and bool(free_rows_are_empty(tb, [0, 2, 3]))
+    assert bool(free_rows_are_empty(tb, []))
