@@ -53,16 +53,22 @@ class ScheduledBatch:
         n = len(rows)
         if n > pad_to:
             raise ValueError(f"{n} scheduled requests do not fit num_reqs_padded={pad_to}")
-        if len(num_scheduled_tokens) != n:
-            raise ValueError(
-                f"num_scheduled_tokens must have one entry per row ({n}), got {len(num_scheduled_tokens)}"
-            )
+        given = {"rows": rows, "num_scheduled_tokens": num_scheduled_tokens}
+        if num_draft_tokens is not None:
+            given["num_draft_tokens"] = num_draft_tokens
+        out = {}
+        for name, v in given.items():  # int32-sized integers before the copy (never a cast or a
+            v = np.asarray(v) if len(v) else np.zeros((0,), np.int64)  # wrap; values: validate_schedule)
+            validation.check_shape(name, v, (n,))
+            validation.check_dtype(name, v, "integer")
+            validation.check_values_in_range(name, v, *INT32_RANGE)
+            out[name] = v
         idx = np.full((pad_to,), PAD_ROW_ID, np.int32)
         q = np.zeros((pad_to,), np.int32)
         d = np.zeros((pad_to,), np.int32)
-        idx[:n], q[:n] = rows, num_scheduled_tokens
+        idx[:n], q[:n] = out["rows"], out["num_scheduled_tokens"]
         if num_draft_tokens is not None:
-            d[:n] = num_draft_tokens
+            d[:n] = out["num_draft_tokens"]
         return cls(idx_mapping=idx, num_scheduled_tokens=q, num_draft_tokens=d)
 
     @classmethod
@@ -332,8 +338,11 @@ def validate_schedule(
     R = idx.shape[0]
     if R == 0:
         raise ValueError("the schedule must have at least one (possibly padded) request row")
-    validation.check_shape("num_scheduled_tokens", sched.num_scheduled_tokens, (R,))
-    validation.check_shape("num_draft_tokens", sched.num_draft_tokens, (R,))
+    for name in ("num_scheduled_tokens", "num_draft_tokens"):  # counts: integers, never truncated
+        v = getattr(sched, name)
+        validation.check_shape(name, v, (R,))
+        validation.check_dtype(name, v, "integer")
+        validation.check_values_in_range(name, v, INT32_RANGE[0], INT32_RANGE[1])
     for n, v in (("num_tokens_padded", num_tokens_padded), ("num_logits_padded", num_logits_padded)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{n} must be a positive int, got {v!r}")

@@ -258,3 +258,27 @@ def test_free_rows_are_empty_refuses_rows_outside_the_table(rows, match):
         free_rows_are_empty(tb, rows)
     assert not bool(free_rows_are_empty(tb, [1])) and bool(free_rows_are_empty(tb, [0, 2, 3]))
     assert bool(free_rows_are_empty(tb, []))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda S: S.from_lists([0.7], [3], pad_to=2), r"rows must have dtype an integer dtype, got float64"),
+    (lambda S: S.from_lists([0], [3.9], pad_to=2), r"num_scheduled_tokens must have dtype an integer dtype"),
+    (lambda S: S.from_lists([2**32], [3], pad_to=2), r"rows must have values in \[-2147483648, 2147483648\); got 4294967296"),
+    (lambda S: S.from_lists([0], [1], [2**40], pad_to=2), r"num_draft_tokens must have values in"),
+    (lambda S: S.from_lists([0, 1], [1], pad_to=2), r"num_scheduled_tokens must have shape \[2\]"),
+])
+def test_scheduled_batch_from_lists_refuses_what_int32_cannot_hold(call, match):
+    from kvjax import ScheduledBatch
+    with pytest.raises(ValueError, match=match):
+        call(ScheduledBatch)
+
+
+def test_a_schedule_with_float_or_wide_counts_is_refused():
+    from kvjax import ScheduledBatch, build_step_batch
+    rs, tb = _prompt_row()
+    for q, match in ((np.array([2.9, 0.0]), r"num_scheduled_tokens must have dtype an integer dtype"),
+                     (np.array([2**32 + 2, 0], np.int64), r"num_scheduled_tokens must have values in")):
+        s = ScheduledBatch(idx_mapping=np.array([0, -1], np.int32), num_scheduled_tokens=q,
+                           num_draft_tokens=np.array([0, 0], np.int32))
+        with pytest.raises(ValueError, match=match):
+            build_step_batch(rs, tb, s, num_tokens_padded=8)
