@@ -289,9 +289,9 @@ class Scheduler:
     # ------------------------------------------------------------------ step
 
     def staging(self, bucket: Bucket) -> Staging:
-        """What one step in ``bucket`` can stage (:func:`~kvjax.host.buckets.bucket_staging`,
-        with the smallest block size of the groups: the most ids per write)."""
-        return bucket_staging(bucket, block_size=min(s.block_size for s in self.specs),
+        """What one step in ``bucket`` can stage (:func:`~kvjax.host.buckets.bucket_staging`
+        with every KV group's block size)."""
+        return bucket_staging(bucket, block_size=tuple(s.block_size for s in self.specs),
                               num_speculative_tokens=self.k, max_new_requests=self.max_new_requests,
                               max_num_seqs=self.buckets.max_num_seqs)
 
