@@ -455,18 +455,22 @@ class Scheduler:
           num_sampled: int ``[R]``.
           logits: optional float ``[L, vocab]``; rows of sampled tokens are kept
             on the request for parity checks.
+
+        Raises:
+          ValueError: ``sampled`` or ``num_sampled`` misses a scheduled row or a draft column, or
+            a row's ``num_sampled`` is outside ``[0, 1 + its drafts]``; nothing is applied.
         """
         done = []
         scheduled = plan.scheduled
         B = len(scheduled)
+        sampled, num_sampled = self._check_results(plan, sampled, num_sampled)
         if logits is not None:
             logits = np.asarray(logits)
         # One vectorised step_progress for every row (the per-row Python loop below only
         # moves lists).
         ints = np.array([(s.req.num_computed, s.req.prefill_len, s.num_tokens) for s in scheduled],
                         np.int64).reshape(B, 3)
-        kept, new_nc = step_progress(ints[:, 0], ints[:, 1], ints[:, 2],
-                                     np.asarray(num_sampled[:B], np.int64))
+        kept, new_nc = step_progress(ints[:, 0], ints[:, 1], ints[:, 2], num_sampled)
         kept, new_nc = kept.tolist(), new_nc.tolist()
         rows = np.asarray(sampled[:B]).tolist()
         cu = 0
@@ -499,6 +503,31 @@ class Scheduler:
                 done.append(req)
         self.step_count += 1
         return done
+
+    @staticmethod
+    def _check_results(plan: StepPlan, sampled, num_sampled) -> tuple[np.ndarray, np.ndarray]:
+        """``sampled`` and ``num_sampled`` (its first ``B`` entries, int64) checked against ``plan``'s
+        ``B`` rows before :meth:`update` applies anything: ``ValueError`` for a shape that misses a
+        row or a draft column, or a row that accepted more than ``1 + its drafts`` (or fewer than 0)."""
+        B = len(plan.scheduled)
+        width = 1 + max((len(s.drafts) for s in plan.scheduled), default=0)
+        sampled, num_sampled = np.asarray(sampled), np.asarray(num_sampled)
+        if (sampled.ndim != 2 or not np.issubdtype(sampled.dtype, np.integer)
+                or sampled.shape[0] < B or sampled.shape[1] < width):
+            raise ValueError(f"sampled must be an int array of shape [>= {B}, >= {width}] (a row per scheduled "
+                             f"request, a column per token it may accept: 1 + its drafts), got {sampled.dtype} "
+                             f"of shape {sampled.shape}")
+        if num_sampled.ndim != 1 or not np.issubdtype(num_sampled.dtype, np.integer) or num_sampled.shape[0] < B:
+            raise ValueError(f"num_sampled must be an int array of shape [>= {B}] (a count per scheduled "
+                             f"request), got {num_sampled.dtype} of shape {num_sampled.shape}")
+        num_sampled = num_sampled[:B].astype(np.int64)
+        num_drafts = np.array([len(s.drafts) for s in plan.scheduled], np.int64)
+        bad = np.flatnonzero((num_sampled < 0) | (num_sampled > 1 + num_drafts))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"num_sampled[{b}] = {num_sampled[b]} for request {plan.scheduled[b].req.req_id!r}, "
+                             f"whose row has {num_drafts[b]} drafts: it must be in [0, {1 + num_drafts[b]}]")
+        return sampled, num_sampled
 
     def _finish(self, req: Request) -> None:
         req.finished = True

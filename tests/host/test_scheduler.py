@@ -335,3 +335,40 @@ def test_the_fewest_state_slots_run_requests_one_at_a_time():
 def test_bad_scheduler_sizes_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         _sched(**kw)
+
+
+def _decode_plan(sched):
+    """A scheduler whose request 'a' decodes with no drafts (each window one token)."""
+    sched.add_request(Request("a", [1, 2, 3], 10))
+    step(sched)  # prefill: one output
+    plan = sched.schedule()
+    assert [(s.num_tokens, s.drafts) for s in plan.scheduled] == [(1, [])]
+    return plan
+
+
+@pytest.mark.parametrize("sampled, num_sampled, match", [
+    (np.zeros((0, 3), np.int32), np.ones((1,), np.int32),
+     r"sampled must be an int array of shape \[>= 1, >= 1\] \(a row per scheduled request, a column per token "
+     r"it may accept: 1 \+ its drafts\), got int32 of shape \(0, 3\)"),
+    (np.zeros((3,), np.int32), np.ones((1,), np.int32), r"sampled must be an int array .* got int32 of shape \(3,\)"),
+    (np.zeros((1, 3), np.float32), np.ones((1,), np.int32), r"sampled must be an int array .* got float32 of shape"),
+    (np.zeros((1, 3), np.int32), np.ones((0,), np.int32),
+     r"num_sampled must be an int array of shape \[>= 1\] \(a count per scheduled request\), got int32 of "
+     r"shape \(0,\)"),
+    (np.zeros((1, 3), np.int32), np.array([3]),
+     r"num_sampled\[0\] = 3 for request 'a', whose row has 0 drafts: it must be in \[0, 1\]"),
+    (np.zeros((1, 3), np.int32), np.array([-1]),
+     r"num_sampled\[0\] = -1 for request 'a', whose row has 0 drafts: it must be in \[0, 1\]"),
+])
+def test_update_refuses_results_that_do_not_match_the_plan(sampled, num_sampled, match):
+    # a short sampled used to raise a raw IndexError; 3 'accepted' from a 1-token window moved
+    # num_computed past the K/V written
+    sched = _sched(k=2, drafter=lambda tokens, k: [])
+    plan = _decode_plan(sched)
+    req = plan.scheduled[0].req
+    before = (req.num_computed, list(req.output), sched.step_count)
+    with pytest.raises(ValueError, match=match):
+        sched.update(plan, sampled, num_sampled)
+    assert (req.num_computed, req.output, sched.step_count) == before  # nothing applied
+    sched.update(plan, np.full((1, 3), 5, np.int32), np.ones((1,), np.int32))
+    assert req.output[-1] == 5
