@@ -17,8 +17,18 @@ runs decode-only exactly when no scheduled row is prefilling (:meth:`BucketSpec.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from kvjax.spec import cdiv
+
+
+def _size(name: str, value, minimum: int) -> int:
+    """``value`` as a plain int, or ValueError naming ``name`` when it is not an int (``bool`` is
+    not one) of at least ``minimum``: 1 (a positive int) or 0 (a non-negative int). numpy ints are taken."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        kind = "a positive int" if minimum else "a non-negative int"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return int(value)
 
 
 class BatchTooLargeError(ValueError):
@@ -49,10 +59,8 @@ def default_token_sizes(max_num_batched_tokens: int, num_speculative_tokens: int
     itself; every size rounded up to a multiple of ``1 + num_speculative_tokens``
     (a decode window) and capped at the maximum.
     """
-    if max_num_batched_tokens <= 0:
-        raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
-    dql = 1 + num_speculative_tokens
-    m = max_num_batched_tokens
+    m = _size("max_num_batched_tokens", max_num_batched_tokens, 1)
+    dql = 1 + _size("num_speculative_tokens", num_speculative_tokens, 0)
     sizes = [1, 2, 4] + list(range(8, min(m + 1, 256), 8)) + list(range(256, m + 1, 16)) + [m]
     rounded = {min(cdiv(s, dql) * dql, m) for s in sizes if s <= m}
     return tuple(sorted(rounded))
@@ -74,13 +82,13 @@ class BucketSpec:
 
     def __post_init__(self):
         ts = tuple(self.token_sizes)
-        if not ts or any(not isinstance(t, int) or t <= 0 for t in ts) or list(ts) != sorted(set(ts)):
+        if (not ts or any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t <= 0 for t in ts)
+                or list(ts) != sorted(set(ts))):
             raise ValueError(f"token_sizes must be distinct ascending positive ints, got {self.token_sizes!r}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        object.__setattr__(self, "token_sizes", ts)
+        object.__setattr__(self, "token_sizes", tuple(int(t) for t in ts))
+        object.__setattr__(self, "max_num_seqs", _size("max_num_seqs", self.max_num_seqs, 1))
+        object.__setattr__(self, "num_speculative_tokens",
+                           _size("num_speculative_tokens", self.num_speculative_tokens, 0))
 
     @classmethod
     def default(cls, max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int = 0):
@@ -88,7 +96,12 @@ class BucketSpec:
                    num_speculative_tokens)
 
     def bucket_for(self, num_tokens_padded: int, decode_only: bool = False) -> Bucket:
-        """The bucket of one token size (mixed, or decode-only)."""
+        """The bucket of one token size (mixed, or decode-only); ValueError for a size that is not
+        one of :attr:`token_sizes` (no executable has it)."""
+        num_tokens_padded = _size("num_tokens_padded", num_tokens_padded, 1)
+        if num_tokens_padded not in self.token_sizes:
+            raise ValueError(f"num_tokens_padded must be one of token_sizes {self.token_sizes}, "
+                             f"got {num_tokens_padded!r}")
         R = min(num_tokens_padded, self.max_num_seqs)
         L = min(num_tokens_padded, R * (1 + self.num_speculative_tokens))
         return Bucket(num_tokens_padded, R, L, bool(decode_only))
@@ -119,10 +132,12 @@ class BucketSpec:
         where none fits; otherwise a mixed bucket.
 
         Raises:
+          ValueError: a size is not a positive int.
           BatchTooLargeError: nothing fits; the scheduler must split the batch.
         """
-        if num_logits is None:
-            num_logits = num_reqs
+        num_tokens = _size("num_tokens", num_tokens, 1)
+        num_reqs = _size("num_reqs", num_reqs, 1)
+        num_logits = num_reqs if num_logits is None else _size("num_logits", num_logits, 1)
         need = Bucket(num_tokens, num_reqs, num_logits, bool(decode_only))
         for b in self.buckets:
             if b.holds(need):
@@ -191,16 +206,18 @@ def max_prefill_rows(max_new_requests: int) -> int:
     return max_new_requests + 1
 
 
-def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: int,
+def bucket_staging(bucket: Bucket, *, block_size: int | tuple[int, ...], num_speculative_tokens: int,
                    max_new_requests: int, max_num_seqs: int) -> Staging:
     """The staging capacity of one step in ``bucket``: the one rule for the sizes of the
     runner's staged arrays, which the scheduler's plans never exceed.
 
-    With ``T, R = bucket.num_tokens, bucket.num_reqs``, ``k = num_speculative_tokens``:
-    ``M = cdiv(T, block_size) + 1`` ids per block write (a row scheduled ``n <= T`` tokens adds at
-    most ``cdiv(n, block_size)`` blocks), ``R`` block writes (only scheduled rows write),
-    ``Z = 2 * R * M`` zeroed blocks, ``R * (1 + k)`` zeroed slots (a request is admitted only
-    when scheduled, with ``1 + k`` slots), ``max_new_requests`` new requests and
+    ``block_size``: the KV groups' block sizes, one per group (an int: one group). With
+    ``T, R = bucket.num_tokens, bucket.num_reqs``, ``k = num_speculative_tokens`` and
+    ``M(b) = cdiv(T, b) + 1`` (a row scheduled ``n <= T`` tokens adds at most ``cdiv(n, b)`` blocks
+    of size ``b``): ``M(smallest block size)`` ids per block write (per group), ``R`` block writes
+    (only scheduled rows write), ``Z = R * sum(M(b) for each group)`` zeroed blocks (every fresh
+    block is in its row's write of the step, in one group), ``R * (1 + k)`` zeroed slots (a request
+    is admitted only when scheduled, with ``1 + k`` slots), ``max_new_requests`` new requests and
     ``max_num_seqs`` cleared rows (each row once), and ``min(R, max_prefill_rows(max_new_requests))``
     prefilling rows, none in a decode-only bucket (compiled without the prefill path).
 
@@ -208,20 +225,24 @@ def bucket_staging(bucket: Bucket, *, block_size: int, num_speculative_tokens: i
       ValueError: a size is not a positive int, ``max_new_requests > max_num_seqs``, or the
         bucket holds more rows than ``max_num_seqs``.
     """
-    for name, v in (("block_size", block_size), ("max_new_requests", max_new_requests),
-                    ("max_num_seqs", max_num_seqs)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
-        raise ValueError(f"num_speculative_tokens must be a non-negative int, got {num_speculative_tokens!r}")
+    if isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool):
+        block_sizes = (_size("block_size", block_size, 1),)
+    elif isinstance(block_size, (tuple, list)) and block_size:
+        block_sizes = tuple(_size(f"block_size[{g}]", b, 1) for g, b in enumerate(block_size))
+    else:
+        raise ValueError(f"block_size must be a positive int or a non-empty sequence of them (one per KV "
+                         f"group), got {block_size!r}")
+    max_new_requests = _size("max_new_requests", max_new_requests, 1)
+    max_num_seqs = _size("max_num_seqs", max_num_seqs, 1)
+    k = _size("num_speculative_tokens", num_speculative_tokens, 0)
     if max_new_requests > max_num_seqs:
         raise ValueError(f"max_new_requests must be <= max_num_seqs={max_num_seqs} (a new request "
                          f"takes a row), got {max_new_requests}")
     if not isinstance(bucket, Bucket) or not 0 < bucket.num_reqs <= min(bucket.num_tokens, max_num_seqs):
         raise ValueError(f"bucket must be a Bucket of 1..min(num_tokens, max_num_seqs={max_num_seqs}) "
                          f"rows, got {bucket!r}")
-    M = cdiv(bucket.num_tokens, block_size) + 1
-    R = bucket.num_reqs
+    T, R = bucket.num_tokens, bucket.num_reqs
+    ids_per_write = [cdiv(T, b) + 1 for b in block_sizes]
     return Staging(cleared_rows=max_num_seqs, new_requests=max_new_requests, block_writes=R,
-                   ids_per_write=M, zero_blocks=2 * R * M, zero_slots=R * (1 + num_speculative_tokens),
+                   ids_per_write=max(ids_per_write), zero_blocks=R * sum(ids_per_write), zero_slots=R * (1 + k),
                    prefill_rows=0 if bucket.decode_only else min(R, max_prefill_rows(max_new_requests)))

@@ -88,7 +88,8 @@ def first_stop(req: Request, tokens) -> int | None:
 
 
 class RequestTooLargeError(ValueError):
-    """A request that could not fit in the KV cache even if it ran alone."""
+    """A request that could never run even alone: its prompt leaves no room to generate within
+    ``max_model_len``, or its KV cache needs more blocks than a block-table row or the cache holds."""
 
 
 def peak_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
@@ -101,9 +102,30 @@ def peak_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> 
 def check_request_fits(
     req: "Request", specs: tuple[KVGroupSpec, ...], *, num_blocks: int, max_model_len: int
 ) -> None:
-    """The capacity rule: raise :class:`RequestTooLargeError` when ``req`` alone needs more
-    KV blocks than the cache has (``num_blocks - 1``: block 0 is reserved)."""
+    """The admission rule: what a request must be to ever run, checked before it is queued.
+
+    Raises:
+      ValueError: the prompt is empty, or ``max_tokens`` is not an int >= 1.
+      RequestTooLargeError: the prompt has ``max_model_len`` tokens or more (no room to generate),
+        or ``req`` alone, at its :func:`peak_tokens`, needs more blocks of a KV group than a
+        block-table row holds (its ``max_num_blocks``), or more KV blocks than the cache has
+        (``num_blocks - 1``: block 0 is reserved).
+    """
+    if not isinstance(req.prompt, list) or not req.prompt:
+        raise ValueError(f"request {req.req_id!r}: prompt must be a non-empty list of token ids, got {req.prompt!r}")
+    if not isinstance(req.max_tokens, int) or isinstance(req.max_tokens, bool) or req.max_tokens < 1:
+        raise ValueError(f"request {req.req_id!r}: max_tokens must be an int >= 1, got {req.max_tokens!r}")
+    if len(req.prompt) >= max_model_len:
+        raise RequestTooLargeError(f"request {req.req_id!r}: prompt has {len(req.prompt)} tokens; "
+                                   f"max_model_len={max_model_len} leaves no room to generate")
     n = peak_tokens(len(req.prompt), req.max_tokens, max_model_len)
+    for g, s in enumerate(specs):
+        if s.blocks_to_add(n, 0) > s.max_num_blocks:
+            raise RequestTooLargeError(
+                f"request {req.req_id!r} needs {n} tokens of KV cache, {s.blocks_to_add(n, 0)} blocks in KV "
+                f"group {g}, but a block-table row of that group holds {s.max_num_blocks} blocks "
+                f"({s.max_num_blocks * s.block_size} tokens); raise max_num_blocks or lower the prompt or max_tokens"
+            )
     need = sum(s.blocks_to_add(n, 0) for s in specs)
     if need > num_blocks - 1:
         cap = f" ({(num_blocks - 1) * specs[0].block_size} tokens)" if len(specs) == 1 else ""
@@ -173,7 +195,8 @@ class Scheduler:
       num_blocks: KV blocks incl. the reserved block 0.
       max_model_len: longest sequence.
       num_state_slots: recurrent-state slots incl. the reserved slot 0 (0: no
-        recurrent layers). Each running request owns ``1 + num_speculative_tokens``.
+        recurrent layers). Each running request owns :attr:`slots_per_request`
+        (``1 + num_speculative_tokens``), so at least ``2 + num_speculative_tokens``.
       max_new_requests: requests admitted per step at most, ``1..max_num_seqs`` (the
         runner stages that many new rows per step); default ``max_num_seqs``.
       drafter: ``(tokens, k) -> up to k draft tokens``; default the n-gram
@@ -191,6 +214,19 @@ class Scheduler:
         max_new_requests: int | None = None,
         drafter=None,
     ):
+        if (not isinstance(specs, (tuple, list)) or not specs
+                or not all(isinstance(s, KVGroupSpec) for s in specs)):
+            raise ValueError(f"specs must be a non-empty sequence of KVGroupSpec, got {specs!r}")
+        if not isinstance(buckets, BucketSpec):
+            raise ValueError(f"buckets must be a BucketSpec, got {buckets!r}")
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an int >= 2 (a prompt token and an output), got {max_model_len!r}")
+        per_request = 1 + buckets.num_speculative_tokens
+        if (not isinstance(num_state_slots, int) or isinstance(num_state_slots, bool)
+                or not (num_state_slots == 0 or num_state_slots >= 1 + per_request)):
+            raise ValueError(
+                f"num_state_slots must be 0 (no recurrent layers) or an int >= {1 + per_request} (the reserved "
+                f"slot 0 and 1 + num_speculative_tokens = {per_request} slots for one request), got {num_state_slots!r}")
         self.specs = tuple(specs)
         self.max_new_requests = buckets.max_num_seqs if max_new_requests is None else max_new_requests
         self.drafter = drafter or propose_ngram
@@ -202,6 +238,7 @@ class Scheduler:
         self.rows = RequestRows(buckets.max_num_seqs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._live_ids: set[str] = set()  # ids waiting or running (add_request refuses a duplicate)
         self.finished: list[Request] = []
         self.step_count = 0
         self.num_preemptions = 0
@@ -214,14 +251,31 @@ class Scheduler:
 
     # -------------------------------------------------------------- requests
 
+    @property
+    def slots_per_request(self) -> int:
+        """Recurrent-state slots one running request owns: ``1 + k`` (0 without recurrent layers)."""
+        return 1 + self.k if self.slots is not None else 0
+
     def check_fits(self, req: Request) -> None:
-        """Raise :class:`RequestTooLargeError` if ``req`` could never fit in this cache."""
+        """Raise ``ValueError`` if ``req`` is malformed and :class:`RequestTooLargeError` if it
+        could never run in this scheduler (:func:`check_request_fits`)."""
         check_request_fits(req, self.specs, num_blocks=self.pool.num_blocks, max_model_len=self.max_model_len)
 
     def add_request(self, req: Request) -> None:
-        """Queue ``req``; :class:`RequestTooLargeError` if it could never run (it would hang)."""
+        """Queue ``req``.
+
+        Raises:
+          ValueError: ``req`` is malformed (:meth:`check_fits`), has finished, or its id is
+            already waiting or running.
+          RequestTooLargeError: it could never run (it would hang).
+        """
+        if req.finished:
+            raise ValueError(f"request {req.req_id!r} has finished; queue a new Request to run it again")
+        if req.req_id in self._live_ids:
+            raise ValueError(f"request id {req.req_id!r} is already waiting or running")
         self.check_fits(req)
         self.waiting.append(req)
+        self._live_ids.add(req.req_id)
 
     @property
     def has_work(self) -> bool:
@@ -248,9 +302,8 @@ class Scheduler:
 
     def _admit(self, req: Request, added, block_writes) -> None:
         """Install ``req`` into a free row with fresh state slots (the caller checked they are free)."""
-        slots_needed = 1 + self.k if self.slots is not None else 0
         req.row = self.rows.add(req.req_id)
-        req.state_slots = self.slots.allocate(slots_needed) if self.slots is not None else []
+        req.state_slots = self.slots.allocate(self.slots_per_request) if self.slots is not None else []
         req.num_computed = 0
         req.prefill_len = len(req.tokens)
         req.blocks = [[] for _ in self.specs]
@@ -289,9 +342,9 @@ class Scheduler:
     # ------------------------------------------------------------------ step
 
     def staging(self, bucket: Bucket) -> Staging:
-        """What one step in ``bucket`` can stage (:func:`~kvjax.host.buckets.bucket_staging`,
-        with the smallest block size of the groups: the most ids per write)."""
-        return bucket_staging(bucket, block_size=min(s.block_size for s in self.specs),
+        """What one step in ``bucket`` can stage (:func:`~kvjax.host.buckets.bucket_staging`
+        with every KV group's block size)."""
+        return bucket_staging(bucket, block_size=tuple(s.block_size for s in self.specs),
                               num_speculative_tokens=self.k, max_new_requests=self.max_new_requests,
                               max_num_seqs=self.buckets.max_num_seqs)
 
@@ -307,7 +360,7 @@ class Scheduler:
         is a scheduled row, and the plan's staging fits its bucket (:meth:`staging`).
         """
         out: list[ScheduledRequest] = []
-        slots_needed = 1 + self.k if self.slots is not None else 0
+        slots_needed = self.slots_per_request
         while (budget > 0 and self.waiting and self.waiting[0].arrival_step <= step and self.rows.free_rows
                and len(added) < self.max_new_requests and len(out) < prefill_room):
             req = self.waiting[0]
@@ -402,18 +455,22 @@ class Scheduler:
           num_sampled: int ``[R]``.
           logits: optional float ``[L, vocab]``; rows of sampled tokens are kept
             on the request for parity checks.
+
+        Raises:
+          ValueError: ``sampled`` or ``num_sampled`` misses a scheduled row or a draft column, or
+            a row's ``num_sampled`` is outside ``[0, 1 + its drafts]``; nothing is applied.
         """
         done = []
         scheduled = plan.scheduled
         B = len(scheduled)
+        sampled, num_sampled = self._check_results(plan, sampled, num_sampled)
         if logits is not None:
             logits = np.asarray(logits)
         # One vectorised step_progress for every row (the per-row Python loop below only
         # moves lists).
         ints = np.array([(s.req.num_computed, s.req.prefill_len, s.num_tokens) for s in scheduled],
                         np.int64).reshape(B, 3)
-        kept, new_nc = step_progress(ints[:, 0], ints[:, 1], ints[:, 2],
-                                     np.asarray(num_sampled[:B], np.int64))
+        kept, new_nc = step_progress(ints[:, 0], ints[:, 1], ints[:, 2], num_sampled)
         kept, new_nc = kept.tolist(), new_nc.tolist()
         rows = np.asarray(sampled[:B]).tolist()
         cu = 0
@@ -447,11 +504,37 @@ class Scheduler:
         self.step_count += 1
         return done
 
+    @staticmethod
+    def _check_results(plan: StepPlan, sampled, num_sampled) -> tuple[np.ndarray, np.ndarray]:
+        """``sampled`` and ``num_sampled`` (its first ``B`` entries, int64) checked against ``plan``'s
+        ``B`` rows before :meth:`update` applies anything: ``ValueError`` for a shape that misses a
+        row or a draft column, or a row that accepted more than ``1 + its drafts`` (or fewer than 0)."""
+        B = len(plan.scheduled)
+        width = 1 + max((len(s.drafts) for s in plan.scheduled), default=0)
+        sampled, num_sampled = np.asarray(sampled), np.asarray(num_sampled)
+        if (sampled.ndim != 2 or not np.issubdtype(sampled.dtype, np.integer)
+                or sampled.shape[0] < B or sampled.shape[1] < width):
+            raise ValueError(f"sampled must be an int array of shape [>= {B}, >= {width}] (a row per scheduled "
+                             f"request, a column per token it may accept: 1 + its drafts), got {sampled.dtype} "
+                             f"of shape {sampled.shape}")
+        if num_sampled.ndim != 1 or not np.issubdtype(num_sampled.dtype, np.integer) or num_sampled.shape[0] < B:
+            raise ValueError(f"num_sampled must be an int array of shape [>= {B}] (a count per scheduled "
+                             f"request), got {num_sampled.dtype} of shape {num_sampled.shape}")
+        num_sampled = num_sampled[:B].astype(np.int64)
+        num_drafts = np.array([len(s.drafts) for s in plan.scheduled], np.int64)
+        bad = np.flatnonzero((num_sampled < 0) | (num_sampled > 1 + num_drafts))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"num_sampled[{b}] = {num_sampled[b]} for request {plan.scheduled[b].req.req_id!r}, "
+                             f"whose row has {num_drafts[b]} drafts: it must be in [0, {1 + num_drafts[b]}]")
+        return sampled, num_sampled
+
     def _finish(self, req: Request) -> None:
         req.finished = True
         self.running.remove(req)
         self._release(req)
         self.finished.append(req)
+        self._live_ids.discard(req.req_id)
 
     def stop(self, req: Request, num_outputs: int) -> None:
         """Finish a running request at ``num_outputs`` outputs (a stop token found after the

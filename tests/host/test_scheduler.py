@@ -219,3 +219,156 @@ def test_a_preempted_request_resumes_with_its_output_as_prompt():
     while b.row is None or b.is_decoding is False:
         step(sched)
     assert b.prefill_len == 8 + len(out) and b.output[: len(out)] == out
+
+
+# ------------------------------------------------ refused at add_request / at construction
+
+def _sched(k=0, max_model_len=64, specs=None, num_blocks=64, **kw):
+    from kvjax import KVGroupSpec
+    from kvjax.host.buckets import BucketSpec
+    from kvjax.host.scheduler import Scheduler
+
+    specs = (KVGroupSpec(16, 4),) if specs is None else specs
+    return Scheduler(specs, BucketSpec.default(32, 4, k), num_blocks=num_blocks, max_model_len=max_model_len, **kw)
+
+
+def cdiv_(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("max_tokens", [0, -2, 1.5, True, None])
+def test_max_tokens_below_one_is_refused(max_tokens):
+    # max_tokens=-2 with drafts used to be admitted and keep rows[b][:-2] of a window: rejected drafts
+    sched = _sched(k=3)
+    with pytest.raises(ValueError, match=rf"request 'a': max_tokens must be an int >= 1, got {max_tokens!r}"):
+        sched.add_request(Request("a", [1, 2, 3, 1, 2, 3], max_tokens))
+    assert not sched.has_work
+
+
+def test_an_empty_prompt_is_refused():
+    # used to be scheduled as a 0-token decode row
+    sched = _sched()
+    with pytest.raises(ValueError, match=r"request 'c': prompt must be a non-empty list of token ids, got \[\]"):
+        sched.add_request(Request("c", [], 3))
+    assert not sched.has_work
+
+
+@pytest.mark.parametrize("n", [16, 30])
+def test_a_prompt_of_max_model_len_tokens_or_more_is_refused(n):
+    sched = _sched(max_model_len=16)
+    with pytest.raises(RequestTooLargeError, match=rf"request 'b': prompt has {n} tokens; max_model_len=16 "
+                                                   r"leaves no room to generate"):
+        sched.add_request(Request("b", list(range(1, n + 1)), 1))
+    assert not sched.has_work
+    sched.add_request(Request("ok", list(range(1, 16)), 5))  # 15 tokens: room for one output
+    drive(sched, max_steps=5)
+    assert [len(r.output) for r in sched.finished] == [1]
+
+
+@pytest.mark.parametrize("prompt, max_tokens, tokens", [(100, 1, 100), (10, 100, 109)])
+def test_a_request_wider_than_the_block_table_is_refused(prompt, max_tokens, tokens):
+    # the table holds 4 blocks of 16 = 64 tokens, max_model_len 200: a 100-token prompt used to be
+    # admitted and given 7 blocks for a 4-block row
+    from kvjax import KVGroupSpec
+
+    sched = _sched(max_model_len=200, specs=(KVGroupSpec(16, 4),))
+    with pytest.raises(RequestTooLargeError, match=(
+            rf"request 'f' needs {tokens} tokens of KV cache, {cdiv_(tokens, 16)} blocks in KV group 0, but a "
+            r"block-table row of that group holds 4 blocks \(64 tokens\); raise max_num_blocks")):
+        sched.add_request(Request("f", list(range(1, prompt + 1)), max_tokens))
+    assert not sched.has_work
+    sched.add_request(Request("fits", list(range(1, 61)), 5))  # 64 tokens: exactly the table
+    drive(sched, max_steps=20)
+    assert [len(r.output) for r in sched.finished] == [5]
+
+
+def test_a_duplicate_request_id_is_refused_while_the_first_is_waiting_or_running():
+    # the second 'd' used to be queued; schedule() then raised and dropped it from waiting
+    sched = _sched()
+    sched.add_request(Request("d", [1, 2], 3))
+    with pytest.raises(ValueError, match=r"request id 'd' is already waiting or running"):
+        sched.add_request(Request("d", [5, 6], 3))
+    step(sched)  # 'd' runs
+    assert [r.req_id for r in sched.running] == ["d"]
+    with pytest.raises(ValueError, match=r"request id 'd' is already waiting or running"):
+        sched.add_request(Request("d", [5, 6], 3))
+    drive(sched, max_steps=10)
+    sched.add_request(Request("d", [5, 6], 1))  # finished: its id may be used again
+    drive(sched, max_steps=10)
+    assert [(r.req_id, r.prompt) for r in sched.finished] == [("d", [1, 2]), ("d", [5, 6])]
+
+
+def test_a_finished_request_is_not_queued_again():
+    sched = _sched()
+    r = Request("a", [1, 2], 1)
+    sched.add_request(r)
+    drive(sched, max_steps=5)
+    with pytest.raises(ValueError, match=r"request 'a' has finished"):
+        sched.add_request(r)
+    assert not sched.has_work
+
+
+@pytest.mark.parametrize("k, slots", [(0, 1), (2, 1), (2, 2), (2, 3)])
+def test_too_few_state_slots_for_one_request_is_refused(k, slots):
+    # each request holds 1 + k slots: with num_state_slots=2, k=2 a request used to be accepted
+    # and never scheduled (has_work stayed True); num_state_slots=1 blamed num_blocks
+    with pytest.raises(ValueError, match=(
+            rf"num_state_slots must be 0 \(no recurrent layers\) or an int >= {2 + k} \(the reserved slot 0 and "
+            rf"1 \+ num_speculative_tokens = {1 + k} slots for one request\), got {slots}")):
+        _sched(k=k, num_state_slots=slots)
+
+
+def test_the_fewest_state_slots_run_requests_one_at_a_time():
+    sched = _sched(k=2, num_state_slots=4)
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [1, 2, 3], 3))
+    drive(sched, max_steps=40)
+    assert len(sched.finished) == 3 and sched.slots.num_used == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_blocks=1), r"num_blocks must be an int >= 2 \(id 0 is reserved\), got 1"),
+    (dict(max_model_len=1), r"max_model_len must be an int >= 2 \(a prompt token and an output\), got 1"),
+    (dict(max_model_len=64.0), r"max_model_len must be an int >= 2 \(a prompt token and an output\), got 64.0"),
+    (dict(specs=()), r"specs must be a non-empty sequence of KVGroupSpec, got \(\)"),
+])
+def test_bad_scheduler_sizes_are_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _sched(**kw)
+
+
+def _decode_plan(sched):
+    """A scheduler whose request 'a' decodes with no drafts (each window one token)."""
+    sched.add_request(Request("a", [1, 2, 3], 10))
+    step(sched)  # prefill: one output
+    plan = sched.schedule()
+    assert [(s.num_tokens, s.drafts) for s in plan.scheduled] == [(1, [])]
+    return plan
+
+
+@pytest.mark.parametrize("sampled, num_sampled, match", [
+    (np.zeros((0, 3), np.int32), np.ones((1,), np.int32),
+     r"sampled must be an int array of shape \[>= 1, >= 1\] \(a row per scheduled request, a column per token "
+     r"it may accept: 1 \+ its drafts\), got int32 of shape \(0, 3\)"),
+    (np.zeros((3,), np.int32), np.ones((1,), np.int32), r"sampled must be an int array .* got int32 of shape \(3,\)"),
+    (np.zeros((1, 3), np.float32), np.ones((1,), np.int32), r"sampled must be an int array .* got float32 of shape"),
+    (np.zeros((1, 3), np.int32), np.ones((0,), np.int32),
+     r"num_sampled must be an int array of shape \[>= 1\] \(a count per scheduled request\), got int32 of "
+     r"shape \(0,\)"),
+    (np.zeros((1, 3), np.int32), np.array([3]),
+     r"num_sampled\[0\] = 3 for request 'a', whose row has 0 drafts: it must be in \[0, 1\]"),
+    (np.zeros((1, 3), np.int32), np.array([-1]),
+     r"num_sampled\[0\] = -1 for request 'a', whose row has 0 drafts: it must be in \[0, 1\]"),
+])
+def test_update_refuses_results_that_do_not_match_the_plan(sampled, num_sampled, match):
+    # a short sampled used to raise a raw IndexError; 3 'accepted' from a 1-token window moved
+    # num_computed past the K/V written
+    sched = _sched(k=2, drafter=lambda tokens, k: [])
+    plan = _decode_plan(sched)
+    req = plan.scheduled[0].req
+    before = (req.num_computed, list(req.output), sched.step_count)
+    with pytest.raises(ValueError, match=match):
+        sched.update(plan, sampled, num_sampled)
+    assert (req.num_computed, req.output, sched.step_count) == before  # nothing applied
+    sched.update(plan, np.full((1, 3), 5, np.int32), np.ones((1,), np.int32))
+    assert req.output[-1] == 5

@@ -17,18 +17,24 @@ from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging
 from kvjax.host.scheduler import Request, RequestTooLargeError, Scheduler
 
 
+def _block_sizes(block_size, groups=1, same_block_size=False):
+    """The KV groups' block sizes: ``block_size`` for every group, or ``block_size * (g + 1)``."""
+    return tuple(block_size * (1 if same_block_size else g + 1) for g in range(groups))
+
+
 def _scheduler(*, block_size, num_blocks, max_model_len, max_num_seqs, k, budget, token_sizes,
-               max_new_requests, groups=1):
-    specs = tuple(KVGroupSpec.for_model_len(block_size * (g + 1), max_model_len) for g in range(groups))
+               max_new_requests, groups=1, same_block_size=False):
+    specs = tuple(KVGroupSpec.for_model_len(b, max_model_len)
+                  for b in _block_sizes(block_size, groups, same_block_size))
     buckets = (BucketSpec(tuple(token_sizes), max_num_seqs, k) if token_sizes
                else BucketSpec.default(budget, max_num_seqs, k))
     return Scheduler(specs, buckets, num_blocks=num_blocks, max_model_len=max_model_len,
                      num_state_slots=1 + max_num_seqs * (1 + k), max_new_requests=max_new_requests)
 
 
-def _check_plan(sched, plan, block_size):
+def _check_plan(sched, plan, block_sizes):
     """The plan fits the staging computed from the configuration (not the scheduler's own)."""
-    cap = bucket_staging(plan.bucket, block_size=block_size, num_speculative_tokens=sched.k,
+    cap = bucket_staging(plan.bucket, block_size=block_sizes, num_speculative_tokens=sched.k,
                          max_new_requests=sched.max_new_requests, max_num_seqs=sched.buckets.max_num_seqs)
     need = plan.staging_need()
     assert cap.holds(need), (plan.step, plan.bucket, cap.excess(need))
@@ -40,7 +46,7 @@ def _check_plan(sched, plan, block_size):
     assert set(plan.blocks_to_zero) <= held, "a block to zero that no request holds"
 
 
-def _drive(sched, rng, block_size, max_steps):
+def _drive(sched, rng, block_sizes, max_steps):
     steps = 0
     while sched.has_work:
         assert steps < max_steps, f"no completion after {steps} steps"
@@ -48,7 +54,7 @@ def _drive(sched, rng, block_size, max_steps):
         plan = sched.schedule()
         if plan is None:
             continue
-        _check_plan(sched, plan, block_size)
+        _check_plan(sched, plan, block_sizes)
         R = plan.bucket.num_reqs
         num_sampled = np.zeros((R,), np.int32)
         for b, s in enumerate(plan.scheduled):
@@ -69,7 +75,7 @@ def configs(draw):
         block_size=draw(st.sampled_from([1, 2, 4, 8])), num_blocks=draw(st.integers(3, 24)),
         max_model_len=draw(st.sampled_from([16, 32, 64])), max_num_seqs=max_num_seqs, k=k, budget=budget,
         token_sizes=token_sizes, max_new_requests=draw(st.integers(1, max_num_seqs)),
-        groups=draw(st.sampled_from([1, 1, 2])),
+        groups=draw(st.sampled_from([1, 1, 2, 3, 4])), same_block_size=draw(st.booleans()),
     )
 
 
@@ -89,7 +95,7 @@ def test_every_plan_fits_its_buckets_staging(cfg, reqs, seed):
         except RequestTooLargeError:
             pass
     event(f"{n} requests run")
-    _drive(sched, rng, cfg["block_size"], max_steps=400)
+    _drive(sched, rng, _block_sizes(cfg["block_size"], cfg["groups"], cfg["same_block_size"]), max_steps=400)
     event(f"preempted: {sched.num_preemptions > 0}")
     assert len(sched.finished) == n and sched.pool.num_used == 0
 
@@ -103,7 +109,7 @@ def test_issue_25_admitted_then_preempted_requests_fit_the_one_token_bucket():
     sched.add_request(Request("a", list(range(1, 10)), 3, 0))
     for rid in "bc":
         sched.add_request(Request(rid, [5, 6], 1, 1))
-    _drive(sched, random.Random(0), 4, max_steps=30)
+    _drive(sched, random.Random(0), (4,), max_steps=30)
     assert sorted(r.req_id for r in sched.finished) == ["a", "b", "c"]
 
 
@@ -116,14 +122,19 @@ def test_a_token_budget_below_max_num_seqs_admits_only_what_it_schedules():
         sched.add_request(Request(f"r{i}", [1, 2, 3], 2, 0))
     plan = sched.schedule()
     assert len(plan.added) == len(plan.scheduled) == 1 and plan.bucket.num_reqs == 2
-    _check_plan(sched, plan, 4)
+    _check_plan(sched, plan, (4,))
 
 
 def test_staging_of_a_bucket():
     b = Bucket(num_tokens=9, num_reqs=3, num_logits=6)
     st_ = bucket_staging(b, block_size=4, num_speculative_tokens=1, max_new_requests=2, max_num_seqs=5)
-    assert st_ == Staging(cleared_rows=5, new_requests=2, block_writes=3, ids_per_write=4, zero_blocks=24,
+    assert st_ == Staging(cleared_rows=5, new_requests=2, block_writes=3, ids_per_write=4, zero_blocks=12,
                           zero_slots=6, prefill_rows=3)
+    # one int per KV group: ids per write by the smallest block size, zeroed blocks summed over
+    # the groups (3 writes of up to cdiv(9, 4) + 1 = 4, 4 and cdiv(9, 8) + 1 = 3 ids)
+    st3 = bucket_staging(b, block_size=(4, 4, 8), num_speculative_tokens=1, max_new_requests=2, max_num_seqs=5)
+    assert (st3.ids_per_write, st3.zero_blocks) == (4, 3 * (4 + 4 + 3))
+    assert bucket_staging(b, block_size=(4,), num_speculative_tokens=1, max_new_requests=2, max_num_seqs=5) == st_
     # prefilling rows: the admissions plus one request left mid-prefill, at most the bucket's rows
     assert bucket_staging(Bucket(16, 5, 5), block_size=4, num_speculative_tokens=0, max_new_requests=1,
                           max_num_seqs=5).prefill_rows == 2
@@ -138,6 +149,9 @@ def test_staging_of_a_bucket():
     (dict(max_new_requests=6), r"max_new_requests must be <= max_num_seqs=5 .*got 6"),
     (dict(max_new_requests=0), r"max_new_requests must be a positive int, got 0"),
     (dict(block_size=0), r"block_size must be a positive int, got 0"),
+    (dict(block_size=(4, 0)), r"block_size\[1\] must be a positive int, got 0"),
+    (dict(block_size=()), r"block_size must be a positive int or a non-empty sequence of them \(one per KV "
+                          r"group\), got \(\)"),
     (dict(num_speculative_tokens=-1), r"num_speculative_tokens must be a non-negative int, got -1"),
     (dict(bucket=Bucket(4, 6, 6)), r"bucket must be a Bucket of 1..min\(num_tokens, max_num_seqs=5\) rows, got"),
 ])
@@ -185,3 +199,18 @@ def test_a_step_prefills_at_most_max_prefill_rows_oldest_first():
     assert max_prefill_rows(1) == 2
     assert [s.req.req_id for s in plan.scheduled] == ["a", "b"] and not plan.added
     assert plan.staging_need().prefill_rows == 2 <= sched.staging(plan.bucket).prefill_rows
+
+
+def test_three_kv_groups_of_one_block_size_fit_the_staging():
+    """Three KV groups share one pool: a 64-token prefill in a one-row bucket allocates 3 x 4 fresh
+    blocks. The staging held 2 * R * M = 10 (right for at most two groups), so schedule() raised
+    mid-step after admitting the request and allocating its blocks. Now zero_blocks sums the groups."""
+    sched = _scheduler(block_size=16, num_blocks=64, max_model_len=128, max_num_seqs=1, k=0, budget=64,
+                       token_sizes=None, max_new_requests=1, groups=3, same_block_size=True)
+    sched.add_request(Request("a", list(range(1, 65)), 4))
+    plan = sched.schedule()
+    assert plan.staging_need().zero_blocks == 12 <= sched.staging(plan.bucket).zero_blocks
+    _check_plan(sched, plan, (16, 16, 16))
+    sched.update(plan, np.full((1, 1), 3, np.int32), np.ones((1,), np.int32))
+    _drive(sched, random.Random(0), (16, 16, 16), max_steps=10)
+    assert [r.req_id for r in sched.finished] == ["a"] and sched.pool.num_used == 0
