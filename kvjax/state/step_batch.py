@@ -285,13 +285,16 @@ def _real_rows(requests: RequestState, sched: ScheduledBatch, T: int, L: int):
     one token and ``0 .. num_speculative_tokens`` drafts, and its tokens and logits fit
     the bucket (a row past ``T`` tokens or ``L`` logits, and every row after it, is
     padding). A scheduled row with 0 tokens is padding: it computes nothing and has no
-    logits. Concrete schedules that break the other rules are rejected before
-    (:func:`validate_schedule`); under ``jit`` this is the mask.
+    logits. So is a row that breaks a rule of :func:`_row_faults` (a repeated request row, a
+    query past ``max_model_len`` or past a prefill's tokens, drafts off a decode window).
+    Concrete schedules that break these rules are rejected before (:func:`validate_schedule`);
+    under ``jit`` this is the mask.
     """
     q = jnp.asarray(sched.num_scheduled_tokens, jnp.int32)
     d = jnp.asarray(sched.num_draft_tokens, jnp.int32)
     valid = is_real_row(sched.idx_mapping, requests.max_num_reqs)
     valid &= (q > 0) & (d >= 0) & (d <= requests.num_speculative_tokens)
+    valid &= ~jnp.any(jnp.stack(list(_row_faults(requests, sched.idx_mapping, q, d).values())), axis=0)
     q = jnp.where(valid, q, 0)
     nlog = jnp.where(valid, 1 + d, 0)
     valid &= (jnp.cumsum(q) <= T) & (jnp.cumsum(nlog) <= L)  # a prefix of the rows fits
@@ -353,8 +356,6 @@ def validate_schedule(
     if i is None or q is None or d is None:
         return
     live = is_real_row(i, requests.max_num_reqs)
-    if len(np.unique(i[live])) != live.sum():
-        raise ValueError(f"idx_mapping must not repeat a request row, got {i.tolist()}")
     if (q[live] < 0).any() or (d[live] < 0).any():
         raise ValueError("num_scheduled_tokens and num_draft_tokens must be non-negative")
     total = int(q[live].sum())
@@ -372,32 +373,52 @@ def validate_schedule(
     pl_all = validation.concrete_values(requests.prefill_len)
     if nc_all is None or pl_all is None:
         return
+    faults = _row_faults(requests.replace(num_computed_tokens=nc_all, prefill_len=pl_all), i, q, d, xp=np)
     for b in np.flatnonzero(live):
+        kind = next((k for k, v in faults.items() if v[b]), None)
+        if kind is None:
+            continue
         row, qb, db = int(i[b]), int(q[b]), int(d[b])
         nc, pl = int(nc_all[row]), int(pl_all[row])
-        if nc + qb > requests.max_model_len:
-            raise ValueError(
-                f"batch row {b} (request row {row}) would reach position {nc + qb - 1}, past "
-                f"max_model_len={requests.max_model_len}"
-            )
-        if db > requests.num_speculative_tokens:
-            raise ValueError(
-                f"num_draft_tokens[{b}]={db} exceeds num_speculative_tokens="
-                f"{requests.num_speculative_tokens}"
-            )
-        if db and (nc < pl or qb != 1 + db):
-            raise ValueError(
-                f"batch row {b} has {db} drafts, so it must be a decode row "
-                f"(num_computed {nc} >= prefill_len {pl}) with query length {1 + db}, got {qb}"
-            )
-        if nc < pl and nc + qb > pl:
-            raise ValueError(
-                f"batch row {b} (request row {row}) is a prefill row with {pl - nc} of its "
-                f"{pl} tokens left to compute, but num_scheduled_tokens[{b}]={qb}: a chunk "
-                f"cannot pass the tokens the request has (the rest would be made-up zeros)"
-            )
-        if nc >= pl and qb not in (0, 1 + db):
-            raise ValueError(
-                f"batch row {b} is a decode row: its query must be 1 + num_draft_tokens = "
-                f"{1 + db} tokens, got {qb}"
-            )
+        raise ValueError({
+            "repeated_row": f"idx_mapping must not repeat a request row, got {i.tolist()}",
+            "past_max_model_len": f"batch row {b} (request row {row}) would reach position {nc + qb - 1}, "
+                                  f"past max_model_len={requests.max_model_len}",
+            "too_many_drafts": f"num_draft_tokens[{b}]={db} exceeds num_speculative_tokens="
+                               f"{requests.num_speculative_tokens}",
+            "drafts_off_a_decode_window": f"batch row {b} has {db} drafts, so it must be a decode row "
+                                          f"(num_computed {nc} >= prefill_len {pl}) with query length "
+                                          f"{1 + db}, got {qb}",
+            "chunk_past_the_prompt": f"batch row {b} (request row {row}) is a prefill row with {pl - nc} of "
+                                     f"its {pl} tokens left to compute, but num_scheduled_tokens[{b}]={qb}: a "
+                                     f"chunk cannot pass the tokens the request has (the rest would be "
+                                     f"made-up zeros)",
+            "decode_query_not_its_window": f"batch row {b} is a decode row: its query must be 1 + "
+                                           f"num_draft_tokens = {1 + db} tokens, got {qb}",
+        }[kind])
+
+
+def _row_faults(requests: RequestState, idx, q, d, *, xp=jnp) -> dict:
+    """The schedule's per-row rules against the state, one owner for both uses: bool ``[R]`` per
+    rule, True where a real row (``idx`` names a request row, ``q > 0``) breaks it.
+    :func:`validate_schedule` raises on the first (concrete schedules); :func:`_real_rows` makes
+    such rows padding under ``jit`` (they compute, write and sample nothing). ``xp``: ``np`` for
+    concrete values (the eager check, also inside a ``jit`` trace), ``jnp`` for traced ones."""
+    idx, q, d = (xp.asarray(a).astype(xp.int32) for a in (idx, q, d))
+    R = idx.shape[0]
+    row_ok = (idx >= 0) & (idx < requests.max_num_reqs)
+    real = row_ok & (q > 0)
+    s = xp.where(row_ok, idx, 0)
+    nc = xp.asarray(requests.num_computed_tokens)[s]
+    pl = xp.asarray(requests.prefill_len)[s]
+    earlier = xp.arange(R)[None, :] < xp.arange(R)[:, None]  # [b, j]: j before b
+    repeated = xp.any(earlier & real[None, :] & (idx[None, :] == idx[:, None]), axis=1)
+    decode = nc >= pl
+    return {name: real & bad for name, bad in {
+        "repeated_row": repeated,
+        "past_max_model_len": nc + q > requests.max_model_len,
+        "too_many_drafts": d > requests.num_speculative_tokens,
+        "drafts_off_a_decode_window": (d > 0) & (~decode | (q != 1 + d)),
+        "chunk_past_the_prompt": ~decode & (nc + q > pl),
+        "decode_query_not_its_window": decode & (q != 1 + d),
+    }.items()}

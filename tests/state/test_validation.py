@@ -282,3 +282,24 @@ def test_a_schedule_with_float_or_wide_counts_is_refused():
                            num_draft_tokens=np.array([0, 0], np.int32))
         with pytest.raises(ValueError, match=match):
             build_step_batch(rs, tb, s, num_tokens_padded=8)
+
+
+def test_rows_breaking_the_schedule_rules_are_padding_under_jit():
+    """The eager refusals of validate_schedule, as the jit mask (_row_faults owns both)."""
+    from kvjax import ScheduledBatch, build_step_batch
+    rs, tb = _prompt_row()
+    f = jax.jit(lambda rs, s: build_step_batch(rs, tb, s, num_tokens_padded=8, num_logits_padded=4))
+
+    def real_rows(rs, rows, q, d=None):
+        b = f(rs, ScheduledBatch.from_lists(rows, q, d, pad_to=3))
+        return np.asarray(b.idx_mapping).tolist(), int(b.num_tokens)
+
+    assert real_rows(rs, [0], [5]) == ([0, -1, -1], 5)
+    assert real_rows(rs, [0, 0], [2, 2]) == ([0, -1, -1], 2)          # a repeated row: the first stays
+    assert real_rows(rs, [0], [7]) == ([-1, -1, -1], 0)               # past the 5-token prompt
+    assert real_rows(rs, [0], [3], [2]) == ([-1, -1, -1], 0)          # drafts on a prefill row
+    full = RequestState.create(4, 16).add_request(0, list(range(1, 17)), num_computed_tokens=16)
+    assert real_rows(full, [0], [1]) == ([-1, -1, -1], 0)             # position 16 of max_model_len 16
+    dec = RequestState.create(4, 16, num_speculative_tokens=2).add_request(0, [1, 2, 3], num_computed_tokens=3)
+    assert real_rows(dec, [0], [2], [0]) == ([-1, -1, -1], 0)         # a decode row's query is its window
+    assert real_rows(dec, [0], [3], [2]) == ([0, -1, -1], 3)
