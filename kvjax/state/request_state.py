@@ -215,6 +215,12 @@ class RequestState:
         follow :func:`step_progress`; the kept tokens are appended at ``total_len`` (up
         to ``max_model_len``); ``last_sampled`` = the last one;
         ``num_accepted_tokens = max(kept, 1)``.
+
+        A real row's ``num_sampled`` must be at most its :func:`sample_window`,
+        ``1 + num_drafts`` (``num_drafts = query_lens - 1`` for a decode window, 0 for the
+        chunk that finishes prefill): concrete, ``ValueError``. Under ``jit`` a row that
+        breaks this, or whose query is negative or ends past ``max_model_len``, is left
+        unchanged (every field as before the step).
         """
         validation.check_rank("idx_mapping", idx_mapping, 1)
         idx = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
@@ -225,15 +231,21 @@ class RequestState:
         validation.check_shape("sampled", sampled, (Rp, None))
         validation.check_shape("num_sampled", num_sampled, (Rp,))
         R, L, S = self.max_num_reqs, self.max_model_len, sampled.shape[1]
-        n_s = validation.narrow_ids("num_sampled", num_sampled, 0, S + 1, fill=0)
+        n_s = validation.narrow_ids("num_sampled", num_sampled, 0, S + 1, fill=-1)
         qlen = validation.narrow_ids("query_lens", query_lens, 0, L + 1, fill=-1)
         s = gather_index(idx, R)
         nc, pl, tl = self.num_computed_tokens[s], self.prefill_len[s], self.total_len[s]
         self._check_query_fits(idx, qlen, nc)
-        # Under jit a row whose query is negative or runs past max_model_len is skipped.
-        idx = jnp.where((qlen >= 0) & (nc + qlen <= L), idx, PAD_ROW_ID)
+        window = jnp.where(is_real_row(idx, R), sample_window(nc, pl, qlen, xp=jnp), 0)
+        i, q, c, p = (validation.concrete_values(a) for a in (idx, qlen, nc, pl))
+        _check_num_sampled(n_s, window, lambda b: (
+            f" for request row {i[b]} (query_lens[{b}]={q[b]}, {c[b]} of its {p[b]} prefill "
+            f"tokens computed)"))
+        # Under jit a row breaking either check above is skipped: it is left unchanged.
+        fits = (qlen >= 0) & (nc + qlen <= L) & num_sampled_fits(n_s, window)
+        idx = jnp.where(fits, idx, PAD_ROW_ID)
         valid = is_real_row(idx, R)
-        n_s, new_nc = step_progress(nc, pl, qlen, n_s, xp=jnp)
+        n_s, new_nc = step_progress(nc, pl, jnp.where(valid, qlen, 0), n_s, xp=jnp)
         dest = scatter_index(idx, R)
         # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_s.
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
@@ -265,28 +277,73 @@ class RequestState:
                 )
 
 
+def sample_window(num_computed, prefill_len, query_len, *, xp=np):
+    """How many tokens a row may sample this step: the one bound of ``num_sampled``.
+
+    With ``seq_len = num_computed + query_len``: 0 for a row with no tokens (``query_len <= 0``)
+    and for a mid-prefill chunk (``seq_len < prefill_len``), which sample nothing; else
+    ``1 + num_drafts``, with ``num_drafts = query_len - 1`` for a decode window
+    (``num_computed >= prefill_len``) and 0 for the chunk that finishes prefill. ``xp`` as in
+    :func:`step_progress`.
+    """
+    idle = query_len <= 0
+    mid_prefill = num_computed + query_len < prefill_len
+    num_drafts = xp.where(num_computed >= prefill_len, xp.maximum(query_len - 1, 0), 0)
+    return xp.where(idle | mid_prefill, 0, 1 + num_drafts)
+
+
+def num_sampled_fits(num_sampled, window):
+    """bool: ``num_sampled`` is in ``[0, window]``, or the row samples nothing (``window`` 0,
+    when ``num_sampled`` is ignored). ``window`` from :func:`sample_window`."""
+    return (window == 0) | ((num_sampled >= 0) & (num_sampled <= window))
+
+
 def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):
     """How one step moves a request: the rule :meth:`RequestState.post_update` applies on
     the device and the host schedulers apply to their own copies (one owner).
 
     ``xp`` is the array module (``numpy`` on the host, ``jax.numpy`` on the device);
-    arguments are ints or int arrays of one shape. With ``seq_len = num_computed + query_len``:
+    arguments are ints or int arrays of one shape. With ``window`` =
+    :func:`sample_window` (``1 + num_drafts``, or 0 when the row samples nothing):
 
     * a row with no tokens (``query_len <= 0``) does not move;
-    * mid-prefill chunk (``seq_len < prefill_len``): nothing is sampled;
-    * otherwise ``num_drafts = query_len - 1`` for a decode window
-      (``num_computed >= prefill_len``), 0 for the chunk that finishes prefill, and the
-      ``1 + num_drafts - num_sampled`` rejected positions are not computed.
+    * mid-prefill chunk (``seq_len < prefill_len``): nothing is sampled, whatever
+      ``num_sampled`` says, and the chunk is computed;
+    * otherwise ``num_sampled`` must be in ``[0, window]``, and the
+      ``window - num_sampled`` rejected positions are not computed. More samples than the
+      window would be a negative rejection count: ``num_computed`` would pass the tokens
+      whose K/V was written. Concrete arguments: ``ValueError``. Traced: such a row does not
+      move (``(0, num_computed)``).
 
     Returns ``(num_sampled_kept, new_num_computed)``; the kept sampled tokens are
     appended to the request.
     """
-    idle = query_len <= 0
-    mid_prefill = num_computed + query_len < prefill_len
-    kept = xp.where(mid_prefill | idle, 0, num_sampled)
-    num_drafts = xp.where(num_computed >= prefill_len, xp.maximum(query_len - 1, 0), 0)
-    num_rejected = xp.where(mid_prefill, 0, 1 + num_drafts - kept)
-    return kept, xp.where(idle, num_computed, num_computed + query_len - num_rejected)
+    window = sample_window(num_computed, prefill_len, query_len, xp=xp)
+    _check_num_sampled(num_sampled, window)
+    fits = num_sampled_fits(num_sampled, window)  # traced: a row that does not, does not move
+    kept = xp.where(fits & (window > 0), num_sampled, 0)
+    num_rejected = xp.where(window > 0, window - kept, 0)
+    moves = (query_len > 0) & fits
+    return kept, xp.where(moves, num_computed + query_len - num_rejected, num_computed)
+
+
+def _check_num_sampled(num_sampled, window, describe=None) -> None:
+    """Concrete: :func:`num_sampled_fits` everywhere, else ``ValueError`` naming the first entry
+    that does not (``describe(index)`` adds the caller's words for it)."""
+    n, w = validation.concrete_values(num_sampled), validation.concrete_values(window)
+    if n is None or w is None:
+        return
+    n, w = np.broadcast_arrays(n, w)
+    bad = np.argwhere(~num_sampled_fits(n, w))  # [count, ndim]: (1, 0) for a bad scalar
+    if len(bad):
+        i = tuple(int(v) for v in bad[0])
+        at = f"[{', '.join(map(str, i))}]" if i else ""
+        which = describe(*i) if describe else ""
+        raise ValueError(
+            f"num_sampled{at}={n[i]} must be in [0, {w[i]}] (1 + num_drafts){which}: "
+            f"more samples than the window would be a negative rejection count, moving "
+            f"num_computed_tokens past the tokens whose K/V was written"
+        )
 
 
 @struct.dataclass

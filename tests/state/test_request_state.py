@@ -71,7 +71,8 @@ def test_post_update_prefill_chunks_decode_and_drafts():
 
 def test_post_update_drops_tokens_past_max_model_len():
     s = RequestState.create(1, 3, 1).add_request(0, [1, 2, 3], num_computed_tokens=2)
-    s = s.post_update(np.array([0]), np.array([1]), np.array([[5, 6]]), np.array([2]))
+    # the chunk that finishes prefill samples 1 token (its window), which lands past the end
+    s = s.post_update(np.array([0]), np.array([1]), np.array([[5, 6]]), np.array([1]))
     assert s.all_token_ids[0].tolist() == [1, 2, 3]  # nothing written out of bounds, no wrap
 
 
@@ -127,3 +128,69 @@ def test_post_update_keeps_last_sampled_of_a_row_that_samples_nothing():
     assert int(s.num_computed_tokens[0]) == 4 and int(s.last_sampled_tokens[0]) == 2
     for f in ("last_sampled_tokens", "total_len", "num_computed_tokens", "num_accepted_tokens", "all_token_ids"):
         np.testing.assert_array_equal(np.asarray(getattr(s, f))[1:], getattr(before, f)[1:], err_msg=f)
+
+
+# ---------------------------------------- num_sampled is bounded by the row's window
+
+def _decode_row():
+    """Row 0 decoding (a prompt of 5, then 3 outputs, the last step's draft accepted), row 1
+    prefilling (6 tokens); k = 2."""
+    s = RequestState.create(3, 16, num_speculative_tokens=2).add_request(0, [1, 2, 3, 4, 5])
+    s = s.post_update(np.array([0]), np.array([5]), np.array([[6, 0, 0]]), np.array([1]))
+    s = s.post_update(np.array([0]), np.array([2]), np.array([[7, 8, 0]]), np.array([2]))
+    assert (int(s.num_computed_tokens[0]), int(s.total_len[0]), int(s.num_accepted_tokens[0])) == (7, 8, 2)
+    return s.add_request(1, [1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.parametrize(
+    "qlen, num_sampled, window",
+    [
+        (1, 3, 1),  # a decode window with no drafts samples 1 token, not 3
+        (2, 3, 2),  # one draft: 1 + 1
+    ],
+)
+def test_post_update_rejects_more_samples_than_the_window(qlen, num_sampled, window):
+    s = _decode_row()
+    with pytest.raises(ValueError, match=(
+            rf"num_sampled\[1\]={num_sampled} must be in \[0, {window}\] \(1 \+ num_drafts\) for "
+            rf"request row 0 \(query_lens\[1\]={qlen}, 7 of its 5 prefill tokens computed\)")):
+        s.post_update(np.array([1, 0]), np.array([6, qlen]), np.array([[7, 0, 0], [8, 9, 10]]),
+                      np.array([1, num_sampled]))
+
+
+def test_post_update_rejects_samples_past_the_chunk_that_finishes_prefill():
+    s = _decode_row()
+    with pytest.raises(ValueError, match=r"num_sampled\[0\]=2 must be in \[0, 1\] \(1 \+ num_drafts\) "
+                                         r"for request row 1"):
+        s.post_update(np.array([1]), np.array([6]), np.array([[7, 8, 0]]), np.array([2]))
+    # the window itself is fine: 1 sample for the finishing chunk, 1 + 2 for two drafts
+    t = s.post_update(np.array([1, 0]), np.array([6, 3]), np.array([[7, 0, 0], [8, 9, 10]]), np.array([1, 3]))
+    assert t.num_computed_tokens[:2].tolist() == [10, 6] and t.total_len[:2].tolist() == [11, 7]
+
+
+def test_post_update_under_jit_leaves_a_row_with_too_many_samples_unchanged():
+    s = _decode_row()
+    f = jax.jit(lambda ns: s.post_update(np.array([1, 0]), np.array([6, 1]),
+                                         np.array([[7, 0, 0], [8, 9, 10]]), ns))
+    got = f(np.array([1, 3], np.int32))
+    for name in RequestState.reset_on_clear() + ("all_token_ids",):
+        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(s, name))
+        np.testing.assert_array_equal(a[0], b[0], err_msg=name)  # row 0: untouched
+    # row 1 (a valid finishing chunk in the same step) moved
+    assert (int(got.num_computed_tokens[1]), int(got.total_len[1]), int(got.last_sampled_tokens[1])) == (6, 7, 7)
+    ok = f(np.array([1, 1], np.int32))
+    assert (int(ok.num_computed_tokens[0]), int(ok.total_len[0])) == (8, 9)
+
+
+def test_step_progress_refuses_a_negative_rejection_count():
+    from kvjax.state import step_progress
+    # a decode window (5 of 5 prefill tokens computed): 1 token, no drafts, 3 "sampled"
+    with pytest.raises(ValueError, match=r"num_sampled=3 must be in \[0, 1\] \(1 \+ num_drafts\)"):
+        step_progress(5, 5, 1, 3)
+    with pytest.raises(ValueError, match=r"num_sampled\[1\]=4 must be in \[0, 3\]"):
+        step_progress(np.array([5, 5]), np.array([5, 5]), np.array([1, 3]), np.array([1, 4]))
+    # mid-prefill and idle rows ignore num_sampled, as before
+    assert step_progress(0, 10, 4, 3) == (0, 4) and step_progress(5, 5, 0, 3) == (0, 5)
+    # traced: the row does not move
+    kept, nc = jax.jit(lambda n: step_progress(5, 5, 1, n, xp=jnp))(jnp.int32(3))
+    assert (int(kept), int(nc)) == (0, 5)
