@@ -212,9 +212,12 @@ class RequestState:
             for a mid-prefill chunk (``seq_len < prefill_len``).
 
         Per real row ``s = idx_mapping[b]``: ``num_computed`` and the kept sample count
-        follow :func:`step_progress`; the kept tokens are appended at ``total_len`` (up
-        to ``max_model_len``); ``last_sampled`` = the last one;
-        ``num_accepted_tokens = max(kept, 1)``.
+        follow :func:`step_progress`; ``num_accepted_tokens = max(kept, 1)``. The kept tokens
+        are appended at ``total_len`` while the row has columns: a row holds at most
+        ``max_model_len`` tokens, so a sample past that (the one sampled from position
+        ``max_model_len - 1``) is dropped, not written, not counted in ``total_len`` (which
+        never passes ``max_model_len``) and not ``last_sampled``, which is the last token
+        appended (unchanged when none is).
 
         A real row's ``num_sampled`` must be at most its :func:`sample_window`,
         ``1 + num_drafts`` (``num_drafts = query_lens - 1`` for a decode window, 0 for the
@@ -247,18 +250,20 @@ class RequestState:
         valid = is_real_row(idx, R)
         n_s, new_nc = step_progress(nc, pl, jnp.where(valid, qlen, 0), n_s, xp=jnp)
         dest = scatter_index(idx, R)
-        # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_s.
+        # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_stored: the kept ones
+        # that have a column (a row holds at most max_model_len tokens).
+        n_stored = jnp.minimum(n_s, jnp.maximum(L - tl, 0))
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
         tok_col = tl[:, None] + j
-        tok_ok = valid[:, None] & (j < n_s[:, None]) & (tok_col < L)
+        tok_ok = valid[:, None] & (j < n_stored[:, None])
         all_ids = self.all_token_ids.at[
             jnp.where(tok_ok, s[:, None], R), jnp.where(tok_ok, tok_col, L)
         ].set(sampled, mode="drop")
-        last = jnp.take_along_axis(sampled, jnp.clip(n_s - 1, 0, S - 1)[:, None], axis=1)[:, 0]
-        has_sample = valid & (n_s > 0)
-        last = jnp.where(has_sample, last, self.last_sampled_tokens[s])  # no sample: unchanged
+        last = jnp.take_along_axis(sampled, jnp.clip(n_stored - 1, 0, S - 1)[:, None], axis=1)[:, 0]
+        has_sample = valid & (n_stored > 0)
+        last = jnp.where(has_sample, last, self.last_sampled_tokens[s])  # none stored: unchanged
         return self.replace(all_token_ids=all_ids, **scatter_rows(dest, {
-            "total_len": (self.total_len, tl + n_s),
+            "total_len": (self.total_len, tl + n_stored),
             "num_computed_tokens": (self.num_computed_tokens, new_nc),
             "last_sampled_tokens": (self.last_sampled_tokens, last),
             "num_accepted_tokens": (self.num_accepted_tokens, jnp.maximum(n_s, 1)),

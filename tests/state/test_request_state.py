@@ -194,3 +194,28 @@ def test_step_progress_refuses_a_negative_rejection_count():
     # traced: the row does not move
     kept, nc = jax.jit(lambda n: step_progress(5, 5, 1, n, xp=jnp))(jnp.int32(3))
     assert (int(kept), int(nc)) == (0, 5)
+
+
+# ---------------------------------------- total_len never passes max_model_len
+
+def test_a_sample_past_max_model_len_is_not_counted():
+    """The chunk that finishes a max_model_len-token prefill samples 1 token with no column
+    left: it is dropped, and total_len stays max_model_len (it read 5 of 4)."""
+    s = RequestState.create(1, 4).add_request(0, [1, 2, 3, 4], num_computed_tokens=3)
+    for f in (lambda *a: s.post_update(*a), jax.jit(lambda *a: s.post_update(*a))):
+        out = f(np.array([0]), np.array([1]), np.array([[9]]), np.array([1]))
+        assert int(out.total_len[0]) == 4 and int(out.num_computed_tokens[0]) == 4
+        assert out.all_token_ids[0].tolist() == [1, 2, 3, 4]
+        assert int(out.last_sampled_tokens[0]) == 3  # unchanged: the dropped 9 is no token of the row
+
+
+def test_a_decode_window_at_max_model_len_keeps_the_samples_that_fit():
+    """A window of 1 draft ending at max_model_len, both accepted: the first sample takes the
+    last column, the bonus token has none."""
+    s = RequestState.create(2, 8, num_speculative_tokens=1).add_request(1, [1, 2, 3, 4, 5, 6])
+    s = s.post_update(np.array([1]), np.array([6]), np.array([[7, 0]]), np.array([1]))  # nc 6, total 7
+    for f in (lambda *a: s.post_update(*a), jax.jit(lambda *a: s.post_update(*a))):
+        out = f(np.array([1]), np.array([2]), np.array([[8, 9]]), np.array([2]))
+        assert (int(out.num_computed_tokens[1]), int(out.total_len[1])) == (8, 8)
+        assert out.all_token_ids[1].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+        assert int(out.last_sampled_tokens[1]) == 8 and int(out.num_accepted_tokens[1]) == 2
