@@ -186,12 +186,13 @@ class RequestState:
         """Write proposed drafts, integer ``[R_padded, num_speculative_tokens]``, for the batch rows.
 
         ``idx_mapping`` entries must be rows or ``PAD_ROW_ID`` and drafts token ids
-        (``ValueError`` when concrete; under ``jit`` such rows / drafts are dropped / 0).
+        (:func:`narrow_token_ids`; ``ValueError`` when concrete; under ``jit`` such rows /
+        drafts are dropped / 0).
         """
         validation.check_rank("idx_mapping", idx_mapping, 1)
         idx_mapping = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
         validation.check_shape("drafts", drafts, (idx_mapping.shape[0], self.num_speculative_tokens))
-        drafts = validation.narrow_ids("drafts", drafts, 0, INT32_RANGE[1], fill=0)
+        drafts = narrow_token_ids("drafts", drafts, fill=0)
         dest = scatter_index(idx_mapping, self.max_num_reqs)
         return self.replace(draft_tokens=self.draft_tokens.at[dest].set(drafts, mode="drop"))
 
@@ -207,7 +208,9 @@ class RequestState:
         Args:
           idx_mapping: int32 ``[R_padded]``; padding rows (``PAD_ROW_ID``) are skipped.
           query_lens: int32 ``[R_padded]`` tokens scheduled for each batch row.
-          sampled: int32 ``[R_padded, S]`` sampled tokens, accepted ones first.
+          sampled: integer ``[R_padded, S]`` sampled tokens, accepted ones first; the kept ones
+            (the first ``kept`` of a row, see below) must be token ids, as drafts must
+            (:func:`narrow_token_ids`); the rest are not read.
           num_sampled: int32 ``[R_padded]`` accepted count (``<= S``); forced to 0
             for a mid-prefill chunk (``seq_len < prefill_len``).
 
@@ -222,16 +225,16 @@ class RequestState:
         A real row's ``num_sampled`` must be at most its :func:`sample_window`,
         ``1 + num_drafts`` (``num_drafts = query_lens - 1`` for a decode window, 0 for the
         chunk that finishes prefill): concrete, ``ValueError``. Under ``jit`` a row that
-        breaks this, or whose query is negative or ends past ``max_model_len``, is left
-        unchanged (every field as before the step).
+        breaks this, whose query is negative or ends past ``max_model_len``, or whose kept
+        samples are not all token ids, is left unchanged (every field as before the step).
         """
         validation.check_rank("idx_mapping", idx_mapping, 1)
         idx = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
-        sampled = jnp.asarray(sampled, jnp.int32)
         Rp = idx.shape[0]
         validation.check_shape("query_lens", query_lens, (Rp,))
         validation.check_rank("sampled", sampled, 2)
         validation.check_shape("sampled", sampled, (Rp, None))
+        validation.check_dtype("sampled", sampled, "integer")
         validation.check_shape("num_sampled", num_sampled, (Rp,))
         R, L, S = self.max_num_reqs, self.max_model_len, sampled.shape[1]
         n_s = validation.narrow_ids("num_sampled", num_sampled, 0, S + 1, fill=-1)
@@ -244,16 +247,18 @@ class RequestState:
         _check_num_sampled(n_s, window, lambda b: (
             f" for request row {i[b]} (query_lens[{b}]={q[b]}, {c[b]} of its {p[b]} prefill "
             f"tokens computed)"))
-        # Under jit a row breaking either check above is skipped: it is left unchanged.
-        fits = (qlen >= 0) & (nc + qlen <= L) & num_sampled_fits(n_s, window)
-        idx = jnp.where(fits, idx, PAD_ROW_ID)
-        valid = is_real_row(idx, R)
+        # Under jit a row breaking a check (above, or the kept tokens' below) is skipped: it is
+        # left unchanged.
+        valid = is_real_row(idx, R) & (qlen >= 0) & (nc + qlen <= L) & num_sampled_fits(n_s, window)
         n_s, new_nc = step_progress(nc, pl, jnp.where(valid, qlen, 0), n_s, xp=jnp)
-        dest = scatter_index(idx, R)
+        j = jnp.arange(S, dtype=jnp.int32)[None, :]
+        kept = valid[:, None] & (j < n_s[:, None])
+        sampled = narrow_token_ids("sampled", sampled, fill=-1, used=kept)
+        valid &= ~jnp.any(kept & (sampled < 0), axis=1)
+        dest = scatter_index(jnp.where(valid, idx, PAD_ROW_ID), R)
         # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_stored: the kept ones
         # that have a column (a row holds at most max_model_len tokens).
         n_stored = jnp.minimum(n_s, jnp.maximum(L - tl, 0))
-        j = jnp.arange(S, dtype=jnp.int32)[None, :]
         tok_col = tl[:, None] + j
         tok_ok = valid[:, None] & (j < n_stored[:, None])
         all_ids = self.all_token_ids.at[
@@ -280,6 +285,27 @@ class RequestState:
                     f"query_lens[{b}]={q[b]}: request row {i[b]} has {c[b]} tokens computed, so "
                     f"its query would end past max_model_len={self.max_model_len}"
                 )
+
+
+# A token id is an int in [0, 2**31): the one rule of the ids set_draft_tokens and post_update
+# store.
+TOKEN_ID_RANGE = (0, INT32_RANGE[1])
+
+
+def narrow_token_ids(name: str, ids, *, fill: int, used=None):
+    """Token ids as int32, checked against :data:`TOKEN_ID_RANGE` before any narrowing.
+
+    Static: an integer dtype (a float id is refused, never truncated). Concrete: an id outside
+    the range raises ``ValueError`` naming ``name``, the index and the value; with ``used``
+    (a bool mask of ``ids``'s shape) only the used ids are checked and the others read 0 (a
+    traced mask checks every concrete id). Traced: an id outside becomes ``fill``.
+    """
+    validation.check_dtype(name, ids, "integer")
+    v = validation.concrete_values(ids)
+    u = None if used is None else validation.concrete_values(used)
+    if v is not None and u is not None:
+        ids = np.where(u, v, 0)
+    return validation.narrow_ids(name, ids, *TOKEN_ID_RANGE, fill=fill)
 
 
 def sample_window(num_computed, prefill_len, query_len, *, xp=np):

@@ -219,3 +219,47 @@ def test_a_decode_window_at_max_model_len_keeps_the_samples_that_fit():
         assert (int(out.num_computed_tokens[1]), int(out.total_len[1])) == (8, 8)
         assert out.all_token_ids[1].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
         assert int(out.last_sampled_tokens[1]) == 8 and int(out.num_accepted_tokens[1]) == 2
+
+
+# ---------------------------------------- sampled tokens: the token-id rule of the drafts
+
+def _with_drafts():
+    s = _decode_row()
+    return s, s.set_draft_tokens(np.array([0]), np.array([[11, 12]]))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        pytest.param(np.array([[7.9, 0, 0]]), r"{} must have dtype an integer dtype, got float64", id="float"),
+        pytest.param(np.array([[-5, 0, 0]]), r"{} must have values in \[0, 2147483648\); got -5 at index \(0, 0\)",
+                     id="negative"),
+        pytest.param(np.array([[2**32 + 5, 0, 0]], np.int64), r"{} must have values in \[0, 2147483648\); got 4294967301",
+                     id="wide"),
+    ],
+)
+def test_sampled_and_drafts_share_the_token_id_rule(bad, match):
+    s, _ = _with_drafts()
+    with pytest.raises(ValueError, match=match.format("sampled")):
+        s.post_update(np.array([0]), np.array([1]), bad, np.array([1]))
+    with pytest.raises(ValueError, match=match.format("drafts")):
+        s.set_draft_tokens(np.array([0]), bad[:, :2])
+
+
+def test_post_update_reads_only_the_kept_samples():
+    """Positions past num_sampled are no tokens (vLLM's sampler puts -1 there): not checked."""
+    s, _ = _with_drafts()
+    out = s.post_update(np.array([0]), np.array([3]), np.array([[9, -1, -1]], np.int64), np.array([1]))
+    assert int(out.last_sampled_tokens[0]) == 9 and int(out.total_len[0]) == 9
+
+
+def test_post_update_under_jit_leaves_a_row_with_a_bad_kept_token_unchanged():
+    s, _ = _with_drafts()
+    f = jax.jit(lambda sampled: s.post_update(np.array([1, 0]), np.array([6, 1]), sampled, np.array([1, 1])))
+    got = f(np.array([[7, 0, 0], [-5, -1, -1]], np.int32))
+    for name in RequestState.reset_on_clear() + ("all_token_ids",):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name))[0], np.asarray(getattr(s, name))[0],
+                                      err_msg=name)
+    assert (int(got.num_computed_tokens[1]), int(got.total_len[1]), int(got.last_sampled_tokens[1])) == (6, 7, 7)
+    ok = f(np.array([[7, 0, 0], [5, -1, -1]], np.int32))
+    assert (int(ok.num_computed_tokens[0]), int(ok.total_len[0]), int(ok.last_sampled_tokens[0])) == (8, 9, 5)
