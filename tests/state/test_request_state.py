@@ -263,3 +263,173 @@ def test_post_update_under_jit_leaves_a_row_with_a_bad_kept_token_unchanged():
     assert (int(got.num_computed_tokens[1]), int(got.total_len[1]), int(got.last_sampled_tokens[1])) == (6, 7, 7)
     ok = f(np.array([[7, 0, 0], [5, -1, -1]], np.int32))
     assert (int(ok.num_computed_tokens[0]), int(ok.total_len[0]), int(ok.last_sampled_tokens[0])) == (8, 9, 5)
+
+
+# ---------------------------------------- NewRequests: dtypes and values, however built
+
+def _new(**kw):
+    """One entry (row 0, tokens [5, 6] of max_model_len 4) with fields replaced by ``kw``."""
+    d = dict(rows=np.array([0], np.int32), token_ids=np.array([[5, 6, 0, 0]], np.int32),
+             num_tokens=np.array([2], np.int32), prompt_len=np.array([2], np.int32),
+             num_computed_tokens=np.array([0], np.int32), temperature=np.array([0.0], np.float32),
+             top_p=np.array([1.0], np.float32), top_k=np.array([0], np.int32), seed=np.array([0], np.int32))
+    d.update(kw)
+    return NewRequests(**d)
+
+
+INT_RULE = r"must have dtype an integer dtype, got float64"
+DIRECT_CASES = [
+    ("wide-token", dict(token_ids=np.array([[2**32 + 5, 6, 0, 0]], np.int64)),
+     r"token_ids must have values in \[0, 2147483648\); got 4294967301 at index \(0, 0\)"),
+    ("negative-token", dict(token_ids=np.array([[5, -7, 0, 0]], np.int32)),
+     r"token_ids must have values in \[0, 2147483648\); got -7 at index \(0, 1\)"),
+    ("float-token", dict(token_ids=np.array([[5.5, 6, 0, 0]])), "token_ids " + INT_RULE),
+    ("float-num-tokens", dict(num_tokens=np.array([2.7])), "num_tokens " + INT_RULE),
+    ("float-prompt-len", dict(prompt_len=np.array([1.5])), "prompt_len " + INT_RULE),
+    ("float-num-computed", dict(num_computed_tokens=np.array([0.5])), "num_computed_tokens " + INT_RULE),
+    ("float-rows", dict(rows=np.array([0.0])), "rows " + INT_RULE),
+    ("wide-num-tokens", dict(num_tokens=np.array([2**32 + 2], np.int64)),
+     r"num_tokens\[0\] must be in \[1, max_model_len=4\], got 4294967298"),
+    ("negative-temperature", dict(temperature=np.array([-1.0], np.float32)),
+     r"temperature\[0\] must be a number >= 0, got -1.0"),
+    ("nan-temperature", dict(temperature=np.array([np.nan], np.float32)),
+     r"temperature\[0\] must be a number >= 0, got nan"),
+    ("int-temperature", dict(temperature=np.array([1])), r"temperature must have dtype a floating dtype, got int64"),
+    ("zero-top-p", dict(top_p=np.array([0.0], np.float32)), r"top_p\[0\] must be in \(0, 1\], got 0.0"),
+    ("big-top-p", dict(top_p=np.array([1.5], np.float32)), r"top_p\[0\] must be in \(0, 1\], got 1.5"),
+    ("negative-top-k", dict(top_k=np.array([-3], np.int32)),
+     r"top_k\[0\] must be an int in \[0, 2\*\*31\) \(0: off\), got -3"),
+    ("float-top-k", dict(top_k=np.array([1.0])), "top_k " + INT_RULE),
+    ("negative-seed", dict(seed=np.array([-1], np.int32)), r"seed\[0\] must be an int in \[0, 2\*\*31\), got -1"),
+    ("wide-seed", dict(seed=np.array([2**31], np.int64)),
+     r"seed\[0\] must be an int in \[0, 2\*\*31\), got 2147483648"),
+]
+
+
+@pytest.mark.parametrize("kw, match", [pytest.param(kw, m, id=i) for i, kw, m in DIRECT_CASES])
+def test_new_requests_built_directly_are_checked(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RequestState.create(2, 4).add_requests(_new(**kw))
+
+
+def test_unused_entries_and_the_token_tail_are_not_read():
+    """A -1 entry and the tokens past num_tokens may hold anything: they are never installed."""
+    new = _new(rows=np.array([0, -1], np.int32),
+               token_ids=np.array([[5, 6, -1, 2**40], [-3, -3, -3, -3]], np.int64),
+               num_tokens=np.array([2, 0], np.int32), prompt_len=np.array([2, 0], np.int32),
+               num_computed_tokens=np.array([0, 9], np.int32), temperature=np.array([0.5, -1], np.float32),
+               top_p=np.array([1.0, 0.0], np.float32), top_k=np.array([0, -1], np.int32),
+               seed=np.array([0, -1], np.int32))
+    out = RequestState.create(2, 4).add_requests(new)
+    assert out.all_token_ids[0].tolist() == [5, 6, 0, 0] and float(out.temperature[0]) == 0.5
+    assert int(out.total_len[1]) == 0
+
+
+JIT_BAD = {
+    "num-tokens-past-max-model-len": dict(num_tokens=9, num_computed_tokens=7, prompt_len=0),  # r7 (d)
+    "no-tokens": dict(num_tokens=0, prompt_len=0),
+    "prompt-past-num-tokens": dict(prompt_len=3),
+    "computed-past-num-tokens": dict(num_computed_tokens=3),
+    "negative-token": dict(token=-7),
+    "negative-temperature": dict(temperature=-1.0),
+    "zero-top-p": dict(top_p=0.0),
+    "negative-top-k": dict(top_k=-3),
+    "negative-seed": dict(seed=-1),
+}
+
+
+def _two_entries(bad):
+    """Entry 0 (row 0) with ``bad``'s values, entry 1 (row 1) a valid request."""
+    f = dict(num_tokens=2, prompt_len=2, num_computed_tokens=0, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    f.update({k: v for k, v in bad.items() if k != "token"})
+    ints = ("num_tokens", "prompt_len", "num_computed_tokens", "top_k", "seed")
+    cols = {k: np.array([f[k], 2 if k != "num_computed_tokens" else 1], np.int32 if k in ints else np.float32)
+            for k in f}
+    cols["top_p"][1] = 0.5
+    cols["temperature"][1] = 0.7
+    tokens = np.array([[5, bad.get("token", 6), 0, 0], [7, 8, 0, 0]], np.int32)
+    return _new(rows=np.array([0, 1], np.int32), token_ids=tokens, **cols)
+
+
+@pytest.mark.parametrize("bad", [pytest.param(v, id=k) for k, v in JIT_BAD.items()])
+def test_add_requests_under_jit_installs_no_entry_that_breaks_a_rule(bad):
+    s = RequestState.create(3, 4).add_request(0, [9, 9, 9], num_computed_tokens=2, top_k=4)
+    new = _two_entries(bad)
+    with pytest.raises(ValueError):
+        s.add_requests(new)  # eager: refused
+    out = jax.jit(RequestState.add_requests)(s, new)
+    for name in RequestState.reset_on_clear() + ("all_token_ids",):
+        a, b = np.asarray(getattr(out, name)), np.asarray(getattr(s, name))
+        np.testing.assert_array_equal(a[0], b[0], err_msg=name)  # row 0 keeps its request
+    assert out.all_token_ids[1].tolist() == [7, 8, 0, 0] and int(out.last_sampled_tokens[1]) == 7
+    assert float(out.top_p[1]) == 0.5 and float(out.temperature[1]) == np.float32(0.7)
+
+
+def test_add_requests_under_jit_installs_neither_of_two_entries_for_one_row():
+    s = RequestState.create(2, 4).add_request(0, [9, 9, 9])
+    new = _new(rows=np.array([0, 0], np.int32), token_ids=np.array([[5, 6, 0, 0], [7, 8, 0, 0]], np.int32),
+               num_tokens=np.array([2, 2], np.int32), prompt_len=np.array([2, 2], np.int32),
+               num_computed_tokens=np.zeros(2, np.int32), temperature=np.zeros(2, np.float32),
+               top_p=np.ones(2, np.float32), top_k=np.zeros(2, np.int32), seed=np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="rows must be distinct in one add"):
+        s.add_requests(new)
+    out = jax.jit(RequestState.add_requests)(s, new)
+    assert out.all_token_ids[0].tolist() == [9, 9, 9, 0] and int(out.total_len[0]) == 3
+    # an entry that breaks a rule writes nothing, so it does not make its row's valid entry a duplicate
+    bad_first = new.replace(num_tokens=np.array([9, 2], np.int32))
+    out = jax.jit(RequestState.add_requests)(s, bad_first)
+    assert out.all_token_ids[0].tolist() == [7, 8, 0, 0] and int(out.total_len[0]) == 2
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        pytest.param(dict(prompt_lens=[1.9]), "prompt_lens " + INT_RULE, id="float-prompt-len"),
+        pytest.param(dict(prompt_lens=[2**40]), r"prompt_len\[0\] must be in \[1, num_tokens=2\], got 1099511627776",
+                     id="wide-prompt-len"),
+        pytest.param(dict(num_computed_tokens=[0.5]), "num_computed_tokens " + INT_RULE, id="float-computed"),
+        pytest.param(dict(token_ids=[[1.9, True]]), r"token_ids\[0\] " + INT_RULE, id="float-token"),
+        pytest.param(dict(token_ids=[[1, -2]]), r"token_ids\[0\] must have values in \[0, 2147483648\); got -2",
+                     id="negative-token"),
+        pytest.param(dict(rows=[1.5]), "rows " + INT_RULE, id="float-row"),
+        pytest.param(dict(seed=[2**31]), r"seed\[0\] must be an int in \[0, 2\*\*31\), got 2147483648", id="wide-seed"),
+        pytest.param(dict(seed=[-5]), r"seed\[0\] must be an int in \[0, 2\*\*31\), got -5", id="negative-seed"),
+        pytest.param(dict(top_k=[-1]), r"top_k\[0\] must be an int in \[0, 2\*\*31\) \(0: off\), got -1", id="top-k"),
+        pytest.param(dict(top_k=[2.0]), "top_k " + INT_RULE, id="float-top-k"),
+        pytest.param(dict(temperature=[float("nan")]), r"temperature\[0\] must be a number >= 0, got nan", id="nan"),
+        pytest.param(dict(top_p=[0]), r"top_p\[0\] must be in \(0, 1\], got 0", id="top-p"),
+    ],
+)
+def test_from_lists_checks_every_value_before_narrowing(kw, match):
+    args = dict(rows=[0], token_ids=[[1, 2]])
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        NewRequests.from_lists(args.pop("rows"), args.pop("token_ids"), max_model_len=4, **args)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("temperature", -0.5), ("temperature", float("nan")), ("temperature", 0.0), ("temperature", 2),
+     ("top_p", 0.0), ("top_p", -0.1), ("top_p", 1.5), ("top_p", 1.0), ("top_p", 0.3),
+     ("top_k", -1), ("top_k", 0), ("top_k", 7), ("top_k", 2.0),
+     ("seed", -1), ("seed", 2**31), ("seed", 2**31 - 1), ("seed", 0), ("seed", 1.0)],
+)
+def test_the_state_and_the_scheduler_refuse_the_same_sampling_parameters(name, value):
+    """kvjax.host.scheduler.Request keeps its own copy of the rule (SAMPLING_RULES is its
+    owner, in request_state.py): until it calls it, this test keeps the two in step."""
+    from kvjax.host.scheduler import Request
+    from kvjax.state.request_state import SAMPLING_RULES
+
+    def error(f):
+        try:
+            f()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    by_request = error(lambda: Request("a", [1, 2], max_tokens=1, **{name: value}))
+    by_state = error(lambda: RequestState.create(1, 4).add_request(0, [1, 2], **{name: value}))
+    assert (by_request is None) == (by_state is None), (by_request, by_state)
+    if by_state is not None:  # named, with the rule (or, for a float int, the dtype wanted)
+        assert (f"{name}[0] must be {SAMPLING_RULES[name][0]}" in by_state
+                or f"{name} must have dtype an integer dtype" in by_state), by_state
