@@ -108,14 +108,16 @@ class RequestState:
           ``0 < num_computed <= prefill_len``, else 0 (PR 39833);
         * ``draft_tokens = 0``; ``num_accepted_tokens = 1``; sampling parameters.
 
-        Entries with ``row == -1`` are ignored. Jit-able.
+        Entries with ``row == -1`` are ignored. Jit-able. Every entry is checked by
+        :meth:`NewRequests.validate`: concrete, a bad value is a ``ValueError``; under ``jit``
+        an entry that breaks a rule, or names a row another installed entry names, is not
+        installed (its row keeps what it had).
         """
-        new.validate(self)
+        new = new.validate(self)
         dest = scatter_index(new.rows, self.max_num_reqs)
 
         L = self.max_model_len
-        col = jnp.arange(L, dtype=jnp.int32)[None, :]
-        tokens = jnp.where(col < new.num_tokens[:, None], new.token_ids, 0)
+        tokens = new.token_ids  # 0 past num_tokens
         nc = new.num_computed_tokens
         has_last = (nc > 0) & (nc <= new.num_tokens)
         last = jnp.take_along_axis(tokens, jnp.clip(nc - 1, 0, L - 1)[:, None], axis=1)[:, 0]
@@ -186,12 +188,13 @@ class RequestState:
         """Write proposed drafts, integer ``[R_padded, num_speculative_tokens]``, for the batch rows.
 
         ``idx_mapping`` entries must be rows or ``PAD_ROW_ID`` and drafts token ids
-        (``ValueError`` when concrete; under ``jit`` such rows / drafts are dropped / 0).
+        (:func:`narrow_token_ids`; ``ValueError`` when concrete; under ``jit`` such rows /
+        drafts are dropped / 0).
         """
         validation.check_rank("idx_mapping", idx_mapping, 1)
         idx_mapping = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
         validation.check_shape("drafts", drafts, (idx_mapping.shape[0], self.num_speculative_tokens))
-        drafts = validation.narrow_ids("drafts", drafts, 0, INT32_RANGE[1], fill=0)
+        drafts = narrow_token_ids("drafts", drafts, fill=0)
         dest = scatter_index(idx_mapping, self.max_num_reqs)
         return self.replace(draft_tokens=self.draft_tokens.at[dest].set(drafts, mode="drop"))
 
@@ -207,46 +210,67 @@ class RequestState:
         Args:
           idx_mapping: int32 ``[R_padded]``; padding rows (``PAD_ROW_ID``) are skipped.
           query_lens: int32 ``[R_padded]`` tokens scheduled for each batch row.
-          sampled: int32 ``[R_padded, S]`` sampled tokens, accepted ones first.
+          sampled: integer ``[R_padded, S]`` sampled tokens, accepted ones first; the kept ones
+            (the first ``kept`` of a row, see below) must be token ids, as drafts must
+            (:func:`narrow_token_ids`); the rest are not read.
           num_sampled: int32 ``[R_padded]`` accepted count (``<= S``); forced to 0
             for a mid-prefill chunk (``seq_len < prefill_len``).
 
         Per real row ``s = idx_mapping[b]``: ``num_computed`` and the kept sample count
-        follow :func:`step_progress`; the kept tokens are appended at ``total_len`` (up
-        to ``max_model_len``); ``last_sampled`` = the last one;
-        ``num_accepted_tokens = max(kept, 1)``.
+        follow :func:`step_progress`; ``num_accepted_tokens = max(kept, 1)``. The kept tokens
+        are appended at ``total_len`` while the row has columns: a row holds at most
+        ``max_model_len`` tokens, so a sample past that (the one sampled from position
+        ``max_model_len - 1``) is dropped, not written, not counted in ``total_len`` (which
+        never passes ``max_model_len``) and not ``last_sampled``, which is the last token
+        appended (unchanged when none is).
+
+        A real row's ``num_sampled`` must be at most its :func:`sample_window`,
+        ``1 + num_drafts`` (``num_drafts = query_lens - 1`` for a decode window, 0 for the
+        chunk that finishes prefill): concrete, ``ValueError``. Under ``jit`` a row that
+        breaks this, whose query is negative or ends past ``max_model_len``, or whose kept
+        samples are not all token ids, is left unchanged (every field as before the step).
         """
         validation.check_rank("idx_mapping", idx_mapping, 1)
         idx = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
-        sampled = jnp.asarray(sampled, jnp.int32)
         Rp = idx.shape[0]
         validation.check_shape("query_lens", query_lens, (Rp,))
         validation.check_rank("sampled", sampled, 2)
         validation.check_shape("sampled", sampled, (Rp, None))
+        validation.check_dtype("sampled", sampled, "integer")
         validation.check_shape("num_sampled", num_sampled, (Rp,))
         R, L, S = self.max_num_reqs, self.max_model_len, sampled.shape[1]
-        n_s = validation.narrow_ids("num_sampled", num_sampled, 0, S + 1, fill=0)
+        n_s = validation.narrow_ids("num_sampled", num_sampled, 0, S + 1, fill=-1)
         qlen = validation.narrow_ids("query_lens", query_lens, 0, L + 1, fill=-1)
         s = gather_index(idx, R)
         nc, pl, tl = self.num_computed_tokens[s], self.prefill_len[s], self.total_len[s]
         self._check_query_fits(idx, qlen, nc)
-        # Under jit a row whose query is negative or runs past max_model_len is skipped.
-        idx = jnp.where((qlen >= 0) & (nc + qlen <= L), idx, PAD_ROW_ID)
-        valid = is_real_row(idx, R)
-        n_s, new_nc = step_progress(nc, pl, qlen, n_s, xp=jnp)
-        dest = scatter_index(idx, R)
-        # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_s.
+        window = jnp.where(is_real_row(idx, R), sample_window(nc, pl, qlen, xp=jnp), 0)
+        i, q, c, p = (validation.concrete_values(a) for a in (idx, qlen, nc, pl))
+        _check_num_sampled(n_s, window, lambda b: (
+            f" for request row {i[b]} (query_lens[{b}]={q[b]}, {c[b]} of its {p[b]} prefill "
+            f"tokens computed)"))
+        # Under jit a row breaking a check (above, or the kept tokens' below) is skipped: it is
+        # left unchanged.
+        valid = is_real_row(idx, R) & (qlen >= 0) & (nc + qlen <= L) & num_sampled_fits(n_s, window)
+        n_s, new_nc = step_progress(nc, pl, jnp.where(valid, qlen, 0), n_s, xp=jnp)
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
+        kept = valid[:, None] & (j < n_s[:, None])
+        sampled = narrow_token_ids("sampled", sampled, fill=-1, used=kept)
+        valid &= ~jnp.any(kept & (sampled < 0), axis=1)
+        dest = scatter_index(jnp.where(valid, idx, PAD_ROW_ID), R)
+        # Sampled tokens go to all_token_ids[s, total_len + j] for j < n_stored: the kept ones
+        # that have a column (a row holds at most max_model_len tokens).
+        n_stored = jnp.minimum(n_s, jnp.maximum(L - tl, 0))
         tok_col = tl[:, None] + j
-        tok_ok = valid[:, None] & (j < n_s[:, None]) & (tok_col < L)
+        tok_ok = valid[:, None] & (j < n_stored[:, None])
         all_ids = self.all_token_ids.at[
             jnp.where(tok_ok, s[:, None], R), jnp.where(tok_ok, tok_col, L)
         ].set(sampled, mode="drop")
-        last = jnp.take_along_axis(sampled, jnp.clip(n_s - 1, 0, S - 1)[:, None], axis=1)[:, 0]
-        has_sample = valid & (n_s > 0)
-        last = jnp.where(has_sample, last, self.last_sampled_tokens[s])  # no sample: unchanged
+        last = jnp.take_along_axis(sampled, jnp.clip(n_stored - 1, 0, S - 1)[:, None], axis=1)[:, 0]
+        has_sample = valid & (n_stored > 0)
+        last = jnp.where(has_sample, last, self.last_sampled_tokens[s])  # none stored: unchanged
         return self.replace(all_token_ids=all_ids, **scatter_rows(dest, {
-            "total_len": (self.total_len, tl + n_s),
+            "total_len": (self.total_len, tl + n_stored),
             "num_computed_tokens": (self.num_computed_tokens, new_nc),
             "last_sampled_tokens": (self.last_sampled_tokens, last),
             "num_accepted_tokens": (self.num_accepted_tokens, jnp.maximum(n_s, 1)),
@@ -265,28 +289,189 @@ class RequestState:
                 )
 
 
+# A token id is an int in [0, 2**31): the one rule of the ids add_requests, set_draft_tokens
+# and post_update store.
+TOKEN_ID_RANGE = (0, INT32_RANGE[1])
+
+
+def check_token_ids(name: str, ids) -> None:
+    """Static: ``ids`` has an integer dtype (a float id is refused, never truncated). Concrete:
+    every id is in :data:`TOKEN_ID_RANGE`, else ``ValueError`` naming ``name``, the index and
+    the value (checked as given, before any narrowing)."""
+    validation.check_dtype(name, ids, "integer")
+    validation.check_values_in_range(name, ids, *TOKEN_ID_RANGE)
+
+
+def narrow_token_ids(name: str, ids, *, fill: int, used=None):
+    """Token ids as int32, checked by :func:`check_token_ids` before any narrowing.
+
+    With ``used`` (a bool mask of ``ids``'s shape) only the used ids are checked and the
+    others read 0 (a traced mask checks every concrete id). Traced ids: an id outside the range
+    becomes ``fill``.
+    """
+    validation.check_dtype(name, ids, "integer")
+    v = validation.concrete_values(ids)
+    u = None if used is None else validation.concrete_values(used)
+    if v is not None and u is not None:
+        ids = np.where(u, v, 0)
+    check_token_ids(name, ids)
+    return validation.narrow_ids(name, ids, *TOKEN_ID_RANGE, fill=fill)
+
+
+# The sampling parameters' rule (its one owner): name -> (what a value must be, its test). A
+# test takes numbers or arrays (numpy or jax): integers as given, floats as stored (float32).
+# kvjax.host.scheduler.Request still checks a copy of it in __post_init__; it can call
+# check_sampling_params(where=f"request {req_id!r}: ", temperature=..., ...) instead.
+SAMPLING_RULES = {
+    "temperature": ("a number >= 0", lambda x: x >= 0),
+    "top_p": ("in (0, 1]", lambda x: (x > 0) & (x <= 1)),
+    "top_k": ("an int in [0, 2**31) (0: off)", lambda x: (x >= 0) & (x <= validation.INT32_MAX)),
+    "seed": ("an int in [0, 2**31)", lambda x: (x >= 0) & (x <= validation.INT32_MAX)),
+}
+INT_SAMPLING_PARAMS = ("top_k", "seed")  # the others are real numbers, stored as float32
+
+
+def check_sampling_params(where: str = "", live=None, **params) -> None:
+    """``ValueError`` unless every given sampling parameter follows :data:`SAMPLING_RULES`.
+
+    ``params``: numbers, or numpy arrays of one shape with ``live`` (bool) marking the entries
+    to check. ``top_k`` and ``seed`` must be integers (as given, before any narrowing),
+    ``temperature`` and ``top_p`` integers or floats (checked as float32, the stored width); a
+    bool is neither. The message names the parameter (and index), the rule and the value;
+    ``where`` prefixes it (e.g. ``"request 'a': "``).
+    """
+    for name, x in params.items():
+        want, test = SAMPLING_RULES[name]
+        v = np.asarray(x)
+        is_int = name in INT_SAMPLING_PARAMS
+        real = v.dtype.kind in "iuf" or jnp.issubdtype(v.dtype, jnp.floating)  # bfloat16 too
+        if not (v.dtype.kind in "iu" if is_int else real):
+            raise ValueError(f"{where}{name} must be {want}, got {x!r}")
+        stored = v if is_int else v.astype(np.float32)
+        bad = ~test(stored) if live is None else np.asarray(live) & ~test(stored)
+        first = np.argwhere(bad)  # [count, ndim]: (1, 0) for a bad number
+        if len(first):
+            i = tuple(int(k) for k in first[0])
+            at = f"[{', '.join(map(str, i))}]" if i else ""
+            got = f"{v[i]}"
+            if test(v[i]):  # a float fine as given but not as stored
+                got += f" ({stored[i]} as float32)"
+            raise ValueError(f"{where}{name}{at} must be {want}, got {got}")
+
+
+_INT_FIELDS = ("num_tokens", "prompt_len", "num_computed_tokens", "top_k", "seed")
+_FLOAT_FIELDS = ("temperature", "top_p")
+_DEFAULTS = dict(num_tokens=0, prompt_len=0, num_computed_tokens=0, temperature=0.0, top_p=1.0,
+                 top_k=0, seed=0)
+
+
+def _dtype(name: str):
+    """The stored dtype of a :class:`NewRequests` field other than rows and token ids."""
+    return np.int32 if name in _INT_FIELDS else np.float32
+
+
+def _length_rules(f, max_model_len: int):
+    """A :class:`NewRequests` entry's length rules, in order: ``(field, ok, expected)``, ``ok``
+    bool ``[U]`` and ``expected(u)`` the words for entry ``u``. ``f``: the fields, numpy
+    (concrete, as given) or jax (int32) arrays."""
+    n, p, c = f["num_tokens"], f["prompt_len"], f["num_computed_tokens"]
+    return [
+        ("num_tokens", (n >= 1) & (n <= max_model_len),
+         lambda u: f"in [1, max_model_len={max_model_len}]"),
+        ("prompt_len", (p >= 1) & (p <= n), lambda u: f"in [1, num_tokens={n[u]}]"),
+        ("num_computed_tokens", (c >= 0) & (c <= n), lambda u: f"in [0, num_tokens={n[u]}]"),
+    ]
+
+
+def _check_entries(f, live, max_model_len: int) -> None:
+    """Concrete: ``ValueError`` naming the first live entry that breaks a length rule, then a
+    sampling rule (``f``: numpy fields as given)."""
+    for name, ok, expected in _length_rules(f, max_model_len):
+        bad = np.flatnonzero(live & ~ok)
+        if bad.size:
+            u = int(bad[0])
+            raise ValueError(f"{name}[{u}] must be {expected(u)}, got {f[name][u]}")
+    check_sampling_params(live=live, **{name: f[name] for name in SAMPLING_RULES})
+
+
+def _entries_ok(f, max_model_len: int):
+    """bool ``[U]``: the entry follows every length and sampling rule (``f`` as in
+    :func:`_length_rules`, floats float32)."""
+    ok = [rule_ok for _, rule_ok, _ in _length_rules(f, max_model_len)]
+    ok += [test(f[name]) for name, (_, test) in SAMPLING_RULES.items()]
+    out = ok[0]
+    for o in ok[1:]:
+        out = out & o
+    return out
+
+
+def sample_window(num_computed, prefill_len, query_len, *, xp=np):
+    """How many tokens a row may sample this step: the one bound of ``num_sampled``.
+
+    With ``seq_len = num_computed + query_len``: 0 for a row with no tokens (``query_len <= 0``)
+    and for a mid-prefill chunk (``seq_len < prefill_len``), which sample nothing; else
+    ``1 + num_drafts``, with ``num_drafts = query_len - 1`` for a decode window
+    (``num_computed >= prefill_len``) and 0 for the chunk that finishes prefill. ``xp`` as in
+    :func:`step_progress`.
+    """
+    idle = query_len <= 0
+    mid_prefill = num_computed + query_len < prefill_len
+    num_drafts = xp.where(num_computed >= prefill_len, xp.maximum(query_len - 1, 0), 0)
+    return xp.where(idle | mid_prefill, 0, 1 + num_drafts)
+
+
+def num_sampled_fits(num_sampled, window):
+    """bool: ``num_sampled`` is in ``[0, window]``, or the row samples nothing (``window`` 0,
+    when ``num_sampled`` is ignored). ``window`` from :func:`sample_window`."""
+    return (window == 0) | ((num_sampled >= 0) & (num_sampled <= window))
+
+
 def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):
     """How one step moves a request: the rule :meth:`RequestState.post_update` applies on
     the device and the host schedulers apply to their own copies (one owner).
 
     ``xp`` is the array module (``numpy`` on the host, ``jax.numpy`` on the device);
-    arguments are ints or int arrays of one shape. With ``seq_len = num_computed + query_len``:
+    arguments are ints or int arrays of one shape. With ``window`` =
+    :func:`sample_window` (``1 + num_drafts``, or 0 when the row samples nothing):
 
     * a row with no tokens (``query_len <= 0``) does not move;
-    * mid-prefill chunk (``seq_len < prefill_len``): nothing is sampled;
-    * otherwise ``num_drafts = query_len - 1`` for a decode window
-      (``num_computed >= prefill_len``), 0 for the chunk that finishes prefill, and the
-      ``1 + num_drafts - num_sampled`` rejected positions are not computed.
+    * mid-prefill chunk (``seq_len < prefill_len``): nothing is sampled, whatever
+      ``num_sampled`` says, and the chunk is computed;
+    * otherwise ``num_sampled`` must be in ``[0, window]``, and the
+      ``window - num_sampled`` rejected positions are not computed. More samples than the
+      window would be a negative rejection count: ``num_computed`` would pass the tokens
+      whose K/V was written. Concrete arguments: ``ValueError``. Traced: such a row does not
+      move (``(0, num_computed)``).
 
     Returns ``(num_sampled_kept, new_num_computed)``; the kept sampled tokens are
     appended to the request.
     """
-    idle = query_len <= 0
-    mid_prefill = num_computed + query_len < prefill_len
-    kept = xp.where(mid_prefill | idle, 0, num_sampled)
-    num_drafts = xp.where(num_computed >= prefill_len, xp.maximum(query_len - 1, 0), 0)
-    num_rejected = xp.where(mid_prefill, 0, 1 + num_drafts - kept)
-    return kept, xp.where(idle, num_computed, num_computed + query_len - num_rejected)
+    window = sample_window(num_computed, prefill_len, query_len, xp=xp)
+    _check_num_sampled(num_sampled, window)
+    fits = num_sampled_fits(num_sampled, window)  # traced: a row that does not, does not move
+    kept = xp.where(fits & (window > 0), num_sampled, 0)
+    num_rejected = xp.where(window > 0, window - kept, 0)
+    moves = (query_len > 0) & fits
+    return kept, xp.where(moves, num_computed + query_len - num_rejected, num_computed)
+
+
+def _check_num_sampled(num_sampled, window, describe=None) -> None:
+    """Concrete: :func:`num_sampled_fits` everywhere, else ``ValueError`` naming the first entry
+    that does not (``describe(index)`` adds the caller's words for it)."""
+    n, w = validation.concrete_values(num_sampled), validation.concrete_values(window)
+    if n is None or w is None:
+        return
+    n, w = np.broadcast_arrays(n, w)
+    bad = np.argwhere(~num_sampled_fits(n, w))  # [count, ndim]: (1, 0) for a bad scalar
+    if len(bad):
+        i = tuple(int(v) for v in bad[0])
+        at = f"[{', '.join(map(str, i))}]" if i else ""
+        which = describe(*i) if describe else ""
+        raise ValueError(
+            f"num_sampled{at}={n[i]} must be in [0, {w[i]}] (1 + num_drafts){which}: "
+            f"more samples than the window would be a negative rejection count, moving "
+            f"num_computed_tokens past the tokens whose K/V was written"
+        )
 
 
 @struct.dataclass
@@ -326,7 +511,13 @@ class NewRequests:
         seed: Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> "NewRequests":
-        """Build from Python lists on the host (numpy), padded to ``pad_to`` entries."""
+        """Build from Python lists on the host (numpy), padded to ``pad_to`` entries.
+
+        Every value is checked as given, before it is narrowed to int32 / float32, by the
+        rules of :meth:`validate` that need no state (all but the rows' upper bound and
+        distinctness): a float length or id is refused, never truncated, and ``2**40`` never
+        wraps. ``prompt_lens`` defaults to the token counts.
+        """
         n = len(rows)
         U = n if pad_to is None else pad_to
         if len(token_ids) != n:
@@ -341,61 +532,94 @@ class NewRequests:
                 raise ValueError(
                     f"token_ids[{u}] has {len(t)} tokens, more than max_model_len={max_model_len}"
                 )
-            validation.check_values_in_range(f"token_ids[{u}]", np.asarray(t, np.int64), 0, INT32_RANGE[1])
+            t = np.asarray(t)
+            check_token_ids(f"token_ids[{u}]", t)
             ids[u, : len(t)] = t
 
-        def col(values, default, dtype):
-            out = np.full((U,), default, dtype)
-            if values is not None:
-                if len(values) != n:
-                    raise ValueError(f"expected {n} values per field, got {len(values)}")
-                out[:n] = values
-            return out
+        def col(name, values, default, kinds):
+            """``values`` (``n``, as given) padded with ``default`` to ``U`` entries."""
+            pad = np.full((U - n,), default)
+            if values is None:
+                return np.concatenate([np.full((n,), default), pad])
+            if len(values) != n:
+                raise ValueError(f"{name} must have one value per row ({n}), got {len(values)}")
+            v = np.asarray(values)
+            if n:
+                validation.check_dtype(name, v, kinds)
+            return np.concatenate([v, pad])
 
-        r = np.full((U,), PAD_ROW_ID, np.int32)
-        validation.check_values_in_range("rows", np.asarray(rows, np.int64), *INT32_RANGE)
-        r[:n] = rows
-        lens = col([len(t) for t in token_ids], 0, np.int32)
+        r = col("rows", rows, PAD_ROW_ID, "integer")
+        validation.check_values_in_range("rows", r, *INT32_RANGE)
+        lens = [len(t) for t in token_ids]
+        given = dict(
+            num_tokens=lens, prompt_len=lens if prompt_lens is None else prompt_lens,
+            num_computed_tokens=num_computed_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed,
+        )
+        arg = dict(prompt_len="prompt_lens")  # from_lists's names, where they differ
+        wide = {
+            name: col(arg.get(name, name), given[name], _DEFAULTS[name],
+                      "integer" if name in _INT_FIELDS else ("integer", "floating"))
+            for name in _INT_FIELDS + _FLOAT_FIELDS
+        }
+        _check_entries(wide, np.arange(U) < n, max_model_len)  # padding holds the defaults
         return cls(
-            rows=r,
+            rows=r.astype(np.int32),
             token_ids=ids,
-            num_tokens=lens,
-            prompt_len=col(prompt_lens, 0, np.int32) if prompt_lens is not None else lens.copy(),
-            num_computed_tokens=col(num_computed_tokens, 0, np.int32),
-            temperature=col(temperature, 0.0, np.float32),
-            top_p=col(top_p, 1.0, np.float32),
-            top_k=col(top_k, 0, np.int32),
-            seed=col(seed, 0, np.int32),
+            **{name: v.astype(_dtype(name)) for name, v in wide.items()},
         )
 
-    def validate(self, state: RequestState) -> None:
-        """Shape checks always; value checks when concrete."""
+    def validate(self, state: RequestState) -> "NewRequests":
+        """The entries to install into ``state``: int32 / float32, token ids 0 past
+        ``num_tokens``, and ``rows`` ``PAD_ROW_ID`` where an entry is not installed.
+
+        Static (always): shapes; an integer dtype for ``rows``, ``token_ids`` and the integer
+        fields, a floating dtype for ``temperature`` and ``top_p``. Values, for every entry
+        whose row is not -1: ``rows`` in ``[0, max_num_reqs)`` and distinct; ``num_tokens`` in
+        ``[1, max_model_len]``; ``prompt_len`` in ``[1, num_tokens]``; ``num_computed_tokens``
+        in ``[0, num_tokens]``; the first ``num_tokens`` token ids in :data:`TOKEN_ID_RANGE`;
+        the sampling parameters by :data:`SAMPLING_RULES`. Concrete: checked as given (before
+        any narrowing to int32; floats as stored, float32), a bad value is a ``ValueError``
+        naming the field, the entry, the rule and the value. Traced: an entry that breaks one
+        is not installed, and neither is an entry whose row another installed entry names.
+        """
         validation.check_rank("rows", self.rows, 1)
-        U = self.rows.shape[0]
-        validation.check_shape("token_ids", self.token_ids, (U, state.max_model_len))
-        for name in ("num_tokens", "prompt_len", "num_computed_tokens", "temperature", "top_p", "top_k", "seed"):
+        U, R, L = self.rows.shape[0], state.max_num_reqs, state.max_model_len
+        validation.check_shape("token_ids", self.token_ids, (U, L))
+        validation.check_dtype("token_ids", self.token_ids, "integer")
+        for name in _INT_FIELDS + _FLOAT_FIELDS:
             validation.check_shape(name, getattr(self, name), (U,))
-        validation.check_values_in_range("rows", self.rows, 0, state.max_num_reqs, allow=(-1,))
-        r = validation.concrete_values(self.rows)
-        n = validation.concrete_values(self.num_tokens)
-        p = validation.concrete_values(self.prompt_len)
-        c = validation.concrete_values(self.num_computed_tokens)
-        if r is None or n is None or p is None or c is None:
-            return
-        live = is_real_row(r, state.max_num_reqs)
-        if len(np.unique(r[live])) != live.sum():
-            raise ValueError(f"rows must be distinct in one add, got {r.tolist()}")
-        for u in np.flatnonzero(live):
-            if not 0 < n[u] <= state.max_model_len:
-                raise ValueError(
-                    f"num_tokens[{u}] must be in [1, max_model_len={state.max_model_len}], got {n[u]}"
-                )
-            if not 0 < p[u] <= n[u]:
-                raise ValueError(f"prompt_len[{u}] must be in [1, num_tokens={n[u]}], got {p[u]}")
-            if not 0 <= c[u] <= n[u]:
-                raise ValueError(
-                    f"num_computed_tokens[{u}] must be in [0, num_tokens={n[u]}], got {c[u]}"
-                )
+            kind = "integer" if name in _INT_FIELDS else "floating"
+            validation.check_dtype(name, getattr(self, name), kind)
+        rows = narrow_rows("rows", self.rows, R)
+        live = is_real_row(rows, R)
+        given = {name: validation.concrete_values(getattr(self, name))
+                 for name in _INT_FIELDS + _FLOAT_FIELDS}
+        r = validation.concrete_values(rows)
+        if r is not None and all(v is not None for v in given.values()):
+            lv = np.asarray(is_real_row(r, R))
+            _check_entries(given, lv, L)
+            if len(np.unique(r[lv])) != lv.sum():
+                raise ValueError(f"rows must be distinct in one add, got {r.tolist()}")
+            # every live value is in range now: int32 / float32 hold it
+            f = {name: np.where(lv, v, _DEFAULTS[name]).astype(_dtype(name))
+                 for name, v in given.items()}
+        else:  # traced: a value past int32 becomes -1, which breaks every rule of its field
+            f = {name: validation.as_int32(name, getattr(self, name), fill=-1)
+                 for name in _INT_FIELDS}
+            f.update({n: jnp.asarray(getattr(self, n), jnp.float32) for n in _FLOAT_FIELDS})
+        install = live & _entries_ok(f, L)
+        col = jnp.arange(L, dtype=jnp.int32)[None, :]
+        used = install[:, None] & (col < f["num_tokens"][:, None])
+        tokens = narrow_token_ids("token_ids", self.token_ids, fill=-1, used=used)
+        install &= ~jnp.any(used & (tokens < 0), axis=1)
+        same_row = (rows[:, None] == rows[None, :]) & install[:, None] & install[None, :]
+        install &= jnp.sum(same_row, axis=1) == 1
+        return NewRequests(
+            rows=jnp.where(install, rows, PAD_ROW_ID),
+            token_ids=jnp.where(used, tokens, 0),
+            **f,
+        )
 
 
 class RequestRows:

@@ -49,7 +49,8 @@ def test_host_rule_matches_the_device_post_update(rows):
                                  max_model_len=L, num_computed_tokens=ncs)
     s = RequestState.create(R, L, num_speculative_tokens=S - 1).add_requests(new)
     qlens = [1 + nd if nc >= p else min(1 + nd, p - nc) for (p, _, nd, _), nc in zip(rows, ncs)]
-    nss = [1 + min(acc, nd) for _, _, nd, acc in rows]
+    # a decode window samples 1 + accepted drafts; a prefill chunk has no drafts: 1 (its window)
+    nss = [1 + min(acc, nd) if nc >= p else 1 for (p, _, nd, acc), nc in zip(rows, ncs)]
     after = s.post_update(np.arange(R), np.array(qlens), np.ones((R, S), np.int32), np.array(nss))
     kept, nc = step_progress(np.array(ncs), np.array([p for p, *_ in rows]), np.array(qlens), np.array(nss))
     np.testing.assert_array_equal(after.num_computed_tokens, nc)

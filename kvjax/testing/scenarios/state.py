@@ -256,7 +256,8 @@ def reqstate_scenarios(cases):
          "padded batch rows between and after real ones touch nothing"),
         ("all-pad-dummy-step", _reqstate_case([], [(-1, 0, 0)] * 4),
          "no add, every batch row padded: nothing changes"),
-        ("last-block", _reqstate_case([(MR - 1, LEN - 1, LEN - 2, LEN - 2)], [(MR - 1, 2, 2)]),
-         "the last row, a decode window ending at max_model_len: the sample past it is dropped"),
+        ("last-block", _reqstate_case([(MR - 1, LEN, LEN - 1, LEN - 2)], [(MR - 1, 2, 1)]),
+         "the last row, the chunk that finishes a max_model_len-token prefill: its one sample, "
+         "past max_model_len, is dropped"),
     ]
     return op_scenarios("request_state", cases, cmp, random_case, fixed)

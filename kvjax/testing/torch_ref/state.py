@@ -18,7 +18,9 @@ where it applies):
   before the row's first write (PR 39833: ``last_sampled`` and ``draft_tokens``;
   kvjax also zeroes the token-id tail and resets ``num_accepted_tokens`` to 1 and
   the sampling parameters), ``post_update`` applies the sampled tokens
-  (``get_num_sampled_and_rejected`` + ``post_update``).
+  (``get_num_sampled_and_rejected`` + ``post_update``; a sample past
+  ``max_model_len`` is dropped and not counted in ``total_len`` or
+  ``last_sampled``, where vLLM's kernel would write past the row).
 """
 
 from __future__ import annotations
@@ -181,11 +183,11 @@ class TorchRequestState:
                 n = int(num_sampled[b])
                 num_drafts = max(qlen - 1, 0) if nc >= pl else 0
                 rejected = 1 + num_drafts - n
-            for j in range(n):
-                if tl + j < max_len:
-                    self.all_token_ids[s, tl + j] = sampled[b, j]
-            self.total_len[s] = tl + n
+            stored = min(n, max(max_len - tl, 0))  # kvjax: a row holds max_model_len tokens
+            for j in range(stored):
+                self.all_token_ids[s, tl + j] = sampled[b, j]
+            self.total_len[s] = tl + stored
             self.num_computed_tokens[s] = nc + qlen - rejected
-            if n > 0:
-                self.last_sampled_tokens[s] = sampled[b, n - 1]
+            if stored > 0:
+                self.last_sampled_tokens[s] = sampled[b, stored - 1]
             self.num_accepted_tokens[s] = max(n, 1)
