@@ -21,6 +21,7 @@ from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging, max_
 from kvjax.host.drafter import propose_ngram
 from kvjax.spec import KVGroupSpec
 from kvjax.state import RequestRows, step_progress
+from kvjax.state.request_state import check_sampling_params
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics: fast membership tests
@@ -58,14 +59,9 @@ class Request:
     finished: bool = False
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"request {self.req_id!r}: temperature must be a number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"request {self.req_id!r}: top_k must be an int >= 0 (0: off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"request {self.req_id!r}: top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**31):
-            raise ValueError(f"request {self.req_id!r}: seed must be an int in [0, 2**31), got {self.seed!r}")
+        # the state's rule (what a request row will hold), one owner for both
+        check_sampling_params(where=f"request {self.req_id!r}: ", temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed)
         self.stop_token_ids = tuple(self.stop_token_ids)
 
     @property
