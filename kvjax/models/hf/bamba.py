@@ -45,11 +45,11 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
         mlp=MLPSpec(hy.check_int(arch, cfg, "intermediate_size", 14336), True, "silu"),
-        attn_bias=bool(hy.field(cfg, "attention_bias", False)),
-        mlp_bias=bool(hy.field(cfg, "mlp_bias", False)),
-        mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),
-        mamba_conv_bias=bool(hy.field(cfg, "mamba_conv_bias", True)),
-        tie_embeddings=bool(hy.field(cfg, "tie_word_embeddings", False)),
+        attn_bias=hy.check_bool(arch, cfg, "attention_bias", False),
+        mlp_bias=hy.check_bool(arch, cfg, "mlp_bias", False),
+        mamba_proj_bias=hy.check_bool(arch, cfg, "mamba_proj_bias", False),
+        mamba_conv_bias=hy.check_bool(arch, cfg, "mamba_conv_bias", True),
+        tie_embeddings=hy.check_bool(arch, cfg, "tie_word_embeddings", False),
     )
 
 
@@ -70,4 +70,3 @@ def _plan(c: HybridConfig) -> list[Entry]:
 
 
 expected_tensors, params_from_tensors = hy.plan_protocol(_plan)
-ignored_tensor = hy.ignore_tied_head

@@ -55,6 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded, self_attention_impl
+from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
@@ -306,12 +307,10 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             yarn_mscale_all_dim=None if rp.get("mscale_all_dim") is None else float(rp["mscale_all_dim"]),
             yarn_attention_factor=(None if rp.get("attention_factor") is None
                                    else float(rp["attention_factor"])),
-            yarn_truncate=bool(rp.get("truncate", True)),
+            yarn_truncate=hy.check_bool(ARCHITECTURE, rp, "truncate", True),
         )
-    for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings"):
-        v = _field(cfg, name)
-        if v is not None and not isinstance(v, bool):
-            refuse(name, v, "must be a bool")
+    flags = {name: hy.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
+             for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings")}
     ns = _field(cfg, "n_shared_experts")
     if not isinstance(ns, int) or ns < 1:
         refuse("n_shared_experts", ns, "at least one shared expert (transformers always builds one)")
@@ -335,12 +334,12 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             topk_group=_field(cfg, "topk_group"),
             num_experts_per_tok=_field(cfg, "num_experts_per_tok"),
             first_k_dense_replace=_field(cfg, "first_k_dense_replace"),
-            norm_topk_prob=bool(_field(cfg, "norm_topk_prob")),
+            norm_topk_prob=flags["norm_topk_prob"],
             rms_norm_eps=float(_field(cfg, "rms_norm_eps")),
             rope_theta=float(theta),
-            rope_interleave=bool(_field(cfg, "rope_interleave")),
-            attention_bias=bool(_field(cfg, "attention_bias")),
-            tie_word_embeddings=bool(_field(cfg, "tie_word_embeddings")),
+            rope_interleave=flags["rope_interleave"],
+            attention_bias=flags["attention_bias"],
+            tie_word_embeddings=flags["tie_word_embeddings"],
             max_position_embeddings=max_pos,
             rope_type=rope_type,
             **yarn,
@@ -411,11 +410,10 @@ def _np_dtype(dtype) -> np.dtype:
 
 def ignored_tensor(config: DeepseekV3Config, name: str) -> bool:
     """Checkpoint tensors transformers does not load either: the multi-token-prediction layers
-    (``model.layers.{i}`` for ``i >= num_hidden_layers``), a tied checkpoint's ``lm_head.weight``
-    and stored RoPE tables (``rotary_emb.inv_freq``)."""
+    (``model.layers.{i}`` for ``i >= num_hidden_layers``) and stored RoPE tables
+    (``rotary_emb.inv_freq``). A tied config's stored ``lm_head.weight`` is not ignored: the
+    loader refuses it (:func:`kvjax.models.hf.loader.check_tensors`)."""
     if name.endswith("rotary_emb.inv_freq"):
-        return True
-    if config.tie_word_embeddings and name == "lm_head.weight":
         return True
     parts = name.split(".")
     if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():

@@ -128,12 +128,12 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         attn=attn if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
         mlp=None if E else shared, moe=moe, moe_shared=shared if E else None,
-        attn_bias=bool(hy.field(cfg, "attention_bias", False)),
-        mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),
-        mamba_conv_bias=bool(hy.field(cfg, "mamba_conv_bias", True)),
+        attn_bias=hy.check_bool(arch, cfg, "attention_bias", False),
+        mamba_proj_bias=hy.check_bool(arch, cfg, "mamba_proj_bias", False),
+        mamba_conv_bias=hy.check_bool(arch, cfg, "mamba_conv_bias", True),
         embedding_multiplier=hy.as_float(hy.field(cfg, "embedding_multiplier", 1.0), "embedding_multiplier"),
         logits_scaling=hy.positive(arch, "logits_scaling", hy.field(cfg, "logits_scaling", 1.0)),
-        tie_embeddings=bool(hy.field(cfg, "tie_word_embeddings", False)),
+        tie_embeddings=hy.check_bool(arch, cfg, "tie_word_embeddings", False),
     )
 
 
@@ -222,4 +222,3 @@ def _plan(c: HybridConfig) -> list[Entry]:
 
 
 expected_tensors, params_from_tensors = hy.plan_protocol(_plan)
-ignored_tensor = hy.ignore_tied_head

@@ -653,11 +653,6 @@ def plan_protocol(plan: Callable[[HybridConfig], list[Entry]]):
     return expected_tensors, params_from_tensors
 
 
-def ignore_tied_head(config: HybridConfig, name: str) -> bool:
-    """Tensors transformers ignores too: a tied checkpoint's redundant ``lm_head.weight``."""
-    return config.tie_embeddings and name == "lm_head.weight"
-
-
 def _thaw(t):
     if isinstance(t, dict):
         return {k: _thaw(v) for k, v in t.items()}
@@ -689,6 +684,15 @@ def field(cfg: dict, name: str, default=None, *, required: bool = False):
             raise ValueError(f"config.json: field {name!r} is required")
         return default
     return cfg[name]
+
+
+def check_bool(arch: str, cfg: dict, name: str, default: bool) -> bool:
+    """A config.json bool field: ``true`` / ``false`` only (absent: ``default``). A string such as
+    ``"false"`` (truthy in Python), a number or null is refused, naming the field."""
+    v = cfg.get(name, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"{arch}: config.json field {name} must be true or false, got {v!r}")
+    return v
 
 
 def as_float(v, name: str) -> float:

@@ -288,6 +288,12 @@ def check_tensors(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any],
             raise ValueError(f"{_file_of(t)}: tensor {name!r} has dtype {_ST_NAMES.get(dtype, dtype.name)}, "
                              f"expected a floating-point weight ({', '.join(FLOAT_DTYPES)})")
     extra = sorted(n for n in tensors if n not in expected and not (ignored and ignored(n)))
+    if "lm_head.weight" in extra:  # every architecture here reads the head unless the config ties it
+        raise ValueError(
+            f"{_file_of(tensors['lm_head.weight'])}: checkpoint stores 'lm_head.weight' but config.json has "
+            f"tie_word_embeddings=true (the head is the embedding): transformers then keeps the stored head "
+            f"and does not tie; kvjax refuses the contradiction (set tie_word_embeddings to false to use "
+            f"the stored head, or remove the tensor to tie)")
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ValueError(f"{_file_of(tensors[extra[0]])}: checkpoint has unexpected tensor {extra[0]!r}{more}: "

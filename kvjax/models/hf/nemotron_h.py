@@ -128,7 +128,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
             raise ValueError(f"{arch}: n_routed_experts={E} must be a multiple of n_group={ng} >= topk_group={tg}")
         moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
                       hy.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
-                      n_group=ng, topk_group=tg, norm_topk_prob=bool(hy.field(cfg, "norm_topk_prob", True)),
+                      n_group=ng, topk_group=tg, norm_topk_prob=hy.check_bool(arch, cfg, "norm_topk_prob", True),
                       routed_scaling_factor=hy.as_float(hy.field(cfg, "routed_scaling_factor", 1.0),
                                                         "routed_scaling_factor"),
                       gated=False, activation=act)
@@ -144,9 +144,9 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     return HybridConfig(
         architecture=arch, vocab_size=V, d_model=d, rms_eps=eps, blocks=tuple(Block(k) for k in kinds),
         attn=attn, mamba=mamba, mlp=mlp, moe=moe, moe_shared=shared, moe_latent=latent,
-        mlp_bias=bool(hy.field(cfg, "mlp_bias", False)),
-        mamba_proj_bias=bool(hy.field(cfg, "use_bias", False)),
-        mamba_conv_bias=bool(hy.field(cfg, "use_conv_bias", True)),
+        mlp_bias=hy.check_bool(arch, cfg, "mlp_bias", False),
+        mamba_proj_bias=hy.check_bool(arch, cfg, "use_bias", False),
+        mamba_conv_bias=hy.check_bool(arch, cfg, "use_conv_bias", True),
         moe_e_bias=moe is not None, tie_embeddings=False, ssm_state_dtype=ssm_dtype,
     )
 

@@ -1,0 +1,139 @@
+"""Checkpoint-loading rules found by an adversarial pass (each refused before any weight is read,
+with the field or tensor named, what was expected and what came; or read as transformers reads it).
+
+The hybrid checkpoints come from ``conftest.hf_checkpoint`` (transformers' ``save_pretrained`` of
+tiny random models); the DeepSeek-V3 ones are written here from :func:`deepseek_v3.random_tensors`
+(a config.json plus one safetensors file). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+st = pytest.importorskip("safetensors.numpy")
+
+from kvjax.models import load_pretrained  # noqa: E402
+from kvjax.models.hf import deepseek_v3 as ds  # noqa: E402
+from kvjax.models.hf import loader  # noqa: E402
+
+DS_TINY = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+    n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=32,
+    qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+    num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256,
+    tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def copy(src, dst, *, weights: bool = True) -> str:
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if weights or not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    return str(dst)
+
+
+def edit_config(path, **changes):
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    cfg.update(changes)
+    json.dump(cfg, open(f, "w"))
+
+
+def deepseek_checkpoint(path, *, layers: int | None = None, **changes) -> str:
+    """A DeepSeek-V3 checkpoint directory: config.json (``DS_TINY`` + ``changes``) and
+    ``model.safetensors`` of the tensors of ``layers`` layers (default: the config's), untied."""
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(DS_TINY, **changes)
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    wcfg = dict(DS_TINY, tie_word_embeddings=False)
+    if layers is not None:
+        wcfg["num_hidden_layers"] = layers
+    st.save_file(ds.random_tensors(ds.config_from_hf(wcfg), 0), os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def refused(match, path, **kw):
+    """load_pretrained(path) raises kvjax's own ValueError matching every regex in ``match``."""
+    with pytest.raises(ValueError) as info:
+        load_pretrained(path, **kw)
+    e = info.value
+    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), repr(e.__context__)
+    for m in [match] if isinstance(match, str) else match:
+        assert re.search(m, str(e)), (m, str(e))
+    return str(e)
+
+
+def config_refused(match, cfg: dict, tmp_path):
+    """A config.json alone (no weights) is refused by model_from_dir with a message matching ``match``."""
+    path = tmp_path / "cfg_only"
+    os.makedirs(path, exist_ok=True)
+    json.dump(cfg, open(path / "config.json", "w"))
+    with pytest.raises(ValueError) as info:
+        loader.model_from_dir(str(path))
+    for m in [match] if isinstance(match, str) else match:
+        assert re.search(m, str(info.value)), (m, str(info.value))
+    return str(info.value)
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    """Fails the test if any tensor's bytes are read (headers only are allowed)."""
+    def reader(tensors):
+        def get(name):
+            raise AssertionError(f"weight {name!r} read before the checkpoint was refused")
+        return get
+
+    monkeypatch.setattr(loader, "_reader", reader)
+
+
+def hf_config(hf_checkpoint, name, **changes) -> dict:
+    cfg = json.load(open(os.path.join(hf_checkpoint(name), "config.json")))
+    cfg.update(changes)
+    return cfg
+
+
+# ----------------------------------------------- 1. a tied config beside a stored lm_head
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "bamba", "deepseek"])
+def test_a_tied_config_with_a_stored_head_is_refused(name, hf_checkpoint, tmp_path, no_weight_read):
+    """transformers keeps a stored ``lm_head.weight`` when config.json says tied (it warns and
+    does not tie); kvjax used to drop the stored head and use the embedding. Refused now, naming
+    the tensor and the field."""
+    if name == "deepseek":
+        path = deepseek_checkpoint(tmp_path / "ds", tie_word_embeddings=True)
+    else:
+        path = copy(hf_checkpoint(name), tmp_path / "ckpt")
+        edit_config(path, tie_word_embeddings=True)
+    refused([r"'lm_head\.weight'", r"tie_word_embeddings=true", r"transformers"], path)
+
+
+@pytest.mark.parametrize("name,field,value", [
+    ("granite_rope_moe", "tie_word_embeddings", "false"),
+    ("granite_rope_moe", "attention_bias", 0),
+    ("granite_rope_moe", "mamba_conv_bias", "true"),
+    ("bamba", "mlp_bias", 1),
+    ("bamba", "mamba_proj_bias", "false"),
+    ("nemotron_h", "use_conv_bias", "false"),
+    ("nemotron_h", "norm_topk_prob", 1),
+    ("nemotron_h", "mlp_bias", None),
+    ("deepseek", "attention_bias", "false"),
+    ("deepseek", "tie_word_embeddings", None),
+])
+def test_a_bool_field_must_be_a_bool(name, field, value, hf_checkpoint, tmp_path):
+    """``"false"`` is a string (``bool("false")`` is True); 0 / 1 and null are not bools either."""
+    cfg = dict(DS_TINY) if name == "deepseek" else hf_config(hf_checkpoint, name)
+    cfg[field] = value
+    config_refused(rf"config\.json field {field} must be true or false, got {re.escape(repr(value))}",
+                   cfg, tmp_path)
