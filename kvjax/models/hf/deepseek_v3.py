@@ -123,6 +123,7 @@ class DeepseekV3Config:
     yarn_mscale_all_dim: float | None = None
     yarn_attention_factor: float | None = None
     yarn_truncate: bool = True
+    num_nextn_predict_layers: int = 1  # MTP layers after the causal LM's (not read)
 
     def __post_init__(self):
         _validate(self)
@@ -201,6 +202,7 @@ def _validate(c: DeepseekV3Config) -> None:
         pos_int(name)
     pos_int("qk_rope_head_dim", 2)
     pos_int("first_k_dense_replace", 0)
+    pos_int("num_nextn_predict_layers", 0)
     if c.q_lora_rank is not None:
         pos_int("q_lora_rank")
     if c.qk_rope_head_dim % 2:
@@ -311,6 +313,13 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
         )
     flags = {name: hy.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
              for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings")}
+    mtp = {k: cfg[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in cfg}
+    if len(mtp) == 2 and mtp["num_nextn_predict_layers"] != mtp["num_mtp_layers"]:
+        refuse("num_nextn_predict_layers", mtp["num_nextn_predict_layers"],
+               f"num_nextn_predict_layers={mtp['num_nextn_predict_layers']!r} and "
+               f"num_mtp_layers={mtp['num_mtp_layers']!r} (its alias in transformers) disagree")
+    mtp_name = next(iter(mtp), "num_nextn_predict_layers")
+    n_mtp = hy.check_int(ARCHITECTURE, {mtp_name: mtp.get(mtp_name, 1)}, mtp_name, lo=0)
     ns = _field(cfg, "n_shared_experts")
     if not isinstance(ns, int) or ns < 1:
         refuse("n_shared_experts", ns, "at least one shared expert (transformers always builds one)")
@@ -342,6 +351,7 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             tie_word_embeddings=flags["tie_word_embeddings"],
             max_position_embeddings=max_pos,
             rope_type=rope_type,
+            num_nextn_predict_layers=n_mtp,
             **yarn,
         )
     except TypeError as e:  # a non-numeric value reached float()/int()
@@ -410,14 +420,16 @@ def _np_dtype(dtype) -> np.dtype:
 
 def ignored_tensor(config: DeepseekV3Config, name: str) -> bool:
     """Checkpoint tensors transformers does not load either: the multi-token-prediction layers
-    (``model.layers.{i}`` for ``i >= num_hidden_layers``) and stored RoPE tables
+    (``model.layers.{i}`` for ``num_hidden_layers <= i < num_hidden_layers +
+    num_nextn_predict_layers``; any other layer is an unexpected tensor) and stored RoPE tables
     (``rotary_emb.inv_freq``). A tied config's stored ``lm_head.weight`` is not ignored: the
     loader refuses it (:func:`kvjax.models.hf.loader.check_tensors`)."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
     parts = name.split(".")
     if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        return int(parts[2]) >= config.num_hidden_layers
+        L = config.num_hidden_layers
+        return L <= int(parts[2]) < L + config.num_nextn_predict_layers
     return False
 
 

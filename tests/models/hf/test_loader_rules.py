@@ -137,3 +137,29 @@ def test_a_bool_field_must_be_a_bool(name, field, value, hf_checkpoint, tmp_path
     cfg[field] = value
     config_refused(rf"config\.json field {field} must be true or false, got {re.escape(repr(value))}",
                    cfg, tmp_path)
+
+
+# ------------------------------------------------ 2. DeepSeek-V3's MTP layers, and no others
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(num_hidden_layers=2, num_nextn_predict_layers=0), r"unexpected tensor 'model\.layers\.2\.[^']+'"),
+    (dict(num_hidden_layers=1, num_nextn_predict_layers=1), r"unexpected tensor 'model\.layers\.2\.[^']+'"),
+    (dict(num_hidden_layers=1, num_mtp_layers=1), r"unexpected tensor 'model\.layers\.2\.[^']+'"),
+    (dict(num_hidden_layers=2, num_nextn_predict_layers=-1), r"num_nextn_predict_layers must be an int >= 0"),
+    (dict(num_hidden_layers=2, num_nextn_predict_layers=1, num_mtp_layers=2),
+     r"num_nextn_predict_layers=1 and num_mtp_layers=2"),
+])
+def test_deepseek_ignores_only_its_mtp_layers(changes, match, tmp_path, no_weight_read):
+    """Layers ``num_hidden_layers <= i < num_hidden_layers + num_nextn_predict_layers`` are the
+    MTP layers (not part of the causal LM); any other layer beyond the config is refused (it
+    used to be dropped without a word)."""
+    refused(match, deepseek_checkpoint(tmp_path / "ds", layers=3, **changes))
+
+
+@pytest.mark.parametrize("changes", [dict(num_hidden_layers=2), dict(num_hidden_layers=2, num_nextn_predict_layers=1),
+                                     dict(num_hidden_layers=1, num_nextn_predict_layers=2)])
+def test_deepseek_mtp_layers_are_skipped(changes, tmp_path):
+    """The MTP layers' tensors are not read (num_nextn_predict_layers defaults to 1 as in transformers)."""
+    model, params = load_pretrained(deepseek_checkpoint(tmp_path / "ds", layers=3, **changes))
+    assert model.config.num_hidden_layers == changes["num_hidden_layers"]
