@@ -274,17 +274,11 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if cfg.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", cfg["pretraining_tp"], "only 1")
 
-    rp = cfg.get("rope_parameters")
-    if rp is None:
-        rp = dict(cfg.get("rope_scaling") or {})
-        rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    else:
-        rp = dict(rp)
-    if any(isinstance(v, dict) for v in rp.values()):
-        refuse("rope_parameters", rp, "per-layer-type RoPE parameters")
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        refuse("rope_parameters.rope_type", rope_type, f"supported: {_ROPE_TYPES}")
+    raw = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if isinstance(raw, dict) and any(isinstance(v, dict) for v in raw.values()):
+        refuse("rope_parameters", raw, "per-layer-type RoPE parameters")
+    rp = hy.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
+    rope_type = rp["rope_type"]
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf not in (None, 1, 1.0):
         refuse("partial_rotary_factor", prf, "the whole qk_rope_head_dim is rotated")

@@ -723,15 +723,35 @@ def positive(arch: str, name: str, v) -> float:
     return f
 
 
+def rope_parameters(arch: str, cfg: dict, types: tuple[str, ...] = ("default",)) -> dict:
+    """The RoPE parameters transformers reads (``rope_scaling or rope_parameters``, each null or an
+    object), with ``rope_type`` set; refused: the two fields both given and different (kvjax does
+    not pick one silently), ``rope_type`` and its legacy name ``type`` disagreeing, and a
+    ``rope_type`` outside ``types`` (whichever field it came in)."""
+    got = {}
+    for name in ("rope_parameters", "rope_scaling"):
+        v = cfg.get(name)
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"{arch}: config.json field {name} must be an object, got {v!r}")
+        got[name] = v
+    rp, rs = got["rope_parameters"], got["rope_scaling"]
+    if rp and rs and rp != rs:
+        raise ValueError(f"{arch}: config.json fields rope_parameters={rp!r} and rope_scaling={rs!r} disagree "
+                         f"(transformers reads rope_scaling when it is set); give one of them")
+    rp = dict(rs or rp or {})
+    if "rope_type" in rp and "type" in rp and rp["rope_type"] != rp["type"]:
+        raise ValueError(f"{arch}: config.json rope parameters rope_type={rp['rope_type']!r} and "
+                         f"type={rp['type']!r} disagree")
+    rp["rope_type"] = rp.get("rope_type", rp.get("type", "default"))
+    if rp["rope_type"] not in types:
+        refuse(arch, "rope_parameters.rope_type", rp["rope_type"], f"implemented: {', '.join(types)}")
+    return rp
+
+
 def check_rope(arch: str, cfg: dict, *, default_theta: float = 10000.0,
                default_partial: float = 1.0) -> tuple[float, float]:
     """``(rope_theta, partial_rotary_factor)`` of plain RoPE; other ``rope_type`` s refused."""
-    rp = field(cfg, "rope_parameters") or field(cfg, "rope_scaling") or {}
-    if not isinstance(rp, dict):
-        raise ValueError(f"{arch}: config.json field rope_parameters must be an object, got {rp!r}")
-    rtype = rp.get("rope_type", rp.get("type", "default"))
-    if rtype not in ("default", None):
-        refuse(arch, "rope_parameters.rope_type", rtype, "only plain RoPE ('default') is implemented")
+    rp = rope_parameters(arch, cfg)
     theta = as_float(rp.get("rope_theta", cfg.get("rope_theta", default_theta)), "rope_theta")
     partial = as_float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial)),
                        "partial_rotary_factor")

@@ -163,3 +163,35 @@ def test_deepseek_mtp_layers_are_skipped(changes, tmp_path):
     """The MTP layers' tensors are not read (num_nextn_predict_layers defaults to 1 as in transformers)."""
     model, params = load_pretrained(deepseek_checkpoint(tmp_path / "ds", layers=3, **changes))
     assert model.config.num_hidden_layers == changes["num_hidden_layers"]
+
+
+# ------------------------------------------------------ 3. rope_scaling beside rope_parameters
+
+
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "bamba", "deepseek"])
+@pytest.mark.parametrize("changes,match", [
+    # transformers reads rope_scaling first (rope_scaling or rope_parameters): a linear RoPE here
+    (dict(rope_scaling=LINEAR), r"rope_parameters=.* and rope_scaling=.* disagree"),
+    (dict(rope_scaling=LINEAR, rope_parameters={}), r"rope_type='linear' is not supported"),
+    (dict(rope_scaling=LINEAR, rope_parameters=None), r"rope_type='linear' is not supported"),
+    (dict(rope_parameters={"type": "linear", "rope_type": None, "factor": 4.0}), r"rope_type=None"),
+    (dict(rope_parameters={"type": "linear", "rope_type": "default", "factor": 4.0}), r"disagree"),
+    (dict(rope_scaling="linear"), r"rope_scaling must be an object"),
+])
+def test_rope_scaling_and_rope_parameters(name, changes, match, hf_checkpoint, tmp_path):
+    cfg = dict(DS_TINY) if name == "deepseek" else hf_config(hf_checkpoint, name)
+    cfg.update(changes)
+    config_refused(match, cfg, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "deepseek"])
+def test_rope_scaling_equal_to_rope_parameters_is_read(name, hf_checkpoint, tmp_path):
+    cfg = dict(DS_TINY) if name == "deepseek" else hf_config(hf_checkpoint, name)
+    cfg["rope_scaling"] = dict(cfg["rope_parameters"])
+    path = tmp_path / "cfg"
+    os.makedirs(path)
+    json.dump(cfg, open(path / "config.json", "w"))
+    loader.model_from_dir(str(path))
