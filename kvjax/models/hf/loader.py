@@ -128,8 +128,16 @@ def _read_header(file: str) -> dict[str, _TensorInfo]:
             raw = f.read(n)
     except OSError as e:
         raise ValueError(f"{name}: cannot be read ({e.strerror or e})") from None
+    def unique(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"{name}: safetensors header: tensor {k!r} is listed twice")
+            seen.add(k)
+        return dict(pairs)
+
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=unique)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{name}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -161,7 +169,30 @@ def _read_header(file: str) -> dict[str, _TensorInfo]:
             raise ValueError(f"{name}: truncated safetensors file: tensor {tname!r} ends at byte "
                              f"{8 + n + end}, the file has {size}")
         out[tname] = _TensorInfo(file, dt, shape, 8 + n + begin, nbytes)
+    _check_tiling(name, out, 8 + n, size)
     return out
+
+
+def _check_tiling(name: str, tensors: dict[str, _TensorInfo], start: int, size: int) -> None:
+    """The tensors' byte ranges must tile the data area ``[start, size)`` exactly, in offset
+    order: no overlap, no gap, no byte after the last one (the safetensors library's rule)."""
+    at, prev, gap = start, None, None
+    for tname, t in sorted(tensors.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
+        if t.offset < at:  # an overlap is named before any gap (an aliased tensor leaves both)
+            raise ValueError(f"{name}: safetensors header: tensor {tname!r} (bytes {t.offset - start}.."
+                             f"{t.offset - start + t.nbytes}) overlaps {prev!r} (which ends at {at - start}); "
+                             f"expected each tensor's bytes to start where the previous one's end")
+        if t.offset > at and gap is None:
+            gap = (f"{name}: safetensors header: a gap of {t.offset - at} bytes before tensor {tname!r} "
+                   f"(it starts at {t.offset - start}, "
+                   f"{'the data area starts at 0' if prev is None else f'{prev!r} ends at {at - start}'}); "
+                   f"expected the tensors to tile the data area")
+        at, prev = t.offset + t.nbytes, tname
+    if gap is not None:
+        raise ValueError(gap)
+    if at != size:
+        raise ValueError(f"{name}: safetensors file has {size - at} bytes after the last tensor's "
+                         f"(the header accounts for {at - start} bytes of data, the file holds {size - start})")
 
 
 def _index_checkpoint(path: str) -> dict[str, _TensorInfo]:

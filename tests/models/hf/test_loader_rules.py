@@ -195,3 +195,61 @@ def test_rope_scaling_equal_to_rope_parameters_is_read(name, hf_checkpoint, tmp_
     os.makedirs(path)
     json.dump(cfg, open(path / "config.json", "w"))
     loader.model_from_dir(str(path))
+
+
+# ------------------------------------------------- 4. safetensors offsets tile the data area
+
+
+def write_header(path, header_text: str, data: bytes, file="model.safetensors"):
+    raw = header_text.encode()
+    raw += b" " * (-len(raw) % 8)
+    open(os.path.join(path, file), "wb").write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def read_st(path, file="model.safetensors"):
+    data = open(os.path.join(path, file), "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def by_offset(header):
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def _alias(h, data):  # a tensor's bytes are another's (same size): an overlap
+    a, c = "model.layers.0.input_layernorm.weight", "model.layers.0.pre_ff_layernorm.weight"
+    h[a]["data_offsets"] = list(h[c]["data_offsets"])
+    return json.dumps(h), data
+
+
+def _gap(h, data):  # the last tensor moved 8 bytes on: 8 unowned bytes before it
+    last = by_offset(h)[-1]
+    b, e = h[last]["data_offsets"]
+    h[last]["data_offsets"] = [b + 8, e + 8]
+    return json.dumps(h), data[:b] + bytes(8) + data[b:]
+
+
+def _trailing(h, data):
+    return json.dumps(h), data + bytes(16)
+
+
+def _duplicate(h, data):  # the same name twice in the JSON object (json.loads keeps the last)
+    first = by_offset(h)[0]
+    text = json.dumps(h)
+    return text[:-1] + ", " + json.dumps(first) + ": " + json.dumps(h[by_offset(h)[1]]) + "}", data
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (_alias, r"overlap"), (_gap, r"gap"), (_trailing, r"16 bytes after the last tensor"),
+    (_duplicate, r"tensor '[^']+' is listed twice"),
+])
+def test_safetensors_offsets_must_tile_the_data(corrupt, match, hf_checkpoint, tmp_path, no_weight_read):
+    """The safetensors library refuses these headers (``InvalidOffset`` / ``MetadataIncompleteBuffer``,
+    a duplicate name); kvjax read them (the aliased norm loaded another tensor's bytes)."""
+    path = copy(hf_checkpoint("bamba"), tmp_path / "ckpt")
+    h, data = read_st(path)
+    write_header(path, *corrupt(h, data))
+    refused([r"^model\.safetensors: ", match], path)
+    if corrupt is not _duplicate:
+        with pytest.raises(Exception):
+            st.load_file(os.path.join(path, "model.safetensors"))
