@@ -10,7 +10,10 @@ softmax-top-k routed experts when ``num_local_experts > 0``); both residuals are
 RoPE when ``position_embedding_type == "rope"``, none (NoPE) when it is null / ``"nope"``.
 The Mamba gated norm normalises each of ``mamba_n_groups`` groups on its own.
 
-config.json fields (absent ones take transformers' defaults):
+config.json fields (absent ones take transformers' defaults; a null is refused unless transformers
+gives it a meaning: ``num_key_value_heads`` null is ``num_attention_heads``, ``attention_multiplier``
+null is ``1/sqrt(head_dim)``, ``layer_types`` null all Mamba, ``position_embedding_type`` null NoPE,
+``sliding_window`` / ``quantization_config`` null none):
 
 * honoured: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``layer_types`` /
   ``layers_block_type``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
@@ -74,11 +77,11 @@ def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int |
     if not eps > 0:
         raise ValueError(f"{arch}: config.json rms_norm_eps must be > 0, got {eps}")
     Hq = hy.check_int(arch, cfg, "num_attention_heads", 32)
-    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq)
+    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq, null=Hq)  # null: MHA
     D = hy.check_int(arch, cfg, "head_dim", d // Hq)
     if Hq % Hkv:
         raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
-    sw = hy.field(cfg, "sliding_window")
+    sw = hy.field(cfg, "sliding_window", null=None)
     if sw is not None:
         hy.refuse(arch, "sliding_window", sw, "sliding-window attention is not implemented")
     act = hy.field(cfg, "hidden_act", "silu")
@@ -91,7 +94,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-6, kv_heads_default=None)
-    types = hy.field(cfg, "layer_types") or hy.field(cfg, "layers_block_type")
+    types = hy.field(cfg, "layer_types", null=None) or hy.field(cfg, "layers_block_type", null=None)
     if types is None:
         types = ["linear_attention"] * L
     if not isinstance(types, list) or len(types) != L:
@@ -102,7 +105,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if t not in ("linear_attention", "full_attention"):
             hy.refuse(arch, "layer_types", t, "expected 'mamba' / 'linear_attention' or 'attention' / 'full_attention'")
         kinds.append("mamba" if t == "linear_attention" else "attn")
-    pe = hy.field(cfg, "position_embedding_type")
+    pe = hy.field(cfg, "position_embedding_type", null=None)
     if pe not in (None, "rope", "nope"):
         hy.refuse(arch, "position_embedding_type", pe, "expected 'rope' or null (NoPE)")
     theta = None
@@ -110,8 +113,10 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         # transformers' Granite default RoPE rotates the whole head (it ignores partial_rotary_factor)
         theta, _ = hy.check_rope(arch, cfg)
     rm = hy.as_float(hy.field(cfg, "residual_multiplier", 1.0), "residual_multiplier")
+    # attention_multiplier null: transformers passes scaling=None to its attention, i.e. 1/sqrt(head_dim)
+    am = hy.field(cfg, "attention_multiplier", 1.0, null=None)
     attn = AttnSpec(Hq, Hkv, D, rope_theta=theta,
-                    sm_scale=hy.as_float(hy.field(cfg, "attention_multiplier", 1.0), "attention_multiplier"))
+                    sm_scale=None if am is None else hy.as_float(am, "attention_multiplier"))
     E = hy.check_int(arch, cfg, "num_local_experts", 8, lo=0)
     shared = MLPSpec(hy.check_int(arch, cfg, "shared_intermediate_size", 1024), True, "silu")
     moe = None

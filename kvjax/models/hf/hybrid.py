@@ -678,11 +678,22 @@ def _get(t, path):
 # ----------------------------------------------------------- config.json field helpers
 
 
-def field(cfg: dict, name: str, default=None, *, required: bool = False):
-    if name not in cfg or cfg[name] is None:
+_NO_NULL = object()
+
+
+def field(cfg: dict, name: str, default=None, *, null=_NO_NULL, required: bool = False):
+    """``cfg[name]``; absent: ``default`` (transformers' default). An explicit null is refused
+    unless the field has a null meaning in transformers: ``null`` is then what it means here
+    (e.g. ``position_embedding_type`` null is NoPE): never silently the default."""
+    if name not in cfg:
         if required:
             raise ValueError(f"config.json: field {name!r} is required")
         return default
+    if cfg[name] is None:
+        if null is _NO_NULL:
+            raise ValueError(f"config.json field {name} is null; expected a value (absent takes transformers' "
+                             f"default {default!r}; null has no meaning for this field)")
+        return null
     return cfg[name]
 
 
@@ -709,8 +720,8 @@ def refuse(arch: str, name: str, got, why: str):
     raise ValueError(f"{arch}: config.json field {name}={got!r} is not supported ({why})")
 
 
-def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1) -> int:
-    v = field(cfg, name, default)
+def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1, *, null=_NO_NULL) -> int:
+    v = field(cfg, name, default, null=null)
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise ValueError(f"{arch}: config.json field {name} must be an int >= {lo}, got {v!r}")
     return v
@@ -770,7 +781,7 @@ def check_dt_limit(arch: str, cfg: dict, name: str = "time_step_limit") -> tuple
 
 def check_common(arch: str, cfg: dict) -> None:
     """Fields every hybrid architecture refuses: quantised weights."""
-    q = field(cfg, "quantization_config")
+    q = field(cfg, "quantization_config", null=None)
     if q is not None:
         method = q.get("quant_method", q) if isinstance(q, dict) else q
         refuse(arch, "quantization_config", method, "quantised checkpoints are not supported; "

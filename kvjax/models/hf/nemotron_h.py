@@ -52,9 +52,9 @@ _SSM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _layer_types(arch: str, cfg: dict) -> list[str]:
-    types = hy.field(cfg, "layers_block_type") or hy.field(cfg, "layer_types")
+    types = hy.field(cfg, "layers_block_type", null=None) or hy.field(cfg, "layer_types", null=None)
     if types is None:
-        pattern = hy.field(cfg, "hybrid_override_pattern")
+        pattern = hy.field(cfg, "hybrid_override_pattern", null=None)
         if not isinstance(pattern, str) or not pattern or any(ch not in _PATTERN for ch in pattern):
             raise ValueError(f"{arch}: config.json needs layers_block_type (a list) or hybrid_override_pattern "
                              f"(a string of {''.join(_PATTERN)}), got {pattern!r}")
@@ -88,7 +88,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     V = hy.check_int(arch, cfg, "vocab_size")
     d = hy.check_int(arch, cfg, "hidden_size")
     eps = hy.as_float(hy.field(cfg, "layer_norm_epsilon", 1e-5), "layer_norm_epsilon")
-    sw = hy.field(cfg, "sliding_window")
+    sw = hy.field(cfg, "sliding_window", null=None)
     if sw is not None:
         hy.refuse(arch, "sliding_window", sw, "transformers' Nemotron-H ignores it; kvjax does not guess")
     act = hy.field(cfg, "mlp_hidden_act", "relu2")
@@ -135,7 +135,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if moe.top_k > E:
             raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > n_routed_experts={E}")
         shared = MLPSpec(hy.check_int(arch, cfg, "moe_shared_expert_intermediate_size", 7688), False, act)
-        latent = hy.field(cfg, "moe_latent_size")
+        latent = hy.field(cfg, "moe_latent_size", null=None)
         if latent is not None:
             latent = hy.check_int(arch, cfg, "moe_latent_size")
     ssm_dtype = hy.field(cfg, "mamba_ssm_cache_dtype", "float32")

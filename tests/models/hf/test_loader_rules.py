@@ -253,3 +253,53 @@ def test_safetensors_offsets_must_tile_the_data(corrupt, match, hf_checkpoint, t
     if corrupt is not _duplicate:
         with pytest.raises(Exception):
             st.load_file(os.path.join(path, "model.safetensors"))
+
+
+# ------------------------------------------------------------------ 5. null config fields
+
+
+@pytest.mark.parametrize("name,field", [
+    ("granite_rope_moe", "embedding_multiplier"), ("granite_rope_moe", "logits_scaling"),
+    ("granite_rope_moe", "residual_multiplier"), ("granite_rope_moe", "rms_norm_eps"),
+    ("granite_rope_moe", "hidden_act"), ("granite_rope_moe", "mamba_d_head"),
+    ("granite_rope_moe", "time_step_limit"), ("granite_rope_moe", "shared_intermediate_size"),
+    ("bamba", "intermediate_size"), ("bamba", "mamba_n_heads"),
+    ("nemotron_h", "routed_scaling_factor"), ("nemotron_h", "layer_norm_epsilon"),
+    ("nemotron_h", "time_step_min"), ("nemotron_h", "mlp_hidden_act"), ("nemotron_h", "head_dim"),
+    ("nemotron_h", "mamba_ssm_cache_dtype"),
+])
+def test_a_null_field_without_a_null_meaning_is_refused(name, field, hf_checkpoint, tmp_path):
+    """transformers keeps a null as None (a TypeError in its forward, or an other model); kvjax used
+    to read it as the default (Nemotron-H's routed_scaling_factor 1.5 became 1.0)."""
+    config_refused(rf"config\.json field {field} is null", hf_config(hf_checkpoint, name, **{field: None}), tmp_path)
+
+
+def test_null_fields_that_mean_something_read_as_transformers(hf_checkpoint, tmp_path):
+    """Granite: attention_multiplier null is 1/sqrt(head_dim) (transformers passes scaling=None to
+    its attention); num_key_value_heads null is num_attention_heads (Granite and Bamba)."""
+    cfg = hf_config(hf_checkpoint, "granite_rope_moe", attention_multiplier=None, num_key_value_heads=None)
+    path = tmp_path / "g"
+    os.makedirs(path)
+    json.dump(cfg, open(path / "config.json", "w"))
+    attn = loader.model_from_dir(str(path)).config.attn
+    assert attn.sm_scale is None and attn.num_kv_heads == attn.num_heads == 4
+    cfg = hf_config(hf_checkpoint, "bamba", num_key_value_heads=None)
+    path = tmp_path / "b"
+    os.makedirs(path)
+    json.dump(cfg, open(path / "config.json", "w"))
+    attn = loader.model_from_dir(str(path)).config.attn
+    assert attn.num_kv_heads == attn.num_heads == 4
+
+
+def test_granite_null_attention_multiplier_matches_transformers(hf_checkpoint, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = copy(hf_checkpoint("granite_rope_moe"), tmp_path / "g")
+    edit_config(path, attention_multiplier=None)
+    model, params = load_pretrained(path)
+    prompt = [5, 17, 99, 3, 42, 7]
+    ours = np.asarray(model.dense_logits(params, np.asarray(prompt)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
