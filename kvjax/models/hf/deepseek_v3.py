@@ -275,14 +275,14 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
         refuse("pretraining_tp", cfg["pretraining_tp"], "only 1")
 
     raw = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-    if isinstance(raw, dict) and any(isinstance(v, dict) for v in raw.values()):
+    if isinstance(raw, dict) and any(isinstance(v, dict) and not hy.is_float_tag(v) for v in raw.values()):
         refuse("rope_parameters", raw, "per-layer-type RoPE parameters")
     rp = hy.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
     rope_type = rp["rope_type"]
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf not in (None, 1, 1.0):
         refuse("partial_rotary_factor", prf, "the whole qk_rope_head_dim is rotated")
-    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = hy.rope_number(ARCHITECTURE, cfg, rp, "rope_theta", 10000.0, positive=True)
     max_pos = _field(cfg, "max_position_embeddings")
     yarn = {}
     if rope_type == "yarn":
@@ -292,17 +292,20 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             refuse("rope_parameters", {k: rp[k] for k in unknown}, "unknown YaRN keys")
         if rp.get("factor") is None:
             refuse("rope_parameters.factor", None, "YaRN needs an explicit factor")
+        def yarn_number(name, default=None, **kw):  # transformers: beta_fast / beta_slow 'or' their default
+            v = rp.get(name) or default if default is not None else rp.get(name)
+            return None if v is None else hy.check_number(ARCHITECTURE, f"rope_parameters.{name}", v, **kw)
+
+        omp = "original_max_position_embeddings"  # transformers: the top-level field wins
+        omp_src = cfg if cfg.get(omp) is not None else rp if rp.get(omp) is not None else {omp: max_pos}
         yarn = dict(
-            yarn_factor=float(rp["factor"]),
-            yarn_original_max_position_embeddings=int(
-                cfg.get("original_max_position_embeddings")
-                or rp.get("original_max_position_embeddings") or max_pos),
-            yarn_beta_fast=float(rp.get("beta_fast") or 32),
-            yarn_beta_slow=float(rp.get("beta_slow") or 1),
-            yarn_mscale=None if rp.get("mscale") is None else float(rp["mscale"]),
-            yarn_mscale_all_dim=None if rp.get("mscale_all_dim") is None else float(rp["mscale_all_dim"]),
-            yarn_attention_factor=(None if rp.get("attention_factor") is None
-                                   else float(rp["attention_factor"])),
+            yarn_factor=yarn_number("factor", positive=True),
+            yarn_original_max_position_embeddings=hy.check_int(ARCHITECTURE, omp_src, omp),
+            yarn_beta_fast=yarn_number("beta_fast", 32, positive=True),
+            yarn_beta_slow=yarn_number("beta_slow", 1, positive=True),
+            yarn_mscale=yarn_number("mscale"),
+            yarn_mscale_all_dim=yarn_number("mscale_all_dim"),
+            yarn_attention_factor=yarn_number("attention_factor", positive=True),
             yarn_truncate=hy.check_bool(ARCHITECTURE, rp, "truncate", True),
         )
     flags = {name: hy.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
@@ -327,7 +330,8 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             num_attention_heads=H,
             n_shared_experts=ns,
             n_routed_experts=_field(cfg, "n_routed_experts"),
-            routed_scaling_factor=float(_field(cfg, "routed_scaling_factor")),
+            routed_scaling_factor=hy.number(ARCHITECTURE, cfg, "routed_scaling_factor",
+                                            _DEFAULTS["routed_scaling_factor"], positive=True),
             kv_lora_rank=_field(cfg, "kv_lora_rank"),
             q_lora_rank=_field(cfg, "q_lora_rank"),
             qk_rope_head_dim=_field(cfg, "qk_rope_head_dim"),
@@ -338,8 +342,8 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             num_experts_per_tok=_field(cfg, "num_experts_per_tok"),
             first_k_dense_replace=_field(cfg, "first_k_dense_replace"),
             norm_topk_prob=flags["norm_topk_prob"],
-            rms_norm_eps=float(_field(cfg, "rms_norm_eps")),
-            rope_theta=float(theta),
+            rms_norm_eps=hy.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
+            rope_theta=theta,
             rope_interleave=flags["rope_interleave"],
             attention_bias=flags["attention_bias"],
             tie_word_embeddings=flags["tie_word_embeddings"],

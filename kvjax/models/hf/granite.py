@@ -73,9 +73,7 @@ def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int |
     V = hy.check_int(arch, cfg, "vocab_size")
     d = hy.check_int(arch, cfg, "hidden_size")
     L = hy.check_int(arch, cfg, "num_hidden_layers")
-    eps = hy.as_float(hy.field(cfg, "rms_norm_eps", eps_default), "rms_norm_eps")
-    if not eps > 0:
-        raise ValueError(f"{arch}: config.json rms_norm_eps must be > 0, got {eps}")
+    eps = hy.number(arch, cfg, "rms_norm_eps", eps_default, positive=True)
     Hq = hy.check_int(arch, cfg, "num_attention_heads", 32)
     Hkv = hy.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq, null=Hq)  # null: MHA
     D = hy.check_int(arch, cfg, "head_dim", d // Hq)
@@ -112,11 +110,10 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     if pe == "rope":
         # transformers' Granite default RoPE rotates the whole head (it ignores partial_rotary_factor)
         theta, _ = hy.check_rope(arch, cfg)
-    rm = hy.as_float(hy.field(cfg, "residual_multiplier", 1.0), "residual_multiplier")
+    rm = hy.number(arch, cfg, "residual_multiplier", 1.0)
     # attention_multiplier null: transformers passes scaling=None to its attention, i.e. 1/sqrt(head_dim)
-    am = hy.field(cfg, "attention_multiplier", 1.0, null=None)
     attn = AttnSpec(Hq, Hkv, D, rope_theta=theta,
-                    sm_scale=None if am is None else hy.as_float(am, "attention_multiplier"))
+                    sm_scale=hy.number(arch, cfg, "attention_multiplier", 1.0, null=None))
     E = hy.check_int(arch, cfg, "num_local_experts", 8, lo=0)
     shared = MLPSpec(hy.check_int(arch, cfg, "shared_intermediate_size", 1024), True, "silu")
     moe = None
@@ -136,8 +133,8 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         attn_bias=hy.check_bool(arch, cfg, "attention_bias", False),
         mamba_proj_bias=hy.check_bool(arch, cfg, "mamba_proj_bias", False),
         mamba_conv_bias=hy.check_bool(arch, cfg, "mamba_conv_bias", True),
-        embedding_multiplier=hy.as_float(hy.field(cfg, "embedding_multiplier", 1.0), "embedding_multiplier"),
-        logits_scaling=hy.positive(arch, "logits_scaling", hy.field(cfg, "logits_scaling", 1.0)),
+        embedding_multiplier=hy.number(arch, cfg, "embedding_multiplier", 1.0),
+        logits_scaling=hy.number(arch, cfg, "logits_scaling", 1.0, positive=True),
         tie_embeddings=hy.check_bool(arch, cfg, "tie_word_embeddings", False),
     )
 

@@ -706,14 +706,45 @@ def check_bool(arch: str, cfg: dict, name: str, default: bool) -> bool:
     return v
 
 
-def as_float(v, name: str) -> float:
-    """A JSON number, or transformers' ``{"__float__": "Infinity"}`` / ``"inf"`` forms."""
-    if isinstance(v, dict) and "__float__" in v:
-        v = v["__float__"]
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"config.json: {name} must be a number, got {v!r}") from None
+_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def is_float_tag(v) -> bool:
+    """transformers' JSON form of a non-finite float: ``{"__float__": "Infinity"}`` (or -Infinity, NaN)."""
+    return isinstance(v, dict) and set(v) == {"__float__"} and v["__float__"] in _FLOAT_TAGS
+
+
+def check_number(arch: str, name: str, v, *, positive: bool = False, lo: float | None = None,
+                 allow_inf: bool = False) -> float:
+    """A config.json number as a float: a JSON int / float (not a bool, not a string) or
+    transformers' tagged ``{"__float__": "Infinity" | "-Infinity" | "NaN"}``. Refused, naming
+    the field: anything else, NaN, an infinity (unless ``allow_inf``: ``+inf`` only), a value
+    <= 0 when ``positive``, a value < ``lo``. Every module's numeric fields go through here."""
+    if is_float_tag(v):
+        f = _FLOAT_TAGS[v["__float__"]]
+    elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        f = float(v)
+    else:
+        raise ValueError(f"{arch}: config.json field {name} must be a number, got {v!r}")
+    if positive and not f > 0:
+        why = "> 0"
+    elif lo is not None and not f >= lo:
+        why = f">= {lo}"
+    elif math.isnan(f) or (math.isinf(f) and not (allow_inf and f > 0)):
+        why = "finite" + (" (or +inf)" if allow_inf else "")
+    else:
+        return f
+    raise ValueError(f"{arch}: config.json field {name} must be {why}, got {v!r}")
+
+
+def number(arch: str, cfg: dict, name: str, default=None, *, positive: bool = False,
+           lo: float | None = None, null=_NO_NULL) -> float | None:
+    """config.json field ``name`` through :func:`check_number` (absent: ``default``; null: refused
+    unless ``null`` says what it means, returned as is)."""
+    v = field(cfg, name, default, null=null)
+    if v is None and null is not _NO_NULL:
+        return None
+    return check_number(arch, name, v, positive=positive, lo=lo)
 
 
 def refuse(arch: str, name: str, got, why: str):
@@ -725,13 +756,6 @@ def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1, *, nul
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise ValueError(f"{arch}: config.json field {name} must be an int >= {lo}, got {v!r}")
     return v
-
-
-def positive(arch: str, name: str, v) -> float:
-    f = as_float(v, name)
-    if not f > 0:
-        raise ValueError(f"{arch}: config.json field {name} must be > 0, got {v!r}")
-    return f
 
 
 def rope_parameters(arch: str, cfg: dict, types: tuple[str, ...] = ("default",)) -> dict:
@@ -763,17 +787,27 @@ def check_rope(arch: str, cfg: dict, *, default_theta: float = 10000.0,
                default_partial: float = 1.0) -> tuple[float, float]:
     """``(rope_theta, partial_rotary_factor)`` of plain RoPE; other ``rope_type`` s refused."""
     rp = rope_parameters(arch, cfg)
-    theta = as_float(rp.get("rope_theta", cfg.get("rope_theta", default_theta)), "rope_theta")
-    partial = as_float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial)),
-                       "partial_rotary_factor")
+    theta = rope_number(arch, cfg, rp, "rope_theta", default_theta, positive=True)
+    partial = rope_number(arch, cfg, rp, "partial_rotary_factor", default_partial, positive=True)
+    if partial > 1:
+        raise ValueError(f"{arch}: config.json field partial_rotary_factor must be <= 1, got {partial!r}")
     return theta, partial
+
+
+def rope_number(arch: str, cfg: dict, rp: dict, name: str, default, **kw) -> float:
+    """RoPE parameter ``name``: from the rope parameters (named ``rope_parameters.name``), else the
+    top-level field, else ``default``; through :func:`check_number`."""
+    if name in rp:
+        return check_number(arch, f"rope_parameters.{name}", rp[name], **kw)
+    return number(arch, cfg, name, default, **kw)
 
 
 def check_dt_limit(arch: str, cfg: dict, name: str = "time_step_limit") -> tuple[float, float]:
     v = field(cfg, name, [0.0, math.inf])
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ValueError(f"{arch}: config.json field {name} must be [min, max], got {v!r}")
-    lo, hi = as_float(v[0], name), as_float(v[1], name)
+    lo = check_number(arch, name, v[0], lo=0.0)
+    hi = check_number(arch, name, v[1], lo=0.0, allow_inf=True)
     if not 0.0 <= lo <= hi:
         raise ValueError(f"{arch}: config.json field {name} must have 0 <= min <= max, got {v!r}")
     return lo, hi

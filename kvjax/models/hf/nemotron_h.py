@@ -87,7 +87,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     kinds = _layer_types(arch, cfg)
     V = hy.check_int(arch, cfg, "vocab_size")
     d = hy.check_int(arch, cfg, "hidden_size")
-    eps = hy.as_float(hy.field(cfg, "layer_norm_epsilon", 1e-5), "layer_norm_epsilon")
+    eps = hy.number(arch, cfg, "layer_norm_epsilon", 1e-5, positive=True)
     sw = hy.field(cfg, "sliding_window", null=None)
     if sw is not None:
         hy.refuse(arch, "sliding_window", sw, "transformers' Nemotron-H ignores it; kvjax does not guess")
@@ -111,9 +111,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if H % G:
             raise ValueError(f"{arch}: mamba_num_heads={H} must be a multiple of n_groups={G}")
         hy.check_int(arch, cfg, "chunk_size", 128)  # prefill chunking only
-        lo = hy.as_float(hy.field(cfg, "time_step_min", 0.001), "time_step_min")
-        if lo < 0:
-            raise ValueError(f"{arch}: config.json time_step_min must be >= 0, got {lo}")
+        lo = hy.number(arch, cfg, "time_step_min", 0.001, lo=0.0)
         mamba = MambaSpec(num_heads=H, head_dim=hy.check_int(arch, cfg, "mamba_head_dim", 64),
                           d_state=hy.check_int(arch, cfg, "ssm_state_size", 128), n_groups=G,
                           conv_width=hy.check_int(arch, cfg, "conv_kernel", 4, lo=2), rms_eps=eps,
@@ -129,8 +127,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
                       hy.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
                       n_group=ng, topk_group=tg, norm_topk_prob=hy.check_bool(arch, cfg, "norm_topk_prob", True),
-                      routed_scaling_factor=hy.as_float(hy.field(cfg, "routed_scaling_factor", 1.0),
-                                                        "routed_scaling_factor"),
+                      routed_scaling_factor=hy.number(arch, cfg, "routed_scaling_factor", 1.0, positive=True),
                       gated=False, activation=act)
         if moe.top_k > E:
             raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > n_routed_experts={E}")

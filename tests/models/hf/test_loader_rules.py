@@ -303,3 +303,60 @@ def test_granite_null_attention_multiplier_matches_transformers(hf_checkpoint, t
     with torch.no_grad():
         ref = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
+
+
+# ------------------------------------------------------------------------ 6. numeric fields
+
+
+INF, NAN = {"__float__": "Infinity"}, {"__float__": "NaN"}
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("name,changes,field", [
+    ("granite_rope_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), "rope_parameters.rope_theta"),
+    ("granite_rope_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": -500.0}),
+     "rope_parameters.rope_theta"),
+    ("granite_rope_moe", dict(embedding_multiplier=INF), "embedding_multiplier"),
+    ("granite_rope_moe", dict(residual_multiplier="nan"), "residual_multiplier"),
+    ("granite_rope_moe", dict(residual_multiplier="0.5"), "residual_multiplier"),
+    ("granite_rope_moe", dict(attention_multiplier=NAN), "attention_multiplier"),
+    ("granite_rope_moe", dict(rms_norm_eps=True), "rms_norm_eps"),
+    ("granite_rope_moe", dict(logits_scaling=0), "logits_scaling"),
+    ("granite_rope_moe", dict(time_step_limit=[0.0, "inf"]), "time_step_limit"),
+    ("granite_rope_moe", dict(time_step_limit=[NAN, 1.0]), "time_step_limit"),
+    ("bamba", dict(rope_parameters={"rope_type": "default", "rope_theta": NAN}), "rope_parameters.rope_theta"),
+    ("bamba", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": "0.5"}),
+     "rope_parameters.partial_rotary_factor"),
+    ("nemotron_h", dict(layer_norm_epsilon=-1.0), "layer_norm_epsilon"),
+    ("nemotron_h", dict(time_step_min="nan"), "time_step_min"),
+    ("nemotron_h", dict(time_step_min=INF), "time_step_min"),
+    ("nemotron_h", dict(routed_scaling_factor="nan"), "routed_scaling_factor"),
+    ("nemotron_h", dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    ("deepseek", dict(rope_parameters=dict(YARN, attention_factor="nan")), "rope_parameters.attention_factor"),
+    ("deepseek", dict(rope_parameters=dict(YARN, attention_factor=0.0)), "rope_parameters.attention_factor"),
+    ("deepseek", dict(rope_parameters=dict(YARN, beta_fast="nan")), "rope_parameters.beta_fast"),
+    ("deepseek", dict(rope_parameters=dict(YARN, beta_slow=-1.0)), "rope_parameters.beta_slow"),
+    ("deepseek", dict(rope_parameters=dict(YARN, mscale=NAN)), "rope_parameters.mscale"),
+    ("deepseek", dict(rope_parameters=dict(YARN, factor="4")), "rope_parameters.factor"),
+    ("deepseek", dict(rope_parameters=dict(YARN, original_max_position_embeddings=64.5)),
+     "original_max_position_embeddings"),
+    ("deepseek", dict(rope_parameters={"rope_type": "default", "rope_theta": True}), "rope_parameters.rope_theta"),
+    ("deepseek", dict(routed_scaling_factor="2.5"), "routed_scaling_factor"),
+    ("deepseek", dict(rms_norm_eps=None), "rms_norm_eps"),
+])
+def test_a_numeric_field_must_be_a_usable_number(name, changes, field, hf_checkpoint, tmp_path):
+    """Non-finite values, bools, strings (transformers writes infinities as {"__float__": ...}) and
+    values <= 0 where the math needs > 0 are refused naming the field; they used to load (NaN
+    logits, or a failure at the first forward)."""
+    cfg = dict(DS_TINY) if name == "deepseek" else hf_config(hf_checkpoint, name)
+    cfg.update(changes)
+    config_refused(rf"field {re.escape(field)} (is null|must be)", cfg, tmp_path)
+
+
+def test_transformers_float_tags_are_read(hf_checkpoint, tmp_path):
+    """transformers' own {"__float__": "Infinity"} (time_step_limit's max) still loads."""
+    cfg = hf_config(hf_checkpoint, "granite_rope_moe", time_step_limit=[0.0, INF])
+    path = tmp_path / "g"
+    os.makedirs(path)
+    json.dump(cfg, open(path / "config.json", "w"))
+    assert loader.model_from_dir(str(path)).config.mamba.dt_limit == (0.0, float("inf"))
