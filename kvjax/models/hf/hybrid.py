@@ -783,12 +783,15 @@ def rope_parameters(arch: str, cfg: dict, types: tuple[str, ...] = ("default",))
     return rp
 
 
-def check_rope(arch: str, cfg: dict, *, default_theta: float = 10000.0,
-               default_partial: float = 1.0) -> tuple[float, float]:
-    """``(rope_theta, partial_rotary_factor)`` of plain RoPE; other ``rope_type`` s refused."""
+def check_rope(arch: str, cfg: dict, *, default_theta: float = 10000.0, default_partial: float = 1.0,
+               top_level_partial: bool = True) -> tuple[float, float]:
+    """``(rope_theta, partial_rotary_factor)`` of plain RoPE; other ``rope_type`` s refused.
+    ``top_level_partial=False``: a top-level ``partial_rotary_factor`` has no effect (transformers'
+    Bamba pins it), only the rope parameters' one."""
     rp = rope_parameters(arch, cfg)
     theta = rope_number(arch, cfg, rp, "rope_theta", default_theta, positive=True)
-    partial = rope_number(arch, cfg, rp, "partial_rotary_factor", default_partial, positive=True)
+    partial = rope_number(arch, cfg if top_level_partial else {}, rp, "partial_rotary_factor", default_partial,
+                          positive=True)
     if partial > 1:
         raise ValueError(f"{arch}: config.json field partial_rotary_factor must be <= 1, got {partial!r}")
     return theta, partial

@@ -360,3 +360,37 @@ def test_transformers_float_tags_are_read(hf_checkpoint, tmp_path):
     os.makedirs(path)
     json.dump(cfg, open(path / "config.json", "w"))
     assert loader.model_from_dir(str(path)).config.mamba.dt_limit == (0.0, float("inf"))
+
+
+# ------------------------------------------------- 7. Bamba's top-level partial_rotary_factor
+
+
+def _bamba_top_level_partial(hf_checkpoint, tmp_path, value):
+    path = copy(hf_checkpoint("bamba"), tmp_path / "b")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["rope_parameters"].pop("partial_rotary_factor", None)
+    cfg["partial_rotary_factor"] = value
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+@pytest.mark.parametrize("value", [1.0, 0.25])
+def test_bamba_top_level_partial_rotary_factor_is_pinned_to_half(value, hf_checkpoint, tmp_path):
+    """transformers' BambaConfig sets partial_rotary_factor 0.5 whatever the top-level field says;
+    only rope_parameters.partial_rotary_factor changes it. kvjax read the top-level value."""
+    path = _bamba_top_level_partial(hf_checkpoint, tmp_path, value)
+    attn = loader.model_from_dir(path).config.attn
+    assert attn.rotary_dim == attn.head_dim // 2 == 8
+
+
+def test_bamba_top_level_partial_rotary_factor_matches_transformers(hf_checkpoint, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = _bamba_top_level_partial(hf_checkpoint, tmp_path, 1.0)
+    model, params = load_pretrained(path)
+    prompt = [5, 17, 99, 3, 42, 7]
+    ours = np.asarray(model.dense_logits(params, np.asarray(prompt)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
