@@ -58,7 +58,7 @@ from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_pa
 from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
-from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
+from kvjax.models.moe import MoESpec, check_expert_groups, routed_ffn, topk_sigmoid_grouped
 from kvjax.models.step_context import StepContext
 from pallas_kernels.kv_write import concat_and_cache_mla
 
@@ -207,17 +207,7 @@ def _validate(c: DeepseekV3Config) -> None:
         pos_int("q_lora_rank")
     if c.qk_rope_head_dim % 2:
         raise ValueError(f"DeepSeek-V3 config: qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
-    E, G = c.n_routed_experts, c.n_group
-    if E % G or E // G < 2:
-        raise ValueError(
-            f"DeepSeek-V3 config: n_routed_experts={E} must split into n_group={G} groups of at "
-            f"least 2 experts (a group's score is its top-2 sum)")
-    if c.topk_group > G:
-        raise ValueError(f"DeepSeek-V3 config: topk_group={c.topk_group} must be <= n_group={G}")
-    if c.num_experts_per_tok > c.topk_group * (E // G):
-        raise ValueError(
-            f"DeepSeek-V3 config: num_experts_per_tok={c.num_experts_per_tok} exceeds the "
-            f"{c.topk_group * (E // G)} experts of topk_group={c.topk_group} groups")
+    check_expert_groups("DeepSeek-V3 config", c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok)
     for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
         v = getattr(c, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:

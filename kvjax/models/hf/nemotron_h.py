@@ -42,7 +42,7 @@ from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.granite import attn_entries, mamba_entries
 from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
 from kvjax.models.mamba_layer import MambaSpec
-from kvjax.models.moe import ACTIVATIONS, MLPSpec, MoESpec
+from kvjax.models.moe import ACTIVATIONS, MLPSpec, MoESpec, check_expert_groups
 
 ARCH = "NemotronHForCausalLM"
 Model = HybridModel
@@ -122,15 +122,12 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         E = hy.check_int(arch, cfg, "n_routed_experts", 8)
         ng = hy.check_int(arch, cfg, "n_group", 1)
         tg = hy.check_int(arch, cfg, "topk_group", 1)
-        if E % ng or tg > ng:
-            raise ValueError(f"{arch}: n_routed_experts={E} must be a multiple of n_group={ng} >= topk_group={tg}")
         moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
                       hy.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
                       n_group=ng, topk_group=tg, norm_topk_prob=hy.check_bool(arch, cfg, "norm_topk_prob", True),
                       routed_scaling_factor=hy.number(arch, cfg, "routed_scaling_factor", 1.0, positive=True),
                       gated=False, activation=act)
-        if moe.top_k > E:
-            raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > n_routed_experts={E}")
+        check_expert_groups(f"{arch}: config.json", E, ng, tg, moe.top_k)  # DeepSeek-V3's rule (same router)
         shared = MLPSpec(hy.check_int(arch, cfg, "moe_shared_expert_intermediate_size", 7688), False, act)
         latent = hy.field(cfg, "moe_latent_size", null=None)
         if latent is not None:

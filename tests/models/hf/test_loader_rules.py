@@ -394,3 +394,27 @@ def test_bamba_top_level_partial_rotary_factor_matches_transformers(hf_checkpoin
     with torch.no_grad():
         ref = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
+
+
+# ------------------------------------------ 8. Nemotron-H's expert groups: DeepSeek's rule
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "deepseek"])
+@pytest.mark.parametrize("changes,match", [
+    # nemotron_h: 4 experts in n_group=2, topk_group=1; deepseek: 8 experts in 2 groups, topk_group=1
+    (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 exceeds the \d experts of topk_group=1 groups"),
+    (dict(n_group=4, topk_group=2, n_routed_experts=4),
+     r"n_routed_experts=4 must split into n_group=4 groups of at least 2 experts"),
+    (dict(n_group=3), r"n_routed_experts=\d must split into n_group=3 groups"),
+    (dict(topk_group=3), r"topk_group=3 must be <= n_group=2"),
+])
+def test_expert_groups(name, changes, match, hf_checkpoint, tmp_path):
+    """transformers scores a group by its two best experts (a group of one fails there) and picks
+    num_experts_per_tok among the topk_group groups' experts (more would choose masked experts).
+    Nemotron-H loaded both; the rule and its messages are DeepSeek-V3's, shared."""
+    cfg = dict(DS_TINY) if name == "deepseek" else hf_config(hf_checkpoint, name)
+    if name == "nemotron_h" and changes.get("num_experts_per_tok") == 5:
+        changes = dict(changes, num_experts_per_tok=3)
+        match = match.replace("5", "3")
+    cfg.update(changes)
+    config_refused(match, cfg, tmp_path)
