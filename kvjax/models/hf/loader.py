@@ -2,7 +2,7 @@
 
 kvjax never downloads anything: ``path`` is a directory already on disk, holding
 ``config.json`` and ``model.safetensors`` (or a sharded ``model.safetensors.index.json`` and
-its files), as ``transformers``' ``save_pretrained`` writes it.
+its files; both at once is refused as ambiguous), as ``transformers``' ``save_pretrained`` writes it.
 
 Order of work, so that a bad checkpoint fails fast and says why (``ValueError`` naming the
 field or tensor, what was expected and what came):
@@ -198,6 +198,10 @@ def _check_tiling(name: str, tensors: dict[str, _TensorInfo], start: int, size: 
 def _index_checkpoint(path: str) -> dict[str, _TensorInfo]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index) and os.path.exists(single):
+        raise ValueError(f"{path}: holds both model.safetensors and model.safetensors.index.json: which weights "
+                         f"are meant is ambiguous (transformers would read model.safetensors and ignore the "
+                         f"index); remove one of them")
     if os.path.exists(index):
         try:
             with open(index) as f:

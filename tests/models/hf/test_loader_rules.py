@@ -418,3 +418,17 @@ def test_expert_groups(name, changes, match, hf_checkpoint, tmp_path):
         match = match.replace("5", "3")
     cfg.update(changes)
     config_refused(match, cfg, tmp_path)
+
+
+# ----------------------------------------- 9. model.safetensors beside a sharded index
+
+
+def test_a_single_file_beside_an_index_is_refused(hf_checkpoint, tmp_path, no_weight_read):
+    """transformers reads model.safetensors when both are there; kvjax read the index's shards
+    (here other weights). Refused as ambiguous, naming both, before any weight is read."""
+    path = copy(hf_checkpoint("bamba"), tmp_path / "b")
+    tensors = st.load_file(os.path.join(path, "model.safetensors"))
+    st.save_file({k: v * 0.5 for k, v in tensors.items()}, os.path.join(path, "model-00001-of-00001.safetensors"))
+    json.dump({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}},
+              open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    refused([r"model\.safetensors and model\.safetensors\.index\.json", r"transformers"], path)
