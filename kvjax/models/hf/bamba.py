@@ -29,7 +29,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-5, kv_heads_default=8)
-    idx = hy.field(cfg, "attn_layer_indices", [], null=[])  # null: no attention layer, as transformers
+    idx = hy.field(arch, cfg, "attn_layer_indices", [], null=[])  # null: no attention layer, as transformers
     if not isinstance(idx, list) or any(not isinstance(i, int) or not 0 <= i < L for i in idx):
         raise ValueError(f"{arch}: config.json attn_layer_indices must list layer indices in [0, {L}), got {idx!r}")
     kinds = ["attn" if i in idx else "mamba" for i in range(L)]

@@ -55,7 +55,7 @@ def _mamba_spec(arch: str, cfg: dict, d: int, eps: float) -> MambaSpec:
     expand = hy.check_int(arch, cfg, "mamba_expand", 2)
     hy.check_int(arch, cfg, "mamba_chunk_size", 256)  # prefill chunking only: no effect on the math
     inner = expand * d
-    P = hy.field(cfg, "mamba_d_head", "auto")
+    P = hy.field(arch, cfg, "mamba_d_head", "auto")
     if P == "auto":
         P = inner // H
     if not isinstance(P, int) or P < 1 or P * H != inner:
@@ -79,10 +79,10 @@ def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int |
     D = hy.check_int(arch, cfg, "head_dim", d // Hq)
     if Hq % Hkv:
         raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
-    sw = hy.field(cfg, "sliding_window", null=None)
+    sw = hy.field(arch, cfg, "sliding_window", null=None)
     if sw is not None:
         hy.refuse(arch, "sliding_window", sw, "sliding-window attention is not implemented")
-    act = hy.field(cfg, "hidden_act", "silu")
+    act = hy.field(arch, cfg, "hidden_act", "silu")
     if act != "silu":
         hy.refuse(arch, "hidden_act", act, "the Mamba conv, the MLPs and the experts use SiLU only")
     return V, d, L, eps, Hq, Hkv, D
@@ -92,7 +92,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-6, kv_heads_default=None)
-    types = hy.field(cfg, "layer_types", null=None) or hy.field(cfg, "layers_block_type", null=None)
+    types = hy.field(arch, cfg, "layer_types", null=None) or hy.field(arch, cfg, "layers_block_type", null=None)
     if types is None:
         types = ["linear_attention"] * L
     if not isinstance(types, list) or len(types) != L:
@@ -103,7 +103,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if t not in ("linear_attention", "full_attention"):
             hy.refuse(arch, "layer_types", t, "expected 'mamba' / 'linear_attention' or 'attention' / 'full_attention'")
         kinds.append("mamba" if t == "linear_attention" else "attn")
-    pe = hy.field(cfg, "position_embedding_type", null=None)
+    pe = hy.field(arch, cfg, "position_embedding_type", null=None)
     if pe not in (None, "rope", "nope"):
         hy.refuse(arch, "position_embedding_type", pe, "expected 'rope' or null (NoPE)")
     theta = None

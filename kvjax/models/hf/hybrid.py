@@ -681,17 +681,17 @@ def _get(t, path):
 _NO_NULL = object()
 
 
-def field(cfg: dict, name: str, default=None, *, null=_NO_NULL, required: bool = False):
+def field(arch: str, cfg: dict, name: str, default=None, *, null=_NO_NULL, required: bool = False):
     """``cfg[name]``; absent: ``default`` (transformers' default). An explicit null is refused
     unless the field has a null meaning in transformers: ``null`` is then what it means here
     (e.g. ``position_embedding_type`` null is NoPE): never silently the default."""
     if name not in cfg:
         if required:
-            raise ValueError(f"config.json: field {name!r} is required")
+            raise ValueError(f"{arch}: config.json field {name} is required")
         return default
     if cfg[name] is None:
         if null is _NO_NULL:
-            raise ValueError(f"config.json field {name} is null; expected a value (absent takes transformers' "
+            raise ValueError(f"{arch}: config.json field {name} is null; expected a value (absent takes transformers' "
                              f"default {default!r}; null has no meaning for this field)")
         return null
     return cfg[name]
@@ -741,7 +741,7 @@ def number(arch: str, cfg: dict, name: str, default=None, *, positive: bool = Fa
            lo: float | None = None, null=_NO_NULL) -> float | None:
     """config.json field ``name`` through :func:`check_number` (absent: ``default``; null: refused
     unless ``null`` says what it means, returned as is)."""
-    v = field(cfg, name, default, null=null)
+    v = field(arch, cfg, name, default, null=null)
     if v is None and null is not _NO_NULL:
         return None
     return check_number(arch, name, v, positive=positive, lo=lo)
@@ -752,7 +752,7 @@ def refuse(arch: str, name: str, got, why: str):
 
 
 def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1, *, null=_NO_NULL) -> int:
-    v = field(cfg, name, default, null=null)
+    v = field(arch, cfg, name, default, null=null)
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise ValueError(f"{arch}: config.json field {name} must be an int >= {lo}, got {v!r}")
     return v
@@ -806,7 +806,7 @@ def rope_number(arch: str, cfg: dict, rp: dict, name: str, default, **kw) -> flo
 
 
 def check_dt_limit(arch: str, cfg: dict, name: str = "time_step_limit") -> tuple[float, float]:
-    v = field(cfg, name, [0.0, math.inf])
+    v = field(arch, cfg, name, [0.0, math.inf])
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ValueError(f"{arch}: config.json field {name} must be [min, max], got {v!r}")
     lo = check_number(arch, name, v[0], lo=0.0)
@@ -818,7 +818,7 @@ def check_dt_limit(arch: str, cfg: dict, name: str = "time_step_limit") -> tuple
 
 def check_common(arch: str, cfg: dict) -> None:
     """Fields every hybrid architecture refuses: quantised weights."""
-    q = field(cfg, "quantization_config", null=None)
+    q = field(arch, cfg, "quantization_config", null=None)
     if q is not None:
         method = q.get("quant_method", q) if isinstance(q, dict) else q
         refuse(arch, "quantization_config", method, "quantised checkpoints are not supported; "

@@ -52,9 +52,9 @@ _SSM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _layer_types(arch: str, cfg: dict) -> list[str]:
-    types = hy.field(cfg, "layers_block_type", null=None) or hy.field(cfg, "layer_types", null=None)
+    types = hy.field(arch, cfg, "layers_block_type", null=None) or hy.field(arch, cfg, "layer_types", null=None)
     if types is None:
-        pattern = hy.field(cfg, "hybrid_override_pattern", null=None)
+        pattern = hy.field(arch, cfg, "hybrid_override_pattern", null=None)
         if not isinstance(pattern, str) or not pattern or any(ch not in _PATTERN for ch in pattern):
             raise ValueError(f"{arch}: config.json needs layers_block_type (a list) or hybrid_override_pattern "
                              f"(a string of {''.join(_PATTERN)}), got {pattern!r}")
@@ -88,10 +88,10 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     V = hy.check_int(arch, cfg, "vocab_size")
     d = hy.check_int(arch, cfg, "hidden_size")
     eps = hy.number(arch, cfg, "layer_norm_epsilon", 1e-5, positive=True)
-    sw = hy.field(cfg, "sliding_window", null=None)
+    sw = hy.field(arch, cfg, "sliding_window", null=None)
     if sw is not None:
         hy.refuse(arch, "sliding_window", sw, "transformers' Nemotron-H ignores it; kvjax does not guess")
-    act = hy.field(cfg, "mlp_hidden_act", "relu2")
+    act = hy.field(arch, cfg, "mlp_hidden_act", "relu2")
     if act not in ACTIVATIONS:
         hy.refuse(arch, "mlp_hidden_act", act, f"implemented: {ACTIVATIONS}")
     attn = mamba = mlp = moe = shared = None
@@ -103,7 +103,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
             raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
         attn = AttnSpec(Hq, Hkv, hy.check_int(arch, cfg, "head_dim", 128), rope_theta=None)
     if "mamba" in kinds:
-        mact = hy.field(cfg, "mamba_hidden_act", "silu")
+        mact = hy.field(arch, cfg, "mamba_hidden_act", "silu")
         if mact != "silu":
             hy.refuse(arch, "mamba_hidden_act", mact, "the Mamba conv activation is SiLU only")
         H = hy.check_int(arch, cfg, "mamba_num_heads", 128)
@@ -129,10 +129,10 @@ def config_from_hf(cfg: dict) -> HybridConfig:
                       gated=False, activation=act)
         check_expert_groups(f"{arch}: config.json", E, ng, tg, moe.top_k)  # DeepSeek-V3's rule (same router)
         shared = MLPSpec(hy.check_int(arch, cfg, "moe_shared_expert_intermediate_size", 7688), False, act)
-        latent = hy.field(cfg, "moe_latent_size", null=None)
+        latent = hy.field(arch, cfg, "moe_latent_size", null=None)
         if latent is not None:
             latent = hy.check_int(arch, cfg, "moe_latent_size")
-    ssm_dtype = hy.field(cfg, "mamba_ssm_cache_dtype", "float32")
+    ssm_dtype = hy.field(arch, cfg, "mamba_ssm_cache_dtype", "float32")
     if ssm_dtype not in _SSM_DTYPES:
         hy.refuse(arch, "mamba_ssm_cache_dtype", ssm_dtype, f"expected one of {_SSM_DTYPES}")
     return HybridConfig(
