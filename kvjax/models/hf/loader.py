@@ -13,8 +13,11 @@ field or tensor, what was expected and what came):
    not implement — before any weight is read;
 3. the safetensors headers (only) are read: every tensor the config needs must be there
    with its shape and a floating-point dtype (:data:`FLOAT_DTYPES`), none may be left over,
-   every file must hold the bytes its header promises (a truncated file is refused here), and
-   an index may name only files of the directory;
+   every file must hold the bytes its header promises (a truncated file is refused here), its
+   tensors' byte ranges must tile its data area exactly (no overlap, gap, duplicate name or
+   trailing bytes, as the safetensors library requires), an index may name only files of the
+   directory, and a stored ``lm_head.weight`` beside a tied config is refused (transformers
+   would keep it untied);
 4. tensors are read one by one (memory-mapped), converted to the requested dtype and placed:
    each is first checked to hold finite values only: a NaN or infinite weight (or a float64
    one beyond float32's range) is refused with a ``ValueError`` naming the file, the tensor,
