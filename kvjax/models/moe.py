@@ -133,6 +133,22 @@ class MoESpec:
     activation: str = "silu"
 
 
+def check_expert_groups(where: str, num_experts: int, n_group: int, topk_group: int, top_k: int) -> None:
+    """The group-limited routing's rule (transformers' DeepSeek-V3 and Nemotron-H routers):
+    ``n_routed_experts`` splits into ``n_group`` groups of at least 2 experts (a group is scored
+    by its two best), ``topk_group <= n_group``, and ``num_experts_per_tok`` at most the experts
+    of the ``topk_group`` chosen groups. ``ValueError`` prefixed by ``where``."""
+    E, G = num_experts, n_group
+    if E % G or E // G < 2:
+        raise ValueError(f"{where}: n_routed_experts={E} must split into n_group={G} groups of at "
+                         f"least 2 experts (a group's score is its top-2 sum)")
+    if topk_group > G:
+        raise ValueError(f"{where}: topk_group={topk_group} must be <= n_group={G}")
+    if top_k > topk_group * (E // G):
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds the {topk_group * (E // G)} experts "
+                         f"of topk_group={topk_group} groups")
+
+
 def route_sigmoid_grouped(logits: jax.Array, e_bias: jax.Array | None, spec: MoESpec) -> jax.Array:
     """Gate weights float32 ``[T, E]`` of group-limited sigmoid routing (see :class:`MoESpec`)."""
     return gates_from_topk(*topk_sigmoid_grouped(logits, e_bias, spec), logits.shape[-1])

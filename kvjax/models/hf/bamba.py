@@ -8,7 +8,8 @@ factor to 0.5 for Bamba). The Mamba2 mixer is Granite-4.0-H's (:mod:`kvjax.model
 
 config.json fields: as Granite-4.0-H's for the shared ones (without the multipliers, experts and
 ``position_embedding_type``), plus ``attn_layer_indices``, ``intermediate_size``, ``mlp_bias`` and
-``rope_parameters.partial_rotary_factor`` (an odd rotary width is refused);
+``rope_parameters.partial_rotary_factor`` (an odd rotary width is refused; a top-level
+``partial_rotary_factor`` has no effect, as in transformers, which pins it to 0.5);
 ``z_loss_coefficient`` and ``num_logits_to_keep`` do not change the math.
 """
 
@@ -28,11 +29,13 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-5, kv_heads_default=8)
-    idx = hy.field(cfg, "attn_layer_indices") or []
+    idx = hy.field(arch, cfg, "attn_layer_indices", [], null=[])  # null: no attention layer, as transformers
     if not isinstance(idx, list) or any(not isinstance(i, int) or not 0 <= i < L for i in idx):
         raise ValueError(f"{arch}: config.json attn_layer_indices must list layer indices in [0, {L}), got {idx!r}")
     kinds = ["attn" if i in idx else "mamba" for i in range(L)]
-    theta, partial = hy.check_rope(arch, cfg, default_partial=0.5)  # transformers pins Bamba's 0.5
+    # transformers' BambaConfig passes partial_rotary_factor=0.5 whatever the top-level field says:
+    # only rope_parameters.partial_rotary_factor changes it
+    theta, partial = hy.check_rope(arch, cfg, default_partial=0.5, top_level_partial=False)
     rotary = int(D * partial)
     if rotary % 2 or not 0 < rotary <= D:
         hy.refuse(arch, "partial_rotary_factor", partial, f"it must rotate an even number of the {D} features")
@@ -45,11 +48,11 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
         mlp=MLPSpec(hy.check_int(arch, cfg, "intermediate_size", 14336), True, "silu"),
-        attn_bias=bool(hy.field(cfg, "attention_bias", False)),
-        mlp_bias=bool(hy.field(cfg, "mlp_bias", False)),
-        mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),
-        mamba_conv_bias=bool(hy.field(cfg, "mamba_conv_bias", True)),
-        tie_embeddings=bool(hy.field(cfg, "tie_word_embeddings", False)),
+        attn_bias=hy.check_bool(arch, cfg, "attention_bias", False),
+        mlp_bias=hy.check_bool(arch, cfg, "mlp_bias", False),
+        mamba_proj_bias=hy.check_bool(arch, cfg, "mamba_proj_bias", False),
+        mamba_conv_bias=hy.check_bool(arch, cfg, "mamba_conv_bias", True),
+        tie_embeddings=hy.check_bool(arch, cfg, "tie_word_embeddings", False),
     )
 
 
@@ -70,4 +73,3 @@ def _plan(c: HybridConfig) -> list[Entry]:
 
 
 expected_tensors, params_from_tensors = hy.plan_protocol(_plan)
-ignored_tensor = hy.ignore_tied_head

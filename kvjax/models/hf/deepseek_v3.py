@@ -55,9 +55,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded, self_attention_impl
+from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
-from kvjax.models.moe import MoESpec, routed_ffn, topk_sigmoid_grouped
+from kvjax.models.moe import MoESpec, check_expert_groups, routed_ffn, topk_sigmoid_grouped
 from kvjax.models.step_context import StepContext
 from pallas_kernels.kv_write import concat_and_cache_mla
 
@@ -122,6 +123,7 @@ class DeepseekV3Config:
     yarn_mscale_all_dim: float | None = None
     yarn_attention_factor: float | None = None
     yarn_truncate: bool = True
+    num_nextn_predict_layers: int = 1  # MTP layers after the causal LM's (not read)
 
     def __post_init__(self):
         _validate(self)
@@ -200,21 +202,12 @@ def _validate(c: DeepseekV3Config) -> None:
         pos_int(name)
     pos_int("qk_rope_head_dim", 2)
     pos_int("first_k_dense_replace", 0)
+    pos_int("num_nextn_predict_layers", 0)
     if c.q_lora_rank is not None:
         pos_int("q_lora_rank")
     if c.qk_rope_head_dim % 2:
         raise ValueError(f"DeepSeek-V3 config: qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
-    E, G = c.n_routed_experts, c.n_group
-    if E % G or E // G < 2:
-        raise ValueError(
-            f"DeepSeek-V3 config: n_routed_experts={E} must split into n_group={G} groups of at "
-            f"least 2 experts (a group's score is its top-2 sum)")
-    if c.topk_group > G:
-        raise ValueError(f"DeepSeek-V3 config: topk_group={c.topk_group} must be <= n_group={G}")
-    if c.num_experts_per_tok > c.topk_group * (E // G):
-        raise ValueError(
-            f"DeepSeek-V3 config: num_experts_per_tok={c.num_experts_per_tok} exceeds the "
-            f"{c.topk_group * (E // G)} experts of topk_group={c.topk_group} groups")
+    check_expert_groups("DeepSeek-V3 config", c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok)
     for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
         v = getattr(c, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
@@ -271,21 +264,15 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if cfg.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", cfg["pretraining_tp"], "only 1")
 
-    rp = cfg.get("rope_parameters")
-    if rp is None:
-        rp = dict(cfg.get("rope_scaling") or {})
-        rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    else:
-        rp = dict(rp)
-    if any(isinstance(v, dict) for v in rp.values()):
-        refuse("rope_parameters", rp, "per-layer-type RoPE parameters")
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        refuse("rope_parameters.rope_type", rope_type, f"supported: {_ROPE_TYPES}")
+    raw = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if isinstance(raw, dict) and any(isinstance(v, dict) and not hy.is_float_tag(v) for v in raw.values()):
+        refuse("rope_parameters", raw, "per-layer-type RoPE parameters")
+    rp = hy.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
+    rope_type = rp["rope_type"]
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf not in (None, 1, 1.0):
         refuse("partial_rotary_factor", prf, "the whole qk_rope_head_dim is rotated")
-    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = hy.rope_number(ARCHITECTURE, cfg, rp, "rope_theta", 10000.0, positive=True)
     max_pos = _field(cfg, "max_position_embeddings")
     yarn = {}
     if rope_type == "yarn":
@@ -295,23 +282,31 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             refuse("rope_parameters", {k: rp[k] for k in unknown}, "unknown YaRN keys")
         if rp.get("factor") is None:
             refuse("rope_parameters.factor", None, "YaRN needs an explicit factor")
+        def yarn_number(name, default=None, **kw):  # transformers: beta_fast / beta_slow 'or' their default
+            v = rp.get(name) or default if default is not None else rp.get(name)
+            return None if v is None else hy.check_number(ARCHITECTURE, f"rope_parameters.{name}", v, **kw)
+
+        omp = "original_max_position_embeddings"  # transformers: the top-level field wins
+        omp_src = cfg if cfg.get(omp) is not None else rp if rp.get(omp) is not None else {omp: max_pos}
         yarn = dict(
-            yarn_factor=float(rp["factor"]),
-            yarn_original_max_position_embeddings=int(
-                cfg.get("original_max_position_embeddings")
-                or rp.get("original_max_position_embeddings") or max_pos),
-            yarn_beta_fast=float(rp.get("beta_fast") or 32),
-            yarn_beta_slow=float(rp.get("beta_slow") or 1),
-            yarn_mscale=None if rp.get("mscale") is None else float(rp["mscale"]),
-            yarn_mscale_all_dim=None if rp.get("mscale_all_dim") is None else float(rp["mscale_all_dim"]),
-            yarn_attention_factor=(None if rp.get("attention_factor") is None
-                                   else float(rp["attention_factor"])),
-            yarn_truncate=bool(rp.get("truncate", True)),
+            yarn_factor=yarn_number("factor", positive=True),
+            yarn_original_max_position_embeddings=hy.check_int(ARCHITECTURE, omp_src, omp),
+            yarn_beta_fast=yarn_number("beta_fast", 32, positive=True),
+            yarn_beta_slow=yarn_number("beta_slow", 1, positive=True),
+            yarn_mscale=yarn_number("mscale"),
+            yarn_mscale_all_dim=yarn_number("mscale_all_dim"),
+            yarn_attention_factor=yarn_number("attention_factor", positive=True),
+            yarn_truncate=hy.check_bool(ARCHITECTURE, rp, "truncate", True),
         )
-    for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings"):
-        v = _field(cfg, name)
-        if v is not None and not isinstance(v, bool):
-            refuse(name, v, "must be a bool")
+    flags = {name: hy.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
+             for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings")}
+    mtp = {k: cfg[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in cfg}
+    if len(mtp) == 2 and mtp["num_nextn_predict_layers"] != mtp["num_mtp_layers"]:
+        refuse("num_nextn_predict_layers", mtp["num_nextn_predict_layers"],
+               f"num_nextn_predict_layers={mtp['num_nextn_predict_layers']!r} and "
+               f"num_mtp_layers={mtp['num_mtp_layers']!r} (its alias in transformers) disagree")
+    mtp_name = next(iter(mtp), "num_nextn_predict_layers")
+    n_mtp = hy.check_int(ARCHITECTURE, {mtp_name: mtp.get(mtp_name, 1)}, mtp_name, lo=0)
     ns = _field(cfg, "n_shared_experts")
     if not isinstance(ns, int) or ns < 1:
         refuse("n_shared_experts", ns, "at least one shared expert (transformers always builds one)")
@@ -325,7 +320,8 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             num_attention_heads=H,
             n_shared_experts=ns,
             n_routed_experts=_field(cfg, "n_routed_experts"),
-            routed_scaling_factor=float(_field(cfg, "routed_scaling_factor")),
+            routed_scaling_factor=hy.number(ARCHITECTURE, cfg, "routed_scaling_factor",
+                                            _DEFAULTS["routed_scaling_factor"], positive=True),
             kv_lora_rank=_field(cfg, "kv_lora_rank"),
             q_lora_rank=_field(cfg, "q_lora_rank"),
             qk_rope_head_dim=_field(cfg, "qk_rope_head_dim"),
@@ -335,14 +331,15 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             topk_group=_field(cfg, "topk_group"),
             num_experts_per_tok=_field(cfg, "num_experts_per_tok"),
             first_k_dense_replace=_field(cfg, "first_k_dense_replace"),
-            norm_topk_prob=bool(_field(cfg, "norm_topk_prob")),
-            rms_norm_eps=float(_field(cfg, "rms_norm_eps")),
-            rope_theta=float(theta),
-            rope_interleave=bool(_field(cfg, "rope_interleave")),
-            attention_bias=bool(_field(cfg, "attention_bias")),
-            tie_word_embeddings=bool(_field(cfg, "tie_word_embeddings")),
+            norm_topk_prob=flags["norm_topk_prob"],
+            rms_norm_eps=hy.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
+            rope_theta=theta,
+            rope_interleave=flags["rope_interleave"],
+            attention_bias=flags["attention_bias"],
+            tie_word_embeddings=flags["tie_word_embeddings"],
             max_position_embeddings=max_pos,
             rope_type=rope_type,
+            num_nextn_predict_layers=n_mtp,
             **yarn,
         )
     except TypeError as e:  # a non-numeric value reached float()/int()
@@ -411,15 +408,16 @@ def _np_dtype(dtype) -> np.dtype:
 
 def ignored_tensor(config: DeepseekV3Config, name: str) -> bool:
     """Checkpoint tensors transformers does not load either: the multi-token-prediction layers
-    (``model.layers.{i}`` for ``i >= num_hidden_layers``), a tied checkpoint's ``lm_head.weight``
-    and stored RoPE tables (``rotary_emb.inv_freq``)."""
+    (``model.layers.{i}`` for ``num_hidden_layers <= i < num_hidden_layers +
+    num_nextn_predict_layers``; any other layer is an unexpected tensor) and stored RoPE tables
+    (``rotary_emb.inv_freq``). A tied config's stored ``lm_head.weight`` is not ignored: the
+    loader refuses it (:func:`kvjax.models.hf.loader.check_tensors`)."""
     if name.endswith("rotary_emb.inv_freq"):
-        return True
-    if config.tie_word_embeddings and name == "lm_head.weight":
         return True
     parts = name.split(".")
     if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        return int(parts[2]) >= config.num_hidden_layers
+        L = config.num_hidden_layers
+        return L <= int(parts[2]) < L + config.num_nextn_predict_layers
     return False
 
 

@@ -10,7 +10,10 @@ softmax-top-k routed experts when ``num_local_experts > 0``); both residuals are
 RoPE when ``position_embedding_type == "rope"``, none (NoPE) when it is null / ``"nope"``.
 The Mamba gated norm normalises each of ``mamba_n_groups`` groups on its own.
 
-config.json fields (absent ones take transformers' defaults):
+config.json fields (absent ones take transformers' defaults; a null is refused unless transformers
+gives it a meaning: ``num_key_value_heads`` null is ``num_attention_heads``, ``attention_multiplier``
+null is ``1/sqrt(head_dim)``, ``layer_types`` null all Mamba, ``position_embedding_type`` null NoPE,
+``sliding_window`` / ``quantization_config`` null none):
 
 * honoured: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``layer_types`` /
   ``layers_block_type``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
@@ -52,7 +55,7 @@ def _mamba_spec(arch: str, cfg: dict, d: int, eps: float) -> MambaSpec:
     expand = hy.check_int(arch, cfg, "mamba_expand", 2)
     hy.check_int(arch, cfg, "mamba_chunk_size", 256)  # prefill chunking only: no effect on the math
     inner = expand * d
-    P = hy.field(cfg, "mamba_d_head", "auto")
+    P = hy.field(arch, cfg, "mamba_d_head", "auto")
     if P == "auto":
         P = inner // H
     if not isinstance(P, int) or P < 1 or P * H != inner:
@@ -70,18 +73,16 @@ def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int |
     V = hy.check_int(arch, cfg, "vocab_size")
     d = hy.check_int(arch, cfg, "hidden_size")
     L = hy.check_int(arch, cfg, "num_hidden_layers")
-    eps = hy.as_float(hy.field(cfg, "rms_norm_eps", eps_default), "rms_norm_eps")
-    if not eps > 0:
-        raise ValueError(f"{arch}: config.json rms_norm_eps must be > 0, got {eps}")
+    eps = hy.number(arch, cfg, "rms_norm_eps", eps_default, positive=True)
     Hq = hy.check_int(arch, cfg, "num_attention_heads", 32)
-    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq)
+    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq, null=Hq)  # null: MHA
     D = hy.check_int(arch, cfg, "head_dim", d // Hq)
     if Hq % Hkv:
         raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
-    sw = hy.field(cfg, "sliding_window")
+    sw = hy.field(arch, cfg, "sliding_window", null=None)
     if sw is not None:
         hy.refuse(arch, "sliding_window", sw, "sliding-window attention is not implemented")
-    act = hy.field(cfg, "hidden_act", "silu")
+    act = hy.field(arch, cfg, "hidden_act", "silu")
     if act != "silu":
         hy.refuse(arch, "hidden_act", act, "the Mamba conv, the MLPs and the experts use SiLU only")
     return V, d, L, eps, Hq, Hkv, D
@@ -91,7 +92,7 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-6, kv_heads_default=None)
-    types = hy.field(cfg, "layer_types") or hy.field(cfg, "layers_block_type")
+    types = hy.field(arch, cfg, "layer_types", null=None) or hy.field(arch, cfg, "layers_block_type", null=None)
     if types is None:
         types = ["linear_attention"] * L
     if not isinstance(types, list) or len(types) != L:
@@ -102,16 +103,17 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if t not in ("linear_attention", "full_attention"):
             hy.refuse(arch, "layer_types", t, "expected 'mamba' / 'linear_attention' or 'attention' / 'full_attention'")
         kinds.append("mamba" if t == "linear_attention" else "attn")
-    pe = hy.field(cfg, "position_embedding_type")
+    pe = hy.field(arch, cfg, "position_embedding_type", null=None)
     if pe not in (None, "rope", "nope"):
         hy.refuse(arch, "position_embedding_type", pe, "expected 'rope' or null (NoPE)")
     theta = None
     if pe == "rope":
         # transformers' Granite default RoPE rotates the whole head (it ignores partial_rotary_factor)
         theta, _ = hy.check_rope(arch, cfg)
-    rm = hy.as_float(hy.field(cfg, "residual_multiplier", 1.0), "residual_multiplier")
+    rm = hy.number(arch, cfg, "residual_multiplier", 1.0)
+    # attention_multiplier null: transformers passes scaling=None to its attention, i.e. 1/sqrt(head_dim)
     attn = AttnSpec(Hq, Hkv, D, rope_theta=theta,
-                    sm_scale=hy.as_float(hy.field(cfg, "attention_multiplier", 1.0), "attention_multiplier"))
+                    sm_scale=hy.number(arch, cfg, "attention_multiplier", 1.0, null=None))
     E = hy.check_int(arch, cfg, "num_local_experts", 8, lo=0)
     shared = MLPSpec(hy.check_int(arch, cfg, "shared_intermediate_size", 1024), True, "silu")
     moe = None
@@ -128,12 +130,12 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         attn=attn if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
         mlp=None if E else shared, moe=moe, moe_shared=shared if E else None,
-        attn_bias=bool(hy.field(cfg, "attention_bias", False)),
-        mamba_proj_bias=bool(hy.field(cfg, "mamba_proj_bias", False)),
-        mamba_conv_bias=bool(hy.field(cfg, "mamba_conv_bias", True)),
-        embedding_multiplier=hy.as_float(hy.field(cfg, "embedding_multiplier", 1.0), "embedding_multiplier"),
-        logits_scaling=hy.positive(arch, "logits_scaling", hy.field(cfg, "logits_scaling", 1.0)),
-        tie_embeddings=bool(hy.field(cfg, "tie_word_embeddings", False)),
+        attn_bias=hy.check_bool(arch, cfg, "attention_bias", False),
+        mamba_proj_bias=hy.check_bool(arch, cfg, "mamba_proj_bias", False),
+        mamba_conv_bias=hy.check_bool(arch, cfg, "mamba_conv_bias", True),
+        embedding_multiplier=hy.number(arch, cfg, "embedding_multiplier", 1.0),
+        logits_scaling=hy.number(arch, cfg, "logits_scaling", 1.0, positive=True),
+        tie_embeddings=hy.check_bool(arch, cfg, "tie_word_embeddings", False),
     )
 
 
@@ -222,4 +224,3 @@ def _plan(c: HybridConfig) -> list[Entry]:
 
 
 expected_tensors, params_from_tensors = hy.plan_protocol(_plan)
-ignored_tensor = hy.ignore_tied_head

@@ -2,7 +2,7 @@
 
 kvjax never downloads anything: ``path`` is a directory already on disk, holding
 ``config.json`` and ``model.safetensors`` (or a sharded ``model.safetensors.index.json`` and
-its files), as ``transformers``' ``save_pretrained`` writes it.
+its files; both at once is refused as ambiguous), as ``transformers``' ``save_pretrained`` writes it.
 
 Order of work, so that a bad checkpoint fails fast and says why (``ValueError`` naming the
 field or tensor, what was expected and what came):
@@ -13,8 +13,11 @@ field or tensor, what was expected and what came):
    not implement — before any weight is read;
 3. the safetensors headers (only) are read: every tensor the config needs must be there
    with its shape and a floating-point dtype (:data:`FLOAT_DTYPES`), none may be left over,
-   every file must hold the bytes its header promises (a truncated file is refused here), and
-   an index may name only files of the directory;
+   every file must hold the bytes its header promises (a truncated file is refused here), its
+   tensors' byte ranges must tile its data area exactly (no overlap, gap, duplicate name or
+   trailing bytes, as the safetensors library requires), an index may name only files of the
+   directory, and a stored ``lm_head.weight`` beside a tied config is refused (transformers
+   would keep it untied);
 4. tensors are read one by one (memory-mapped), converted to the requested dtype and placed:
    each is first checked to hold finite values only: a NaN or infinite weight (or a float64
    one beyond float32's range) is refused with a ``ValueError`` naming the file, the tensor,
@@ -128,8 +131,16 @@ def _read_header(file: str) -> dict[str, _TensorInfo]:
             raw = f.read(n)
     except OSError as e:
         raise ValueError(f"{name}: cannot be read ({e.strerror or e})") from None
+    def unique(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"{name}: safetensors header: tensor {k!r} is listed twice")
+            seen.add(k)
+        return dict(pairs)
+
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=unique)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{name}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -161,12 +172,39 @@ def _read_header(file: str) -> dict[str, _TensorInfo]:
             raise ValueError(f"{name}: truncated safetensors file: tensor {tname!r} ends at byte "
                              f"{8 + n + end}, the file has {size}")
         out[tname] = _TensorInfo(file, dt, shape, 8 + n + begin, nbytes)
+    _check_tiling(name, out, 8 + n, size)
     return out
+
+
+def _check_tiling(name: str, tensors: dict[str, _TensorInfo], start: int, size: int) -> None:
+    """The tensors' byte ranges must tile the data area ``[start, size)`` exactly, in offset
+    order: no overlap, no gap, no byte after the last one (the safetensors library's rule)."""
+    at, prev, gap = start, None, None
+    for tname, t in sorted(tensors.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
+        if t.offset < at:  # an overlap is named before any gap (an aliased tensor leaves both)
+            raise ValueError(f"{name}: safetensors header: tensor {tname!r} (bytes {t.offset - start}.."
+                             f"{t.offset - start + t.nbytes}) overlaps {prev!r} (which ends at {at - start}); "
+                             f"expected each tensor's bytes to start where the previous one's end")
+        if t.offset > at and gap is None:
+            gap = (f"{name}: safetensors header: a gap of {t.offset - at} bytes before tensor {tname!r} "
+                   f"(it starts at {t.offset - start}, "
+                   f"{'the data area starts at 0' if prev is None else f'{prev!r} ends at {at - start}'}); "
+                   f"expected the tensors to tile the data area")
+        at, prev = t.offset + t.nbytes, tname
+    if gap is not None:
+        raise ValueError(gap)
+    if at != size:
+        raise ValueError(f"{name}: safetensors file has {size - at} bytes after the last tensor's "
+                         f"(the header accounts for {at - start} bytes of data, the file holds {size - start})")
 
 
 def _index_checkpoint(path: str) -> dict[str, _TensorInfo]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index) and os.path.exists(single):
+        raise ValueError(f"{path}: holds both model.safetensors and model.safetensors.index.json: which weights "
+                         f"are meant is ambiguous (transformers would read model.safetensors and ignore the "
+                         f"index); remove one of them")
     if os.path.exists(index):
         try:
             with open(index) as f:
@@ -288,6 +326,12 @@ def check_tensors(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any],
             raise ValueError(f"{_file_of(t)}: tensor {name!r} has dtype {_ST_NAMES.get(dtype, dtype.name)}, "
                              f"expected a floating-point weight ({', '.join(FLOAT_DTYPES)})")
     extra = sorted(n for n in tensors if n not in expected and not (ignored and ignored(n)))
+    if "lm_head.weight" in extra:  # every architecture here reads the head unless the config ties it
+        raise ValueError(
+            f"{_file_of(tensors['lm_head.weight'])}: checkpoint stores 'lm_head.weight' but config.json has "
+            f"tie_word_embeddings=true (the head is the embedding): transformers then keeps the stored head "
+            f"and does not tie; kvjax refuses the contradiction (set tie_word_embeddings to false to use "
+            f"the stored head, or remove the tensor to tie)")
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ValueError(f"{_file_of(tensors[extra[0]])}: checkpoint has unexpected tensor {extra[0]!r}{more}: "
