@@ -411,7 +411,7 @@ def ignored_tensor(config: DeepseekV3Config, name: str) -> bool:
     (``model.layers.{i}`` for ``num_hidden_layers <= i < num_hidden_layers +
     num_nextn_predict_layers``; any other layer is an unexpected tensor) and stored RoPE tables
     (``rotary_emb.inv_freq``). A tied config's stored ``lm_head.weight`` is not ignored: the
-    loader refuses it (:func:`kvjax.models.hf.loader.check_tensors`)."""
+    loader takes it only as a copy of the embedding (:func:`kvjax.models.hf.loader.check_tied_head`)."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
     parts = name.split(".")

@@ -16,9 +16,11 @@ field or tensor, what was expected and what came):
    every file must hold the bytes its header promises (a truncated file is refused here), its
    tensors' byte ranges must tile its data area exactly (no overlap, gap, duplicate name or
    trailing bytes, as the safetensors library requires), an index may name only files of the
-   directory, and a stored ``lm_head.weight`` beside a tied config is refused (transformers
-   would keep it untied);
-4. tensors are read one by one (memory-mapped), converted to the requested dtype and placed:
+   directory, and a stored ``lm_head.weight`` beside a tied config must have the embedding's
+   shape and dtype;
+4. such a head is read with the embedding and must equal it bit for bit (transformers ties an
+   equal copy and keeps a different head untied: refused, before any other weight is read);
+   tensors are read one by one (memory-mapped), converted to the requested dtype and placed:
    each is first checked to hold finite values only: a NaN or infinite weight (or a float64
    one beyond float32's range) is refused with a ``ValueError`` naming the file, the tensor,
    the count and the first index, not loaded with a warning (it would make every logit NaN);
@@ -307,6 +309,36 @@ def _file_of(t) -> str:
     return os.path.basename(f) if f else "checkpoint"
 
 
+HEAD = "lm_head.weight"
+TIED_EMBEDDING = "model.embed_tokens.weight"  # the embedding a tied head is, in every tying architecture here
+
+
+def tied_head_stored(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any]) -> bool:
+    """A tied config (no ``lm_head.weight`` expected) whose checkpoint stores one of the
+    embedding's shape and dtype: legal only as a copy (:func:`check_tied_head`)."""
+    if HEAD in expected or HEAD not in tensors or TIED_EMBEDDING not in tensors:
+        return False
+    h, e = tensors[HEAD], tensors[TIED_EMBEDDING]
+    return tuple(h.shape) == tuple(e.shape) and np.dtype(h.dtype) == np.dtype(e.dtype)
+
+
+def check_tied_head(expected, tensors, get) -> None:
+    """A tied config's stored head must equal the embedding, bit for bit: transformers ties the
+    two when they are equal and keeps the stored head when they differ (a model kvjax's tied
+    config does not describe). Reads those two tensors only; a different head is a ValueError
+    naming the tensors and the field, before any other weight is read."""
+    if not tied_head_stored(expected, tensors):
+        return
+    head, embed = get(HEAD), get(TIED_EMBEDDING)
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[head.dtype.itemsize]
+    if not np.array_equal(head.view(width), embed.view(width)):
+        raise ValueError(
+            f"{_file_of(tensors[HEAD])}: checkpoint stores {HEAD!r}, different from {TIED_EMBEDDING!r}, but "
+            f"config.json has tie_word_embeddings=true: transformers then keeps the stored head and does "
+            f"not tie; kvjax refuses the contradiction (set tie_word_embeddings to false to use the stored "
+            f"head, or remove the tensor to tie)")
+
+
 def check_tensors(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any], ignored=None) -> None:
     """Missing, wrong-shape, non-float and unexpected tensors, each a ValueError naming the file
     (when ``tensors`` come from :func:`_read_header`) and the tensor, what config.json implies and
@@ -326,12 +358,12 @@ def check_tensors(expected: dict[str, tuple[int, ...]], tensors: dict[str, Any],
             raise ValueError(f"{_file_of(t)}: tensor {name!r} has dtype {_ST_NAMES.get(dtype, dtype.name)}, "
                              f"expected a floating-point weight ({', '.join(FLOAT_DTYPES)})")
     extra = sorted(n for n in tensors if n not in expected and not (ignored and ignored(n)))
-    if "lm_head.weight" in extra:  # every architecture here reads the head unless the config ties it
-        raise ValueError(
-            f"{_file_of(tensors['lm_head.weight'])}: checkpoint stores 'lm_head.weight' but config.json has "
-            f"tie_word_embeddings=true (the head is the embedding): transformers then keeps the stored head "
-            f"and does not tie; kvjax refuses the contradiction (set tie_word_embeddings to false to use "
-            f"the stored head, or remove the tensor to tie)")
+    if tied_head_stored(expected, tensors):  # checked by value when read (check_tied_head)
+        extra.remove(HEAD)
+    elif HEAD in extra:
+        raise ValueError(f"{_file_of(tensors[HEAD])}: checkpoint stores {HEAD!r} but config.json has "
+                         f"tie_word_embeddings=true, and it is not a copy of {TIED_EMBEDDING!r} (another "
+                         f"shape or dtype): transformers would keep it and not tie")
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ValueError(f"{_file_of(tensors[extra[0]])}: checkpoint has unexpected tensor {extra[0]!r}{more}: "
@@ -458,6 +490,7 @@ def load_pretrained(path, dtype: str | None = None, mesh=None):
 
     accepts_put = "put" in inspect.signature(module.params_from_tensors).parameters
     get = _reader(tensors)
+    check_tied_head(module.expected_tensors(config), tensors, get)
     if accepts_put and per_leaf:
         params = module.params_from_tensors(config, get, dtype, put=put)
     else:

@@ -14,6 +14,7 @@ import re
 import shutil
 import struct
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -106,17 +107,57 @@ def hf_config(hf_checkpoint, name, **changes) -> dict:
 # ----------------------------------------------- 1. a tied config beside a stored lm_head
 
 
-@pytest.mark.parametrize("name", ["granite_rope_moe", "bamba", "deepseek"])
-def test_a_tied_config_with_a_stored_head_is_refused(name, hf_checkpoint, tmp_path, no_weight_read):
-    """transformers keeps a stored ``lm_head.weight`` when config.json says tied (it warns and
-    does not tie); kvjax used to drop the stored head and use the embedding. Refused now, naming
-    the tensor and the field."""
+def _tied_checkpoint(name, hf_checkpoint, tmp_path):
     if name == "deepseek":
-        path = deepseek_checkpoint(tmp_path / "ds", tie_word_embeddings=True)
-    else:
-        path = copy(hf_checkpoint(name), tmp_path / "ckpt")
-        edit_config(path, tie_word_embeddings=True)
-    refused([r"'lm_head\.weight'", r"tie_word_embeddings=true", r"transformers"], path)
+        return deepseek_checkpoint(tmp_path / "ds", tie_word_embeddings=True)
+    path = copy(hf_checkpoint(name), tmp_path / "ckpt")
+    edit_config(path, tie_word_embeddings=True)
+    return path
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "bamba", "deepseek"])
+def test_a_tied_config_with_a_different_stored_head_is_refused(name, hf_checkpoint, tmp_path, monkeypatch):
+    """transformers keeps a stored ``lm_head.weight`` that differs from the embedding when
+    config.json says tied (it warns and does not tie); kvjax used to drop the stored head and use
+    the embedding. Refused now, naming the tensor and the field, having read only those two."""
+    path = _tied_checkpoint(name, hf_checkpoint, tmp_path)
+    reads = []
+    real = loader._reader
+
+    def reader(tensors):
+        get = real(tensors)
+
+        def spy(n):
+            reads.append(n)
+            return get(n)
+        return spy
+
+    monkeypatch.setattr(loader, "_reader", reader)
+    with pytest.raises(ValueError, match=r"'lm_head\.weight', different from 'model\.embed_tokens\.weight'.*"
+                                         r"tie_word_embeddings=true.*transformers"):
+        loader.load_pretrained(str(path), "float32")
+    assert sorted(reads) == ["lm_head.weight", "model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "deepseek"])
+def test_a_tied_config_with_a_copy_of_the_embedding_as_head_loads(name, hf_checkpoint, tmp_path):
+    """A checkpoint that stores the tied head as a copy of the embedding (transformers ties the
+    two) loads, and its logits are the same model's with the head dropped."""
+    from safetensors.numpy import load_file, save_file
+
+    path = _tied_checkpoint(name, hf_checkpoint, tmp_path)
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    assert len(files) == 1, files
+    f = os.path.join(path, files[0])
+    w = load_file(f)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()
+    save_file(w, f, metadata={"format": "pt"})
+    model, params = loader.load_pretrained(str(path), "float32")
+    del w["lm_head.weight"]
+    save_file(w, f, metadata={"format": "pt"})
+    model2, params2 = loader.load_pretrained(str(path), "float32")
+    toks = jnp.asarray([5, 17, 9, 3])
+    assert np.array_equal(np.asarray(model.dense_logits(params, toks)), np.asarray(model2.dense_logits(params2, toks)))
 
 
 @pytest.mark.parametrize("name,field,value", [
