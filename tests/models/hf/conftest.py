@@ -10,7 +10,10 @@ weights around 1, ``A_log``, ``D``, ``dt_bias`` and router biases spread out; on
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
 
 import pytest
 
@@ -151,3 +154,42 @@ def hf_model(hf_checkpoint):
         return models[name]
 
     return load
+
+
+# ------------------------------------------------------ editing and refusing checkpoints
+
+
+def edit_config(path, **changes):
+    """``config.json`` of the checkpoint directory ``path`` with ``changes`` applied."""
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    cfg.update(changes)
+    json.dump(cfg, open(f, "w"))
+
+
+def refused(match, path, **kw):
+    """``load_pretrained(path)`` raises kvjax's own ValueError (raised in kvjax, not chained from
+    another error) matching every regex in ``match``; the message."""
+    from kvjax.models import load_pretrained
+
+    with pytest.raises(ValueError) as info:
+        load_pretrained(path, **kw)
+    e = info.value
+    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), repr(e.__context__)
+    assert "/kvjax/" in info.traceback[-1].path.as_posix(), info.traceback[-1].path
+    for m in [match] if isinstance(match, str) else match:
+        assert re.search(m, str(e)), (m, str(e))
+    return str(e)
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    """Fails the test if any tensor's bytes are read (headers only are allowed)."""
+    from kvjax.models.hf import loader
+
+    def reader(tensors):
+        def get(name):
+            raise AssertionError(f"weight {name!r} read before the checkpoint was refused")
+        return get
+
+    monkeypatch.setattr(loader, "_reader", reader)

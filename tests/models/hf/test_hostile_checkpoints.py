@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import struct
 
@@ -24,6 +23,7 @@ st = pytest.importorskip("safetensors.numpy")
 
 from kvjax.models import load_pretrained  # noqa: E402
 from kvjax.models.hf import loader  # noqa: E402
+from conftest import edit_config, refused  # noqa: E402
 
 NAME = "bamba"
 W = "model.layers.0.mamba.in_proj.weight"  # [292, 64] float32 in the test checkpoint
@@ -36,13 +36,6 @@ def copy(hf_checkpoint, tmp_path, *, weights: bool = True) -> str:
         if weights or not f.endswith(".safetensors"):
             shutil.copy(os.path.join(src, f), dst / f)
     return str(dst)
-
-
-def edit_config(path, **changes):
-    f = os.path.join(path, "config.json")
-    cfg = json.load(open(f))
-    cfg.update(changes)
-    json.dump(cfg, open(f, "w"))
 
 
 def rewrite(path, fn, file="model.safetensors"):
@@ -62,29 +55,6 @@ def edit_header(path, fn, file="model.safetensors"):
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     open(f, "wb").write(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
-
-
-def refused(match, path, **kw):
-    """load_pretrained(path) raises kvjax's own ValueError matching every regex in ``match``."""
-    with pytest.raises(ValueError) as info:
-        load_pretrained(path, **kw)
-    e = info.value
-    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), repr(e.__context__)
-    assert "/kvjax/" in info.traceback[-1].path.as_posix(), info.traceback[-1].path
-    for m in [match] if isinstance(match, str) else match:
-        assert re.search(m, str(e)), (m, str(e))
-    return str(e)
-
-
-@pytest.fixture
-def no_weight_read(monkeypatch):
-    """Fails the test if any tensor's bytes are read (headers only are allowed)."""
-    def reader(tensors):
-        def get(name):
-            raise AssertionError(f"weight {name!r} read before the config was refused")
-        return get
-
-    monkeypatch.setattr(loader, "_reader", reader)
 
 
 # ------------------------------------------------------------------------------ the data

@@ -24,6 +24,7 @@ st = pytest.importorskip("safetensors.numpy")
 from kvjax.models import load_pretrained  # noqa: E402
 from kvjax.models.hf import deepseek_v3 as ds  # noqa: E402
 from kvjax.models.hf import loader  # noqa: E402
+from conftest import edit_config, refused  # noqa: E402
 
 DS_TINY = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
@@ -44,11 +45,16 @@ def copy(src, dst, *, weights: bool = True) -> str:
     return str(dst)
 
 
-def edit_config(path, **changes):
-    f = os.path.join(path, "config.json")
-    cfg = json.load(open(f))
-    cfg.update(changes)
-    json.dump(cfg, open(f, "w"))
+def assert_logits_match_transformers(path, prompt=(5, 17, 99, 3, 42, 7)):
+    """kvjax's float32 logits of ``prompt`` from the checkpoint at ``path`` against transformers'."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model, params = load_pretrained(path)
+    ours = np.asarray(model.dense_logits(params, np.asarray(prompt)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([list(prompt)]), use_cache=False).logits[0].numpy()
+    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
 
 
 def deepseek_checkpoint(path, *, layers: int | None = None, **changes) -> str:
@@ -64,17 +70,6 @@ def deepseek_checkpoint(path, *, layers: int | None = None, **changes) -> str:
     return str(path)
 
 
-def refused(match, path, **kw):
-    """load_pretrained(path) raises kvjax's own ValueError matching every regex in ``match``."""
-    with pytest.raises(ValueError) as info:
-        load_pretrained(path, **kw)
-    e = info.value
-    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), repr(e.__context__)
-    for m in [match] if isinstance(match, str) else match:
-        assert re.search(m, str(e)), (m, str(e))
-    return str(e)
-
-
 def config_refused(match, cfg: dict, tmp_path):
     """A config.json alone (no weights) is refused by model_from_dir with a message matching ``match``."""
     path = tmp_path / "cfg_only"
@@ -85,17 +80,6 @@ def config_refused(match, cfg: dict, tmp_path):
     for m in [match] if isinstance(match, str) else match:
         assert re.search(m, str(info.value)), (m, str(info.value))
     return str(info.value)
-
-
-@pytest.fixture
-def no_weight_read(monkeypatch):
-    """Fails the test if any tensor's bytes are read (headers only are allowed)."""
-    def reader(tensors):
-        def get(name):
-            raise AssertionError(f"weight {name!r} read before the checkpoint was refused")
-        return get
-
-    monkeypatch.setattr(loader, "_reader", reader)
 
 
 def hf_config(hf_checkpoint, name, **changes) -> dict:
@@ -335,17 +319,9 @@ def test_null_fields_that_mean_something_read_as_transformers(hf_checkpoint, tmp
 
 
 def test_granite_null_attention_multiplier_matches_transformers(hf_checkpoint, tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     path = copy(hf_checkpoint("granite_rope_moe"), tmp_path / "g")
     edit_config(path, attention_multiplier=None)
-    model, params = load_pretrained(path)
-    prompt = [5, 17, 99, 3, 42, 7]
-    ours = np.asarray(model.dense_logits(params, np.asarray(prompt)))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
-    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
+    assert_logits_match_transformers(path)
 
 
 # ------------------------------------------------------------------------ 6. numeric fields
@@ -427,16 +403,8 @@ def test_bamba_top_level_partial_rotary_factor_is_pinned_to_half(value, hf_check
 
 
 def test_bamba_top_level_partial_rotary_factor_matches_transformers(hf_checkpoint, tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     path = _bamba_top_level_partial(hf_checkpoint, tmp_path, 1.0)
-    model, params = load_pretrained(path)
-    prompt = [5, 17, 99, 3, 42, 7]
-    ours = np.asarray(model.dense_logits(params, np.asarray(prompt)))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
-    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
+    assert_logits_match_transformers(path)
 
 
 # ------------------------------------------ 8. Nemotron-H's expert groups: DeepSeek's rule
