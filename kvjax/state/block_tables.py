@@ -265,7 +265,9 @@ class BlockTables:
             ``-1`` for padded rows.
           first_positions: optional int32 ``[R_padded]``, the first query
             position of each batch row; with it, groups with a sliding window
-            null the leading blocks that no query of the step can see.
+            null the leading blocks that no query of the step can see. Integers in
+            ``[0, 2**31)``: concrete values outside raise ``ValueError``; under ``jit`` such a
+            row's sliding-window groups read no block.
 
         Returns rows that are ``NULL_BLOCK_ID`` for padded batch rows and past each
         row's live length.
@@ -273,7 +275,12 @@ class BlockTables:
         validation.check_rank("idx_mapping", idx_mapping, 1)
         idx = narrow_rows("idx_mapping", idx_mapping, self.max_num_reqs)
         if first_positions is not None:
+            first_positions = first_positions if hasattr(first_positions, "shape") else np.asarray(first_positions)
             validation.check_shape("first_positions", first_positions, idx.shape)
+            # positions are >= 0 and int32, checked before narrowing (2**32 + 12 is not 12);
+            # traced, a bad one hides every block of its row (the row reads nothing)
+            first_positions = validation.narrow_ids("first_positions", first_positions, 0, INT32_RANGE[1],
+                                                    fill=INT32_RANGE[1] - 1)
         valid = is_real_row(idx, self.max_num_reqs)
         safe = gather_index(idx, self.max_num_reqs)
         out = []
@@ -282,7 +289,7 @@ class BlockTables:
             col = jnp.arange(spec.table_width, dtype=jnp.int32)[None, :]
             keep = valid[:, None] & (col < self.num_blocks[g, safe][:, None])
             if spec.sliding_window is not None and first_positions is not None:
-                first_visible = jnp.asarray(first_positions, jnp.int32) - spec.sliding_window + 1
+                first_visible = first_positions - spec.sliding_window + 1
                 last_pos_of_block = (col + 1) * spec.kernel_block_size - 1
                 keep &= last_pos_of_block >= first_visible[:, None]
             out.append(jnp.where(keep, rows, NULL_BLOCK_ID))

@@ -303,3 +303,18 @@ def test_rows_breaking_the_schedule_rules_are_padding_under_jit():
     dec = RequestState.create(4, 16, num_speculative_tokens=2).add_request(0, [1, 2, 3], num_computed_tokens=3)
     assert real_rows(dec, [0], [2], [0]) == ([-1, -1, -1], 0)         # a decode row's query is its window
     assert real_rows(dec, [0], [3], [2]) == ([0, -1, -1], 3)
+
+
+@pytest.mark.parametrize("first, match", [
+    (np.array([2**32 + 12, 0], np.int64), r"first_positions must have values in \[0, 2147483648\); got 4294967308"),
+    (np.array([12.9, 0.0]), r"first_positions must have dtype an integer dtype"),
+    (np.array([-3, 0]), r"first_positions must have values in \[0, 2147483648\); got -3"),
+])
+def test_gather_range_checks_first_positions(first, match):
+    t = BlockTables.create((KVGroupSpec(block_size=4, max_num_blocks=8, sliding_window=8),), 3)
+    t = t.append_block_ids(0, [[1, 2, 3, 4, 5]], overwrite=True)
+    with pytest.raises(ValueError, match=match):
+        t.gather(np.array([0, -1]), first_positions=first)
+    # 12 - 8 + 1 = 5: blocks 0 (positions 0-3) hidden, block 1 (4-7) seen
+    assert np.asarray(t.gather(np.array([0, -1]), first_positions=np.array([12, 0]))[0])[0].tolist() == [
+        0, 2, 3, 4, 5, 0, 0, 0]
