@@ -389,8 +389,9 @@ def _slot_mapping_and_faults(block_table, idx_mapping, qsl, positions, block_siz
     col_ok = (pos >= 0) & (col < width)
     blk = block_table[jnp.where(row_ok, row, 0), jnp.where(col_ok, col, 0)].astype(jnp.int32)
     blk_ok = blk > NULL_BLOCK_ID
-    if block_id_limit(block_size) < INT32_RANGE[1]:  # block size 1: every int32 id is in reach
-        blk_ok &= blk < block_id_limit(block_size)
+    limit = block_id_limit(block_size)
+    if limit < INT32_RANGE[1]:  # block size 1: every int32 id is in reach
+        blk_ok &= blk < limit
     ok = real & row_ok & col_ok & blk_ok
     slot = jnp.where(ok, blk * block_size + pos % block_size, PAD_SLOT_ID).astype(jnp.int32)
     faults = real & row_ok & ~(col_ok & blk_ok)

@@ -292,8 +292,7 @@ def _real_rows(requests: RequestState, sched: ScheduledBatch, T: int, L: int):
     """
     q = jnp.asarray(sched.num_scheduled_tokens, jnp.int32)
     d = jnp.asarray(sched.num_draft_tokens, jnp.int32)
-    valid = is_real_row(sched.idx_mapping, requests.max_num_reqs)
-    valid &= (q > 0) & (d >= 0) & (d <= requests.num_speculative_tokens)
+    valid = is_real_row(sched.idx_mapping, requests.max_num_reqs) & (q > 0) & (d >= 0)
     valid &= ~jnp.any(jnp.stack(list(_row_faults(requests, sched.idx_mapping, q, d).values())), axis=0)
     q = jnp.where(valid, q, 0)
     nlog = jnp.where(valid, 1 + d, 0)
