@@ -264,9 +264,6 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if cfg.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", cfg["pretraining_tp"], "only 1")
 
-    raw = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-    if isinstance(raw, dict) and any(isinstance(v, dict) and not hy.is_float_tag(v) for v in raw.values()):
-        refuse("rope_parameters", raw, "per-layer-type RoPE parameters")
     rp = hy.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
     rope_type = rp["rope_type"]
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
@@ -306,44 +303,41 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
                f"num_nextn_predict_layers={mtp['num_nextn_predict_layers']!r} and "
                f"num_mtp_layers={mtp['num_mtp_layers']!r} (its alias in transformers) disagree")
     mtp_name = next(iter(mtp), "num_nextn_predict_layers")
-    n_mtp = hy.check_int(ARCHITECTURE, {mtp_name: mtp.get(mtp_name, 1)}, mtp_name, lo=0)
+    n_mtp = hy.check_int(ARCHITECTURE, cfg, mtp_name, 1, lo=0)
     ns = _field(cfg, "n_shared_experts")
     if not isinstance(ns, int) or ns < 1:
         refuse("n_shared_experts", ns, "at least one shared expert (transformers always builds one)")
-    try:
-        return DeepseekV3Config(
-            vocab_size=_field(cfg, "vocab_size"),
-            hidden_size=_field(cfg, "hidden_size"),
-            intermediate_size=_field(cfg, "intermediate_size"),
-            moe_intermediate_size=_field(cfg, "moe_intermediate_size"),
-            num_hidden_layers=_field(cfg, "num_hidden_layers"),
-            num_attention_heads=H,
-            n_shared_experts=ns,
-            n_routed_experts=_field(cfg, "n_routed_experts"),
-            routed_scaling_factor=hy.number(ARCHITECTURE, cfg, "routed_scaling_factor",
-                                            _DEFAULTS["routed_scaling_factor"], positive=True),
-            kv_lora_rank=_field(cfg, "kv_lora_rank"),
-            q_lora_rank=_field(cfg, "q_lora_rank"),
-            qk_rope_head_dim=_field(cfg, "qk_rope_head_dim"),
-            v_head_dim=_field(cfg, "v_head_dim"),
-            qk_nope_head_dim=_field(cfg, "qk_nope_head_dim"),
-            n_group=_field(cfg, "n_group"),
-            topk_group=_field(cfg, "topk_group"),
-            num_experts_per_tok=_field(cfg, "num_experts_per_tok"),
-            first_k_dense_replace=_field(cfg, "first_k_dense_replace"),
-            norm_topk_prob=flags["norm_topk_prob"],
-            rms_norm_eps=hy.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
-            rope_theta=theta,
-            rope_interleave=flags["rope_interleave"],
-            attention_bias=flags["attention_bias"],
-            tie_word_embeddings=flags["tie_word_embeddings"],
-            max_position_embeddings=max_pos,
-            rope_type=rope_type,
-            num_nextn_predict_layers=n_mtp,
-            **yarn,
-        )
-    except TypeError as e:  # a non-numeric value reached float()/int()
-        raise ValueError(f"DeepSeek-V3 config: {e}") from None
+    return DeepseekV3Config(
+        vocab_size=_field(cfg, "vocab_size"),
+        hidden_size=_field(cfg, "hidden_size"),
+        intermediate_size=_field(cfg, "intermediate_size"),
+        moe_intermediate_size=_field(cfg, "moe_intermediate_size"),
+        num_hidden_layers=_field(cfg, "num_hidden_layers"),
+        num_attention_heads=H,
+        n_shared_experts=ns,
+        n_routed_experts=_field(cfg, "n_routed_experts"),
+        routed_scaling_factor=hy.number(ARCHITECTURE, cfg, "routed_scaling_factor",
+                                        _DEFAULTS["routed_scaling_factor"], positive=True),
+        kv_lora_rank=_field(cfg, "kv_lora_rank"),
+        q_lora_rank=_field(cfg, "q_lora_rank"),
+        qk_rope_head_dim=_field(cfg, "qk_rope_head_dim"),
+        v_head_dim=_field(cfg, "v_head_dim"),
+        qk_nope_head_dim=_field(cfg, "qk_nope_head_dim"),
+        n_group=_field(cfg, "n_group"),
+        topk_group=_field(cfg, "topk_group"),
+        num_experts_per_tok=_field(cfg, "num_experts_per_tok"),
+        first_k_dense_replace=_field(cfg, "first_k_dense_replace"),
+        norm_topk_prob=flags["norm_topk_prob"],
+        rms_norm_eps=hy.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
+        rope_theta=theta,
+        rope_interleave=flags["rope_interleave"],
+        attention_bias=flags["attention_bias"],
+        tie_word_embeddings=flags["tie_word_embeddings"],
+        max_position_embeddings=max_pos,
+        rope_type=rope_type,
+        num_nextn_predict_layers=n_mtp,
+        **yarn,
+    )
 
 
 # ----------------------------------------------------------------------------- tensors

@@ -681,13 +681,11 @@ def _get(t, path):
 _NO_NULL = object()
 
 
-def field(arch: str, cfg: dict, name: str, default=None, *, null=_NO_NULL, required: bool = False):
+def field(arch: str, cfg: dict, name: str, default=None, *, null=_NO_NULL):
     """``cfg[name]``; absent: ``default`` (transformers' default). An explicit null is refused
     unless the field has a null meaning in transformers: ``null`` is then what it means here
     (e.g. ``position_embedding_type`` null is NoPE): never silently the default."""
     if name not in cfg:
-        if required:
-            raise ValueError(f"{arch}: config.json field {name} is required")
         return default
     if cfg[name] is None:
         if null is _NO_NULL:
@@ -761,8 +759,9 @@ def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1, *, nul
 def rope_parameters(arch: str, cfg: dict, types: tuple[str, ...] = ("default",)) -> dict:
     """The RoPE parameters transformers reads (``rope_scaling or rope_parameters``, each null or an
     object), with ``rope_type`` set; refused: the two fields both given and different (kvjax does
-    not pick one silently), ``rope_type`` and its legacy name ``type`` disagreeing, and a
-    ``rope_type`` outside ``types`` (whichever field it came in)."""
+    not pick one silently), per-layer-type parameters (nested objects), ``rope_type`` and its
+    legacy name ``type`` disagreeing, and a ``rope_type`` outside ``types`` (whichever field it
+    came in)."""
     got = {}
     for name in ("rope_parameters", "rope_scaling"):
         v = cfg.get(name)
@@ -774,6 +773,8 @@ def rope_parameters(arch: str, cfg: dict, types: tuple[str, ...] = ("default",))
         raise ValueError(f"{arch}: config.json fields rope_parameters={rp!r} and rope_scaling={rs!r} disagree "
                          f"(transformers reads rope_scaling when it is set); give one of them")
     rp = dict(rs or rp or {})
+    if any(isinstance(v, dict) and not is_float_tag(v) for v in rp.values()):
+        refuse(arch, "rope_parameters", rp, "one set of RoPE parameters (not per-layer-type ones)")
     if "rope_type" in rp and "type" in rp and rp["rope_type"] != rp["type"]:
         raise ValueError(f"{arch}: config.json rope parameters rope_type={rp['rope_type']!r} and "
                          f"type={rp['type']!r} disagree")

@@ -329,9 +329,8 @@ def check_tied_head(expected, tensors, get) -> None:
     naming the tensors and the field, before any other weight is read."""
     if not tied_head_stored(expected, tensors):
         return
-    head, embed = get(HEAD), get(TIED_EMBEDDING)
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[head.dtype.itemsize]
-    if not np.array_equal(head.view(width), embed.view(width)):
+    head, embed = get(HEAD), get(TIED_EMBEDDING)  # one shape and dtype: compared as bytes
+    if not np.array_equal(head.view(np.uint8), embed.view(np.uint8)):
         raise ValueError(
             f"{_file_of(tensors[HEAD])}: checkpoint stores {HEAD!r}, different from {TIED_EMBEDDING!r}, but "
             f"config.json has tie_word_embeddings=true: transformers then keeps the stored head and does "
@@ -458,8 +457,8 @@ def load_pretrained(path, dtype: str | None = None, mesh=None):
     model = _make_model(module, config, dtype)
     tensors = _index_checkpoint(path)
     ignored = getattr(module, "ignored_tensor", None)
-    check_tensors(module.expected_tensors(config), tensors,
-                  None if ignored is None else (lambda n: ignored(config, n)))
+    expected = module.expected_tensors(config)
+    check_tensors(expected, tensors, None if ignored is None else (lambda n: ignored(config, n)))
 
     M = 1
     spec_of = None
@@ -490,7 +489,7 @@ def load_pretrained(path, dtype: str | None = None, mesh=None):
 
     accepts_put = "put" in inspect.signature(module.params_from_tensors).parameters
     get = _reader(tensors)
-    check_tied_head(module.expected_tensors(config), tensors, get)
+    check_tied_head(expected, tensors, get)
     if accepts_put and per_leaf:
         params = module.params_from_tensors(config, get, dtype, put=put)
     else:

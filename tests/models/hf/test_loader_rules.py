@@ -443,3 +443,15 @@ def test_a_single_file_beside_an_index_is_refused(hf_checkpoint, tmp_path, no_we
     json.dump({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}},
               open(os.path.join(path, "model.safetensors.index.json"), "w"))
     refused([r"model\.safetensors and model\.safetensors\.index\.json", r"transformers"], path)
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "bamba", "deepseek"])
+def test_per_layer_type_rope_parameters_are_refused_for_every_architecture(name, hf_checkpoint, tmp_path,
+                                                                           no_weight_read):
+    """Nested (per-layer-type) RoPE parameters: the shared rule refuses them (Granite and Bamba had
+    taken the default theta silently; only DeepSeek refused them)."""
+    path = (deepseek_checkpoint(tmp_path / "ds") if name == "deepseek"
+            else copy(hf_checkpoint(name), tmp_path / "ckpt"))
+    nested = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    edit_config(path, rope_parameters=nested, rope_scaling=None)
+    refused([r"rope_parameters", r"per-layer-type"], path)
