@@ -416,9 +416,10 @@ def _validate_slot_mapping_inputs(block_table, idx_mapping, qsl, positions, bloc
     validation.check_dtype("positions", positions, "integer")
     # Range checks before narrowing to int32: a wide id must not wrap onto a valid one.
     idx_mapping = narrow_rows("idx_mapping", idx_mapping, block_table.shape[0])
-    # an id whose slots would pass int32 is refused (concrete) or reads as NULL (traced)
-    block_table = validation.narrow_ids("block_table", block_table, INT32_RANGE[0], block_id_limit(block_size),
-                                        fill=NULL_BLOCK_ID)
+    # an id whose slots would pass int32 is refused when concrete; traced, the faults below mask
+    # only the entries a token reads (no pass over the whole table in every step)
+    validation.check_values_in_range("block_table", block_table, INT32_RANGE[0], block_id_limit(block_size))
+    block_table = validation.narrow_ids("block_table", block_table, *INT32_RANGE, fill=NULL_BLOCK_ID)
     qsl = validation.narrow_ids("query_start_loc", qsl, *INT32_RANGE, fill=0)
     positions = validation.narrow_ids("positions", positions, *INT32_RANGE, fill=-1)
     q = validation.concrete_values(qsl)

@@ -108,8 +108,6 @@ def free_rows_are_empty(tables: BlockTables, free_rows) -> jax.Array:
         raise ValueError("free_rows must be concrete (a host-side check of which rows are free)")
     validation.check_rank("free_rows", rows, 1)
     rows = narrow_rows("free_rows", rows, tables.max_num_reqs, allow_pad=False)
-    if rows.size == 0:
-        return jnp.asarray(True)
     ok = [jnp.all(tables.tables[g][rows] == NULL_BLOCK_ID) for g in range(tables.num_groups)]
     ok.append(jnp.all(tables.num_blocks[:, rows] == 0))
     return jnp.all(jnp.stack(ok))

@@ -314,14 +314,12 @@ def narrow_token_ids(name: str, ids, *, fill: int, used=None):
     u = None if used is None else validation.concrete_values(used)
     if v is not None and u is not None:
         ids = np.where(u, v, 0)
-    check_token_ids(name, ids)
-    return validation.narrow_ids(name, ids, *TOKEN_ID_RANGE, fill=fill)
+    return validation.narrow_ids(name, ids, *TOKEN_ID_RANGE, fill=fill)  # check_token_ids' checks, then int32
 
 
 # The sampling parameters' rule (its one owner): name -> (what a value must be, its test). A
 # test takes numbers or arrays (numpy or jax): integers as given, floats as stored (float32).
-# kvjax.host.scheduler.Request still checks a copy of it in __post_init__; it can call
-# check_sampling_params(where=f"request {req_id!r}: ", temperature=..., ...) instead.
+# kvjax.host.scheduler.Request checks its parameters through check_sampling_params.
 SAMPLING_RULES = {
     "temperature": ("a number >= 0", lambda x: x >= 0),
     "top_p": ("in (0, 1]", lambda x: (x > 0) & (x <= 1)),

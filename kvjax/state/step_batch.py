@@ -372,7 +372,7 @@ def validate_schedule(
     pl_all = validation.concrete_values(requests.prefill_len)
     if nc_all is None or pl_all is None:
         return
-    faults = _row_faults(requests.replace(num_computed_tokens=nc_all, prefill_len=pl_all), i, q, d, xp=np)
+    faults = _row_faults(requests, i, q, d, xp=np)
     for b in np.flatnonzero(live):
         kind = next((k for k, v in faults.items() if v[b]), None)
         if kind is None:
