@@ -133,11 +133,12 @@ def _read_header(file: str) -> dict[str, _TensorInfo]:
             raw = f.read(n)
     except OSError as e:
         raise ValueError(f"{name}: cannot be read ({e.strerror or e})") from None
-    def unique(pairs):
+    def unique(pairs):  # every JSON object of the header: the top level's values are its tensors' entries
         seen = set()
         for k, _ in pairs:
             if k in seen:
-                raise ValueError(f"{name}: safetensors header: tensor {k!r} is listed twice")
+                what = "tensor" if any(isinstance(v, dict) for _, v in pairs) else "key"
+                raise ValueError(f"{name}: safetensors header: {what} {k!r} is listed twice")
             seen.add(k)
         return dict(pairs)
 

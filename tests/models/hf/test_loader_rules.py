@@ -455,3 +455,14 @@ def test_per_layer_type_rope_parameters_are_refused_for_every_architecture(name,
     nested = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}
     edit_config(path, rope_parameters=nested, rope_scaling=None)
     refused([r"rope_parameters", r"per-layer-type"], path)
+
+
+def test_a_key_repeated_inside_a_tensor_entry_is_named_as_a_key(tmp_path):
+    """The header's duplicate check runs on every JSON object: a key repeated inside one tensor's
+    entry is not reported as a repeated tensor."""
+    f = tmp_path / "model.safetensors"
+    hdr = b'{"a":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    hdr += b" " * (-len(hdr) % 8)
+    f.write_bytes(struct.pack("<Q", len(hdr)) + hdr + np.zeros(1, np.float32).tobytes())
+    with pytest.raises(ValueError, match=r"key 'dtype' is listed twice"):
+        loader._read_header(str(f))
