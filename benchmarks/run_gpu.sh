@@ -5,8 +5,8 @@
 #
 # OUTDIR receives: env.log (GPU, versions, the kernel files' hashes, the checks' exit
 # codes), checks.log (the gpu_check scripts of the KV write, Mamba, token combine, paged
-# attention, the cuDNN attention of a fresh prefill (MLA split form, GQA mixer), and the
-# grouped-matmul / MoE tests,
+# attention, the cuDNN attention of a fresh prefill (MLA split form, GQA mixer), the MoE
+# router kernel, and the grouped-matmul / MoE tests,
 # one after another in the file; they run side by side, no timing depends on them; the pytest part runs on the host's CPU, as
 # tests/conftest.py sets JAX_PLATFORMS: kernels interpreted and their Triton modules lowered
 # for CUDA and verified, not run on the GPU, which the model benchmarks and
@@ -46,6 +46,8 @@ timeout 170 $PY benchmarks/gpu_check_mla_split.py > "$out/check_mla_split.log" 2
 p6=$!
 timeout 170 $PY benchmarks/gpu_check_fresh_prefill.py > "$out/check_fresh_prefill.log" 2>&1 &
 p7=$!
+timeout 170 $PY benchmarks/gpu_check_moe_route.py > "$out/check_moe_route.log" 2>&1 &
+p8=$!
 wait $p1; r1=$?
 wait $p2; r2=$?
 wait $p3; r3=$?
@@ -53,10 +55,11 @@ wait $p4; r4=$?
 wait $p5; r5=$?
 wait $p6; r6=$?
 wait $p7; r7=$?
+wait $p8; r8=$?
 echo "checks exit codes: kv_write=$r1 mamba=$r2 token_combine=$r3 paged_attention=$r4" \
-  "grouped_matmul=$r5 mla_split=$r6 fresh_prefill=$r7 ($((SECONDS - start)) s)" >> "$out/env.log"
+  "grouped_matmul=$r5 mla_split=$r6 fresh_prefill=$r7 moe_route=$r8 ($((SECONDS - start)) s)" >> "$out/env.log"
 for f in check_kv_write check_mamba check_token_combine check_paged_attention check_grouped_matmul \
-    check_mla_split check_fresh_prefill; do
+    check_mla_split check_fresh_prefill check_moe_route; do
   echo "===== $f.log"
   cat "$out/$f.log"
 done > "$out/checks.log"

@@ -16,6 +16,7 @@ the updated arrays — donate them at the enclosing ``jit`` to update in place):
 ``ragged_paged_attention``          attention over that layout (JAX's TPU kernel / jnp)
 ``paged_attention``                 attention over a paged cache, live blocks only
 ``grouped_matmul``                  row tiles times their group's matrix (MoE experts)
+``moe_route``                       router product and each token's top-k experts (MoE)
 ==================================  =====================================================
 
 Every op takes ``backend=`` (``"auto"``, ``"reference"``, ``"pallas"``,
@@ -48,6 +49,7 @@ from pallas_kernels.grouped_matmul import (
     group_tiles as group_tiles,
     grouped_matmul as grouped_matmul,
 )
+from pallas_kernels.moe_route import MoERouteConfig as MoERouteConfig, moe_route as moe_route
 from pallas_kernels.paged_attention import (
     PagedAttentionConfig as PagedAttentionConfig,
     paged_attention as paged_attention,
@@ -69,6 +71,7 @@ __all__ = [
     "ConvConfig",
     "GroupedMatmulConfig",
     "KVWriteConfig",
+    "MoERouteConfig",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
     "PagedAttentionConfig",
@@ -80,6 +83,7 @@ __all__ = [
     "concat_and_cache_mla",
     "group_tiles",
     "grouped_matmul",
+    "moe_route",
     "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",

@@ -40,6 +40,7 @@ from kvjax.models.config import TinyHybridConfig
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels import group_tiles, grouped_matmul
 from pallas_kernels.grouped_matmul import OP_GROUPED_MATMUL, tile_rows_for
+from pallas_kernels.moe_route import moe_route, select_experts
 
 
 def route(h: jax.Array, router: jax.Array, top_k: int) -> jax.Array:
@@ -54,9 +55,8 @@ def route_from_logits(logits: jax.Array, top_k: int) -> jax.Array:
 
 def topk_softmax(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     """``(idx int32 [T, k], weight float32 [T, k])``: each token's ``top_k`` largest router logits
-    (best first) and the softmax over them."""
-    vals, idx = jax.lax.top_k(logits, top_k)
-    return idx, jax.nn.softmax(vals, axis=-1)
+    (best first) and the softmax over them (:func:`pallas_kernels.moe_route.select_experts`)."""
+    return select_experts(logits, top_k=top_k, scoring="softmax")
 
 
 def gates_from_topk(idx: jax.Array, weight: jax.Array, num_experts: int) -> jax.Array:
@@ -157,22 +157,17 @@ def route_sigmoid_grouped(logits: jax.Array, e_bias: jax.Array | None, spec: MoE
 def topk_sigmoid_grouped(logits: jax.Array, e_bias: jax.Array | None,
                          spec: MoESpec) -> tuple[jax.Array, jax.Array]:
     """``(idx int32 [T, k], weight float32 [T, k])`` of group-limited sigmoid routing (see
-    :class:`MoESpec`)."""
-    T, E = logits.shape
-    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-    choice = scores if e_bias is None else scores + e_bias.astype(jnp.float32)
-    if spec.n_group > 1:
-        per = E // spec.n_group
-        grouped = choice.reshape(T, spec.n_group, per)
-        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)  # [T, n_group]
-        _, best = jax.lax.top_k(group_score, spec.topk_group)
-        keep = jnp.sum(jax.nn.one_hot(best, spec.n_group, dtype=jnp.int32), axis=1) > 0
-        choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, spec.top_k)
-    w = jnp.take_along_axis(scores, idx, axis=-1)  # [T, k]
-    if spec.norm_topk_prob:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return idx, w * jnp.float32(spec.routed_scaling_factor)
+    :class:`MoESpec`; the rule: :func:`pallas_kernels.moe_route.select_experts`)."""
+    return select_experts(logits, e_bias, **route_rule(spec))
+
+
+def route_rule(spec: MoESpec) -> dict:
+    """``spec``'s routing as the keyword arguments of :func:`pallas_kernels.moe_route`."""
+    if spec.routing == "softmax_topk":
+        return dict(top_k=spec.top_k, scoring="softmax")
+    return dict(top_k=spec.top_k, scoring="sigmoid", n_group=spec.n_group,
+                topk_group=spec.topk_group, renormalize=spec.norm_topk_prob,
+                scale=spec.routed_scaling_factor)
 
 
 PATHS = ("auto", "dense", "sparse", "grouped")
@@ -360,11 +355,7 @@ def moe_ffn(h: jax.Array, w: dict, spec: MoESpec, expert_axis: str | None = None
     ``token_mask``, ``num_tokens``: as :func:`routed_ffn`."""
 
     def route_fn(hh):
-        router = w["router"]
-        logits = hh @ (router if router.dtype == jnp.float32 else router.astype(jnp.float32))
-        if spec.routing == "softmax_topk":
-            return topk_softmax(logits, spec.top_k)
-        return topk_sigmoid_grouped(logits, w.get("e_bias"), spec)
+        return moe_route(hh, w["router"], w.get("e_bias"), backend=backend, **route_rule(spec))
 
     return routed_ffn(h, route_fn, w, gated=spec.gated, activation=spec.activation,
                       expert_axis=expert_axis, route_input=route_input, path=path,

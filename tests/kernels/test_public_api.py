@@ -17,6 +17,7 @@ OPS = (
     "combine_sampled_and_draft_tokens",
     "concat_and_cache_mla",
     "grouped_matmul",
+    "moe_route",
     "paged_attention",
     "ragged_paged_attention",
     "reshape_and_cache_flash",
@@ -25,8 +26,8 @@ OPS = (
     "write_kv_pages",
     "zero_blocks",
 )
-CONFIGS = ("ConvConfig", "GroupedMatmulConfig", "KVWriteConfig", "PagedAttentionConfig", "SSUConfig",
-           "ZeroBlocksConfig")
+CONFIGS = ("ConvConfig", "GroupedMatmulConfig", "KVWriteConfig", "MoERouteConfig", "PagedAttentionConfig",
+           "SSUConfig", "ZeroBlocksConfig")
 HELPERS = ("group_tiles",)  # public functions that are not ops
 
 
@@ -52,6 +53,8 @@ def _calls():
             backend="reference"),
         "grouped_matmul": lambda f: f(one((2, 2), f32), one((1, 2, 3), f32), np.array([0], np.int32),
                                       tile_rows=2, backend="reference"),
+        "moe_route": lambda f: f(one((1, 2), f32), one((2, 4), f32), top_k=2, scoring="softmax",
+                                 backend="reference"),
         "paged_attention": lambda f: f(
             one((1, 1, 2), f32), one((2, 2, 1, 2), f32), one((2, 2, 1, 2), f32), np.array([[1]], np.int32),
             np.array([1], np.int32), np.array([0], np.int32), np.array([0], np.int32), backend="reference"),

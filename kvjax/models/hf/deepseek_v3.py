@@ -58,8 +58,9 @@ from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_pa
 from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
-from kvjax.models.moe import MoESpec, check_expert_groups, routed_ffn, topk_sigmoid_grouped
+from kvjax.models.moe import MoESpec, check_expert_groups, route_rule, routed_ffn
 from kvjax.models.step_context import StepContext
+from pallas_kernels.moe_route import moe_route
 from pallas_kernels.kv_write import concat_and_cache_mla
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -551,12 +552,12 @@ def _swiglu(h, gate, up, down):
     return _mm(jax.nn.silu(_mm(h, gate)) * _mm(h, up), down)
 
 
-def route(h: jax.Array, mp: dict, c: DeepseekV3Config) -> tuple[jax.Array, jax.Array]:
+def route(h: jax.Array, mp: dict, c: DeepseekV3Config,
+          backend: str = "reference") -> tuple[jax.Array, jax.Array]:
     """``(idx int32 [T, k], weight float32 [T, k])``: each token's routed experts and their gate
-    weights (see the module docstring): :func:`kvjax.models.moe.topk_sigmoid_grouped` on the
-    float32 router logits."""
-    logits = jnp.matmul(h.astype(jnp.float32), mp["router"].astype(jnp.float32))
-    return topk_sigmoid_grouped(logits, mp["bias"], _moe_spec(c))
+    weights (see the module docstring): :func:`pallas_kernels.moe_route.moe_route` (the float32
+    router product and the choice in one op; ``backend`` picks its kernel)."""
+    return moe_route(h, mp["router"], mp["bias"], backend=backend, **route_rule(_moe_spec(c)))
 
 
 @functools.cache
@@ -571,7 +572,7 @@ def _moe(mp, c, h, expert_axis, model_axis, backend, token_mask=None, num_tokens
     shared = _swiglu(h, mp["shared_gate"], mp["shared_up"], mp["shared_down"])
     if model_axis is not None:
         shared = jax.lax.psum(shared, model_axis)
-    routed = routed_ffn(h, lambda r: route(r, mp, c), mp, expert_axis=expert_axis, backend=backend,
+    routed = routed_ffn(h, lambda r: route(r, mp, c, backend), mp, expert_axis=expert_axis, backend=backend,
                         token_mask=token_mask, num_tokens=num_tokens)
     return routed + shared
 
