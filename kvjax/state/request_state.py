@@ -244,15 +244,16 @@ class RequestState:
         s = gather_index(idx, R)
         nc, pl, tl = self.num_computed_tokens[s], self.prefill_len[s], self.total_len[s]
         self._check_query_fits(idx, qlen, nc)
-        window = jnp.where(is_real_row(idx, R), sample_window(nc, pl, qlen, xp=jnp), 0)
+        real = is_real_row(idx, R)
         i, q, c, p = (validation.concrete_values(a) for a in (idx, qlen, nc, pl))
-        _check_num_sampled(n_s, window, lambda b: (
-            f" for request row {i[b]} (query_lens[{b}]={q[b]}, {c[b]} of its {p[b]} prefill "
-            f"tokens computed)"))
+        n_s, new_nc, fits = _step_progress(
+            nc, pl, jnp.where(real, qlen, 0), n_s, xp=jnp, describe=lambda b: (
+                f" for request row {i[b]} (query_lens[{b}]={q[b]}, {c[b]} of its {p[b]} prefill "
+                f"tokens computed)"))
         # Under jit a row breaking a check (above, or the kept tokens' below) is skipped: it is
         # left unchanged.
-        valid = is_real_row(idx, R) & (qlen >= 0) & (nc + qlen <= L) & num_sampled_fits(n_s, window)
-        n_s, new_nc = step_progress(nc, pl, jnp.where(valid, qlen, 0), n_s, xp=jnp)
+        valid = real & (qlen >= 0) & (nc + qlen <= L) & fits
+        n_s = jnp.where(valid, n_s, 0)
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
         kept = valid[:, None] & (j < n_s[:, None])
         sampled = narrow_token_ids("sampled", sampled, fill=-1, used=kept)
@@ -444,13 +445,21 @@ def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):
     Returns ``(num_sampled_kept, new_num_computed)``; the kept sampled tokens are
     appended to the request.
     """
+    kept, new_num_computed, _ = _step_progress(num_computed, prefill_len, query_len, num_sampled, xp=xp)
+    return kept, new_num_computed
+
+
+def _step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp, describe=None):
+    """:func:`step_progress`'s rule, spelled once: ``(num_sampled_kept, new_num_computed,
+    fits)``, ``fits`` from :func:`num_sampled_fits` (False: the row does not move). Concrete
+    arguments are checked by :func:`_check_num_sampled` (``describe`` as there)."""
     window = sample_window(num_computed, prefill_len, query_len, xp=xp)
-    _check_num_sampled(num_sampled, window)
+    _check_num_sampled(num_sampled, window, describe)
     fits = num_sampled_fits(num_sampled, window)  # traced: a row that does not, does not move
     kept = xp.where(fits & (window > 0), num_sampled, 0)
     num_rejected = xp.where(window > 0, window - kept, 0)
     moves = (query_len > 0) & fits
-    return kept, xp.where(moves, num_computed + query_len - num_rejected, num_computed)
+    return kept, xp.where(moves, num_computed + query_len - num_rejected, num_computed), fits
 
 
 def _check_num_sampled(num_sampled, window, describe=None) -> None:
