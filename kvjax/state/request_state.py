@@ -599,29 +599,33 @@ class NewRequests:
             kind = "integer" if name in _INT_FIELDS else "floating"
             validation.check_dtype(name, getattr(self, name), kind)
         rows = narrow_rows("rows", self.rows, R)
-        live = is_real_row(rows, R)
         given = {name: validation.concrete_values(getattr(self, name))
                  for name in _INT_FIELDS + _FLOAT_FIELDS}
         r = validation.concrete_values(rows)
-        if r is not None and all(v is not None for v in given.values()):
-            lv = np.asarray(is_real_row(r, R))
-            _check_entries(given, lv, L)
-            if len(np.unique(r[lv])) != lv.sum():
+        concrete = r is not None and all(v is not None for v in given.values())
+        if concrete:  # every live entry is checked here (ValueError) and installed: no mask
+            install = np.asarray(is_real_row(r, R))
+            _check_entries(given, install, L)
+            if len(np.unique(r[install])) != install.sum():
                 raise ValueError(f"rows must be distinct in one add, got {r.tolist()}")
             # every live value is in range now: int32 / float32 hold it
-            f = {name: np.where(lv, v, _DEFAULTS[name]).astype(_dtype(name))
+            f = {name: np.where(install, v, _DEFAULTS[name]).astype(_dtype(name))
                  for name, v in given.items()}
+            col = np.arange(L, dtype=np.int32)[None, :]
         else:  # traced: a value past int32 becomes -1, which breaks every rule of its field
             f = {name: validation.as_int32(name, getattr(self, name), fill=-1)
                  for name in _INT_FIELDS}
             f.update({n: jnp.asarray(getattr(self, n), jnp.float32) for n in _FLOAT_FIELDS})
-        install = live & _entries_ok(f, L)
-        col = jnp.arange(L, dtype=jnp.int32)[None, :]
+            install = is_real_row(rows, R) & _entries_ok(f, L)
+            col = jnp.arange(L, dtype=jnp.int32)[None, :]
         used = install[:, None] & (col < f["num_tokens"][:, None])
+        # concrete ids are checked (ValueError); a traced used id outside the range reads -1
         tokens = narrow_token_ids("token_ids", self.token_ids, fill=-1, used=used)
-        install &= ~jnp.any(used & (tokens < 0), axis=1)
-        same_row = (rows[:, None] == rows[None, :]) & install[:, None] & install[None, :]
-        install &= jnp.sum(same_row, axis=1) == 1
+        if not validation.is_concrete(self.token_ids):
+            install = install & ~jnp.any(used & (tokens < 0), axis=1)
+        if not concrete:  # rows checked distinct above when concrete
+            same_row = (rows[:, None] == rows[None, :]) & install[:, None] & install[None, :]
+            install &= jnp.sum(same_row, axis=1) == 1
         return NewRequests(
             rows=jnp.where(install, rows, PAD_ROW_ID),
             token_ids=jnp.where(used, tokens, 0),
