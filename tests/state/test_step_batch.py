@@ -150,6 +150,7 @@ def test_invariant_checks_catch_planted_violations_eagerly_and_under_checkify():
         "pad_token_id_or_position_nonzero": b.replace(positions=b.positions.at[6].set(3)),
         "pad_row_seq_len_nonzero": b.replace(seq_lens=b.seq_lens.at[3].set(1)),
         "logits_index_not_real_token": b.replace(logits_indices=b.logits_indices.at[3].set(6)),
+        "real_slot_beyond_its_table": b.replace(slot_mappings=b.slot_mappings.at[0, 0].set(20 * 4 + 3)),
     }
     for rule, bad in planted.items():
         with pytest.raises(AssertionError, match=rule):
