@@ -21,7 +21,7 @@ from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging, max_
 from kvjax.host.drafter import propose_ngram
 from kvjax.spec import KVGroupSpec
 from kvjax.state import RequestRows, step_progress
-from kvjax.state.request_state import check_sampling_params
+from kvjax.state.request_state import check_sampling_params, num_sampled_fits, sample_window
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics: fast membership tests
@@ -454,18 +454,20 @@ class Scheduler:
 
         Raises:
           ValueError: ``sampled`` or ``num_sampled`` misses a scheduled row or a draft column, or
-            a row's ``num_sampled`` is outside ``[0, 1 + its drafts]``; nothing is applied.
+            a row's ``num_sampled`` does not fit its sample window (``[0, 1 + its drafts]``; a
+            mid-prefill chunk's count is not read); nothing is applied.
         """
         done = []
         scheduled = plan.scheduled
         B = len(scheduled)
-        sampled, num_sampled = self._check_results(plan, sampled, num_sampled)
-        if logits is not None:
-            logits = np.asarray(logits)
-        # One vectorised step_progress for every row (the per-row Python loop below only
-        # moves lists).
+        # Each row's (num_computed, prefill_len, num_tokens) before the step: the inputs of
+        # sample_window and of one vectorised step_progress for every row (the per-row Python
+        # loop below only moves lists).
         ints = np.array([(s.req.num_computed, s.req.prefill_len, s.num_tokens) for s in scheduled],
                         np.int64).reshape(B, 3)
+        sampled, num_sampled = self._check_results(plan, sampled, num_sampled, ints)
+        if logits is not None:
+            logits = np.asarray(logits)
         kept, new_nc = step_progress(ints[:, 0], ints[:, 1], ints[:, 2], num_sampled)
         kept, new_nc = kept.tolist(), new_nc.tolist()
         rows = np.asarray(sampled[:B]).tolist()
@@ -501,10 +503,13 @@ class Scheduler:
         return done
 
     @staticmethod
-    def _check_results(plan: StepPlan, sampled, num_sampled) -> tuple[np.ndarray, np.ndarray]:
+    def _check_results(plan: StepPlan, sampled, num_sampled, ints) -> tuple[np.ndarray, np.ndarray]:
         """``sampled`` and ``num_sampled`` (its first ``B`` entries, int64) checked against ``plan``'s
         ``B`` rows before :meth:`update` applies anything: ``ValueError`` for a shape that misses a
-        row or a draft column, or a row that accepted more than ``1 + its drafts`` (or fewer than 0)."""
+        row or a draft column, or a count that breaks :func:`~kvjax.state.request_state.num_sampled_fits`
+        for the row's :func:`~kvjax.state.request_state.sample_window` (``[0, 1 + its drafts]``; a
+        mid-prefill chunk samples nothing and its count is not read). ``ints``: int64 ``[B, 3]``,
+        each row's ``(num_computed, prefill_len, num_tokens)`` before the step."""
         B = len(plan.scheduled)
         width = 1 + max((len(s.drafts) for s in plan.scheduled), default=0)
         sampled, num_sampled = np.asarray(sampled), np.asarray(num_sampled)
@@ -517,12 +522,13 @@ class Scheduler:
             raise ValueError(f"num_sampled must be an int array of shape [>= {B}] (a count per scheduled "
                              f"request), got {num_sampled.dtype} of shape {num_sampled.shape}")
         num_sampled = num_sampled[:B].astype(np.int64)
-        num_drafts = np.array([len(s.drafts) for s in plan.scheduled], np.int64)
-        bad = np.flatnonzero((num_sampled < 0) | (num_sampled > 1 + num_drafts))
+        window = sample_window(ints[:, 0], ints[:, 1], ints[:, 2])
+        bad = np.flatnonzero(~num_sampled_fits(num_sampled, window))
         if bad.size:
             b = int(bad[0])
-            raise ValueError(f"num_sampled[{b}] = {num_sampled[b]} for request {plan.scheduled[b].req.req_id!r}, "
-                             f"whose row has {num_drafts[b]} drafts: it must be in [0, {1 + num_drafts[b]}]")
+            s = plan.scheduled[b]
+            raise ValueError(f"num_sampled[{b}] = {num_sampled[b]} for request {s.req.req_id!r}, "
+                             f"whose row has {len(s.drafts)} drafts: it must be in [0, {window[b]}]")
         return sampled, num_sampled
 
     def _finish(self, req: Request) -> None:

@@ -16,8 +16,8 @@ from jax.experimental import checkify
 from pallas_kernels import contract as validation
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID, PAD_SLOT_ID
 from kvjax.spec import KVGroupSpec
-from kvjax.state.block_tables import BlockTables, _slot_mapping_and_faults
-from kvjax.state.padding import gather_index, is_real_slot, narrow_rows, token_rows
+from kvjax.state.block_tables import BlockTables, _slot_mapping_and_faults, _validate_slot_mapping_inputs
+from kvjax.state.padding import INT32_RANGE, gather_index, is_real_slot, narrow_rows, token_rows
 from kvjax.state.step_batch import StepBatch
 
 
@@ -34,10 +34,12 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
     Rules: padded token tails are PAD (slots) and 0 (ids, positions); padded
     request rows are NULL (tables), 0 (seq_lens) and empty (query_start_loc
     repeats); query_start_loc is non-decreasing from 0; no two real tokens
-    share a slot; no real slot lands in block 0; no slot is beyond the table's
-    reach; table entries are never negative; logits rows point at real tokens of
-    their own row; a row without tokens has no logits; ``idx_mapping`` holds
-    request rows or ``PAD_ROW_ID``; the tokens fit the bucket.
+    share a slot; no real slot lands in block 0; no real slot is beyond the table's
+    reach: each is the slot its row's block table (``batch.block_tables``) gives its
+    position, by :func:`~kvjax.state.block_tables.compute_slot_mapping`'s rule; table
+    entries are never negative; logits rows point at real tokens of their own row; a row
+    without tokens has no logits; ``idx_mapping`` holds request rows or ``PAD_ROW_ID``; the
+    tokens fit the bucket.
     """
     pad_tok = ~batch.token_valid
     pad_req = ~batch.row_valid
@@ -66,7 +68,9 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
         "idx_mapping_neither_row_nor_PAD": jnp.any(pad_req & (batch.idx_mapping != PAD_ROW_ID)),
         "tokens_exceed_bucket": (qsl[R] > batch.num_tokens_padded) | (batch.num_tokens != qsl[R]),
     }
-    pad_row_table, neg_table, dup, null_slot = [], [], [], []
+    # the batch's tables are indexed by batch row: row b reads table row b
+    own_row = jnp.where(batch.row_valid, jnp.arange(R, dtype=jnp.int32), PAD_ROW_ID)
+    pad_row_table, neg_table, dup, null_slot, beyond = [], [], [], [], []
     for g, spec in enumerate(specs):
         tbl = batch.block_tables[g]
         pad_row_table.append(jnp.any(pad_req[:, None] & (tbl != NULL_BLOCK_ID)))
@@ -74,26 +78,39 @@ def step_batch_violations(batch: StepBatch, specs: tuple[KVGroupSpec, ...]) -> d
         slots = batch.slot_mappings[g]
         dup.append(_duplicate_real_slots(slots))
         null_slot.append(jnp.any(is_real_slot(slots) & (slots // spec.kernel_block_size == NULL_BLOCK_ID)))
+        want, _ = _slot_mapping_and_faults(tbl, own_row, qsl, batch.positions, spec.kernel_block_size,
+                                           batch.num_tokens_padded)
+        beyond.append(jnp.any(is_real_slot(slots) & (slots != want)))
     out["pad_row_table_not_NULL"] = jnp.any(jnp.stack(pad_row_table))
     out["negative_block_table_entry"] = jnp.any(jnp.stack(neg_table))
     out["two_tokens_share_a_slot"] = jnp.any(jnp.stack(dup))
     out["real_slot_in_null_block"] = jnp.any(jnp.stack(null_slot))
+    out["real_slot_beyond_its_table"] = jnp.any(jnp.stack(beyond))
     return out
 
 
 def block_table_violations(tables: BlockTables) -> dict[str, jax.Array]:
-    """Rows hold ``NULL_BLOCK_ID`` past their live length; no negative ids; counts fit."""
-    past, neg, over = [], [], []
+    """Rows hold ``NULL_BLOCK_ID`` past their live length; no negative ids; counts fit the
+    width; a live entry names a block the cache has: its logical block (kernel id //
+    ``blocks_per_kv_block``) is below ``num_cache_blocks`` when known and below
+    :func:`~kvjax.state.block_tables.block_id_limit` (the limit :meth:`BlockTables.write_rows`
+    checks appended ids against)."""
+    past, neg, over, beyond = [], [], [], []
     for g, spec in enumerate(tables.specs):
         col = jnp.arange(spec.table_width)[None, :]
         cnt = tables.num_blocks[g][:, None]
-        past.append(jnp.any((col >= cnt) & (tables.tables[g] != NULL_BLOCK_ID)))
-        neg.append(jnp.any(tables.tables[g] < 0))
+        tbl = tables.tables[g]
+        past.append(jnp.any((col >= cnt) & (tbl != NULL_BLOCK_ID)))
+        neg.append(jnp.any(tbl < 0))
         over.append(jnp.any(tables.num_blocks[g] > spec.table_width))
+        limit = tables._id_limit(g)
+        if limit < INT32_RANGE[1]:  # else every int32 id is below it
+            beyond.append(jnp.any((col < cnt) & (tbl // spec.blocks_per_kv_block >= limit)))
     return {
         "entry_past_live_length_not_NULL": jnp.any(jnp.stack(past)),
         "negative_block_table_entry": jnp.any(jnp.stack(neg)),
         "live_length_exceeds_width": jnp.any(jnp.stack(over)),
+        "live_entry_past_the_cache": jnp.any(jnp.stack(beyond)) if beyond else jnp.bool_(False),
     }
 
 
@@ -144,14 +161,28 @@ def checkify_slot_mapping_inputs(
     block_size: int,
     num_tokens_padded: int,
 ) -> None:
-    """Under ``checkify``: every real token maps to an allocated block inside the table,
-    and ``query_start_loc`` starts at 0, is non-decreasing and fits the bucket.
+    """Under ``checkify``: ``idx_mapping`` holds rows of the table or -1; ``query_start_loc``
+    starts at 0, is non-decreasing, and its real tokens fit the bucket and ``positions``; every
+    real token maps to an allocated block inside the table.
 
-    These are the value checks :func:`kvjax.compute_slot_mapping` makes eagerly
-    when its inputs are concrete.
+    These are the value checks :func:`kvjax.compute_slot_mapping` makes eagerly when its inputs
+    are concrete. Its static checks (ranks, shapes, dtypes, ``block_size``) run here too, and
+    raise ``ValueError`` as there; so do its value checks for inputs concrete here.
     """
-
-    qsl = jnp.asarray(query_start_loc)
+    raw_idx = idx_mapping if hasattr(idx_mapping, "shape") else np.asarray(idx_mapping)
+    block_table, idx, qsl, positions = _validate_slot_mapping_inputs(
+        block_table, idx_mapping, query_start_loc, positions, block_size, num_tokens_padded
+    )
+    num_rows, num_positions = block_table.shape[0], positions.shape[0]
+    if raw_idx.size:  # narrow_rows (the rule's owner) made an entry outside the table a padding row
+        raw_idx = jnp.asarray(raw_idx)
+        bad_row = (idx == PAD_ROW_ID) & (raw_idx != PAD_ROW_ID)
+        first = jnp.argmax(bad_row)
+        checkify.check(
+            ~jnp.any(bad_row),
+            f"idx_mapping must have values in [0, {num_rows}) (or -1); got {{}} at index {{}}",
+            raw_idx[first], first,
+        )
     checkify.check(qsl[0] == 0, "query_start_loc[0] must be 0, got {}", qsl[0])
     checkify.check(jnp.all(jnp.diff(qsl) >= 0), "query_start_loc must be non-decreasing")
     checkify.check(
@@ -159,10 +190,12 @@ def checkify_slot_mapping_inputs(
         "query_start_loc[-1]={} exceeds num_tokens_padded",
         qsl[-1],
     )
-    _, faults = _slot_mapping_and_faults(
-        jnp.asarray(block_table), jnp.asarray(idx_mapping), qsl, jnp.asarray(positions),
-        block_size, num_tokens_padded,
+    checkify.check(
+        qsl[-1] <= num_positions,
+        f"positions must cover the {{}} real tokens (query_start_loc[-1]), got shape [{num_positions}]",
+        qsl[-1],
     )
+    _, faults = _slot_mapping_and_faults(block_table, idx, qsl, positions, block_size, num_tokens_padded)
     checkify.check(
         ~jnp.any(faults),
         "token {} maps outside the block table or to NULL_BLOCK_ID (an unallocated block)",

@@ -244,15 +244,16 @@ class RequestState:
         s = gather_index(idx, R)
         nc, pl, tl = self.num_computed_tokens[s], self.prefill_len[s], self.total_len[s]
         self._check_query_fits(idx, qlen, nc)
-        window = jnp.where(is_real_row(idx, R), sample_window(nc, pl, qlen, xp=jnp), 0)
+        real = is_real_row(idx, R)
         i, q, c, p = (validation.concrete_values(a) for a in (idx, qlen, nc, pl))
-        _check_num_sampled(n_s, window, lambda b: (
-            f" for request row {i[b]} (query_lens[{b}]={q[b]}, {c[b]} of its {p[b]} prefill "
-            f"tokens computed)"))
+        n_s, new_nc, fits = _step_progress(
+            nc, pl, jnp.where(real, qlen, 0), n_s, xp=jnp, describe=lambda b: (
+                f" for request row {i[b]} (query_lens[{b}]={q[b]}, {c[b]} of its {p[b]} prefill "
+                f"tokens computed)"))
         # Under jit a row breaking a check (above, or the kept tokens' below) is skipped: it is
         # left unchanged.
-        valid = is_real_row(idx, R) & (qlen >= 0) & (nc + qlen <= L) & num_sampled_fits(n_s, window)
-        n_s, new_nc = step_progress(nc, pl, jnp.where(valid, qlen, 0), n_s, xp=jnp)
+        valid = real & (qlen >= 0) & (nc + qlen <= L) & fits
+        n_s = jnp.where(valid, n_s, 0)
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
         kept = valid[:, None] & (j < n_s[:, None])
         sampled = narrow_token_ids("sampled", sampled, fill=-1, used=kept)
@@ -444,13 +445,21 @@ def step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp=np):
     Returns ``(num_sampled_kept, new_num_computed)``; the kept sampled tokens are
     appended to the request.
     """
+    kept, new_num_computed, _ = _step_progress(num_computed, prefill_len, query_len, num_sampled, xp=xp)
+    return kept, new_num_computed
+
+
+def _step_progress(num_computed, prefill_len, query_len, num_sampled, *, xp, describe=None):
+    """:func:`step_progress`'s rule, spelled once: ``(num_sampled_kept, new_num_computed,
+    fits)``, ``fits`` from :func:`num_sampled_fits` (False: the row does not move). Concrete
+    arguments are checked by :func:`_check_num_sampled` (``describe`` as there)."""
     window = sample_window(num_computed, prefill_len, query_len, xp=xp)
-    _check_num_sampled(num_sampled, window)
+    _check_num_sampled(num_sampled, window, describe)
     fits = num_sampled_fits(num_sampled, window)  # traced: a row that does not, does not move
     kept = xp.where(fits & (window > 0), num_sampled, 0)
     num_rejected = xp.where(window > 0, window - kept, 0)
     moves = (query_len > 0) & fits
-    return kept, xp.where(moves, num_computed + query_len - num_rejected, num_computed)
+    return kept, xp.where(moves, num_computed + query_len - num_rejected, num_computed), fits
 
 
 def _check_num_sampled(num_sampled, window, describe=None) -> None:
@@ -590,29 +599,33 @@ class NewRequests:
             kind = "integer" if name in _INT_FIELDS else "floating"
             validation.check_dtype(name, getattr(self, name), kind)
         rows = narrow_rows("rows", self.rows, R)
-        live = is_real_row(rows, R)
         given = {name: validation.concrete_values(getattr(self, name))
                  for name in _INT_FIELDS + _FLOAT_FIELDS}
         r = validation.concrete_values(rows)
-        if r is not None and all(v is not None for v in given.values()):
-            lv = np.asarray(is_real_row(r, R))
-            _check_entries(given, lv, L)
-            if len(np.unique(r[lv])) != lv.sum():
+        concrete = r is not None and all(v is not None for v in given.values())
+        if concrete:  # every live entry is checked here (ValueError) and installed: no mask
+            install = np.asarray(is_real_row(r, R))
+            _check_entries(given, install, L)
+            if len(np.unique(r[install])) != install.sum():
                 raise ValueError(f"rows must be distinct in one add, got {r.tolist()}")
             # every live value is in range now: int32 / float32 hold it
-            f = {name: np.where(lv, v, _DEFAULTS[name]).astype(_dtype(name))
+            f = {name: np.where(install, v, _DEFAULTS[name]).astype(_dtype(name))
                  for name, v in given.items()}
+            col = np.arange(L, dtype=np.int32)[None, :]
         else:  # traced: a value past int32 becomes -1, which breaks every rule of its field
             f = {name: validation.as_int32(name, getattr(self, name), fill=-1)
                  for name in _INT_FIELDS}
             f.update({n: jnp.asarray(getattr(self, n), jnp.float32) for n in _FLOAT_FIELDS})
-        install = live & _entries_ok(f, L)
-        col = jnp.arange(L, dtype=jnp.int32)[None, :]
+            install = is_real_row(rows, R) & _entries_ok(f, L)
+            col = jnp.arange(L, dtype=jnp.int32)[None, :]
         used = install[:, None] & (col < f["num_tokens"][:, None])
+        # concrete ids are checked (ValueError); a traced used id outside the range reads -1
         tokens = narrow_token_ids("token_ids", self.token_ids, fill=-1, used=used)
-        install &= ~jnp.any(used & (tokens < 0), axis=1)
-        same_row = (rows[:, None] == rows[None, :]) & install[:, None] & install[None, :]
-        install &= jnp.sum(same_row, axis=1) == 1
+        if not validation.is_concrete(self.token_ids):
+            install = install & ~jnp.any(used & (tokens < 0), axis=1)
+        if not concrete:  # rows checked distinct above when concrete
+            same_row = (rows[:, None] == rows[None, :]) & install[:, None] & install[None, :]
+            install &= jnp.sum(same_row, axis=1) == 1
         return NewRequests(
             rows=jnp.where(install, rows, PAD_ROW_ID),
             token_ids=jnp.where(used, tokens, 0),

@@ -329,11 +329,12 @@ def validate_schedule(
 ) -> None:
     """Shape checks always; with concrete values, check the schedule against state and bucket.
 
-    Rows must be distinct and in range (or -1); query lengths non-negative and
-    summing to at most ``T``; logits at most ``L``; positions within
-    ``max_model_len``; a prefill row's query within its remaining ``prefill_len`` tokens; a
-    row with drafts must be a decode row whose query is exactly ``1 + num_draft`` tokens,
-    with ``num_draft <= num_speculative_tokens``.
+    Rows must be in range (or -1), and no two rows with tokens may name one request row (a
+    row with 0 tokens is padding, see :func:`_real_rows`: it reads and writes nothing, so it
+    may name any row); query lengths non-negative and summing to at most ``T``; logits at
+    most ``L``; positions within ``max_model_len``; a prefill row's query within its remaining
+    ``prefill_len`` tokens; a row with drafts must be a decode row whose query is exactly
+    ``1 + num_draft`` tokens, with ``num_draft <= num_speculative_tokens``.
     """
     idx = sched.idx_mapping
     validation.check_rank("idx_mapping", idx, 1)
@@ -380,7 +381,8 @@ def validate_schedule(
         row, qb, db = int(i[b]), int(q[b]), int(d[b])
         nc, pl = int(nc_all[row]), int(pl_all[row])
         raise ValueError({
-            "repeated_row": f"idx_mapping must not repeat a request row, got {i.tolist()}",
+            "repeated_row": f"idx_mapping must not repeat a request row among rows with tokens: batch "
+                            f"row {b} names request row {row}, as an earlier one does, got {i.tolist()}",
             "past_max_model_len": f"batch row {b} (request row {row}) would reach position {nc + qb - 1}, "
                                   f"past max_model_len={requests.max_model_len}",
             "too_many_drafts": f"num_draft_tokens[{b}]={db} exceeds num_speculative_tokens="
@@ -400,24 +402,36 @@ def validate_schedule(
 def _row_faults(requests: RequestState, idx, q, d, *, xp=jnp) -> dict:
     """The schedule's per-row rules against the state, one owner for both uses: bool ``[R]`` per
     rule, True where a real row (``idx`` names a request row, ``q > 0``) breaks it.
+    ``repeated_row``: an earlier real row names the same request row (the first stays).
     :func:`validate_schedule` raises on the first (concrete schedules); :func:`_real_rows` makes
     such rows padding under ``jit`` (they compute, write and sample nothing). ``xp``: ``np`` for
     concrete values (the eager check, also inside a ``jit`` trace), ``jnp`` for traced ones."""
     idx, q, d = (xp.asarray(a).astype(xp.int32) for a in (idx, q, d))
-    R = idx.shape[0]
     row_ok = (idx >= 0) & (idx < requests.max_num_reqs)
     real = row_ok & (q > 0)
     s = xp.where(row_ok, idx, 0)
     nc = xp.asarray(requests.num_computed_tokens)[s]
     pl = xp.asarray(requests.prefill_len)[s]
-    earlier = xp.arange(R)[None, :] < xp.arange(R)[:, None]  # [b, j]: j before b
-    repeated = xp.any(earlier & real[None, :] & (idx[None, :] == idx[:, None]), axis=1)
+    b = xp.arange(idx.shape[0], dtype=xp.int32)
     decode = nc >= pl
     return {name: real & bad for name, bad in {
-        "repeated_row": repeated,
+        "repeated_row": _first_real_row(idx, real, requests.max_num_reqs, xp=xp)[s] != b,
         "past_max_model_len": nc + q > requests.max_model_len,
         "too_many_drafts": d > requests.num_speculative_tokens,
         "drafts_off_a_decode_window": (d > 0) & (~decode | (q != 1 + d)),
         "chunk_past_the_prompt": ~decode & (nc + q > pl),
         "decode_query_not_its_window": decode & (q != 1 + d),
     }.items()}
+
+
+def _first_real_row(idx, real, num_rows: int, *, xp):
+    """int32 ``[num_rows]``: for each request row, the first batch row ``b`` with ``real[b]`` whose
+    ``idx[b]`` names it (``len(idx)`` where none does). One scatter-min over the batch rows: a
+    real row ``b`` repeats an earlier one exactly when ``first[idx[b]] != b``."""
+    R = idx.shape[0]
+    b = xp.arange(R, dtype=xp.int32)
+    if xp is np:
+        first = np.full((num_rows,), R, np.int32)
+        np.minimum.at(first, idx[real], b[real])
+        return first
+    return jnp.full((num_rows,), R, jnp.int32).at[jnp.where(real, idx, num_rows)].min(b, mode="drop")

@@ -372,3 +372,24 @@ def test_update_refuses_results_that_do_not_match_the_plan(sampled, num_sampled,
     assert (req.num_computed, req.output, sched.step_count) == before  # nothing applied
     sched.update(plan, np.full((1, 3), 5, np.int32), np.ones((1,), np.int32))
     assert req.output[-1] == 5
+
+
+@pytest.mark.parametrize("count", [3, -1])
+def test_update_reads_no_count_of_a_mid_prefill_chunk(count):
+    # The bound is the state's sample_window: a mid-prefill chunk samples nothing, so its count is
+    # not read (as step_progress and the device's post_update treat it), while the chunk that
+    # finishes the prompt may sample one token.
+    sched = _sched()
+    sched.add_request(Request("a", list(range(1, 41)), 4))
+    plan = sched.schedule()
+    req = plan.scheduled[0].req
+    assert [(s.num_tokens, s.drafts) for s in plan.scheduled] == [(32, [])] and req.prefill_len == 40
+    sched.update(plan, np.full((1, 1), 5, np.int32), np.array([count]))
+    assert (req.num_computed, req.output) == (32, [])
+    assert [int(v) for v in step_progress(0, 40, 32, count)] == [0, 32]  # (kept, num_computed)
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match=r"num_sampled\[0\] = 2 for request 'a', whose row has 0 drafts: "
+                                         r"it must be in \[0, 1\]"):
+        sched.update(plan, np.full((1, 1), 5, np.int32), np.array([2]))
+    sched.update(plan, np.full((1, 1), 5, np.int32), np.array([1]))
+    assert (req.num_computed, req.output) == (40, [5])

@@ -11,6 +11,7 @@ from jax.experimental import checkify
 import kvjax
 import kvjax.state.step_batch as step_batch_module
 from kvjax import BlockTables, KVGroupSpec, RequestState, ScheduledBatch, build_step_batch
+from kvjax.state.block_tables import block_id_limit
 from kvjax.state import (
     assert_block_tables, block_table_violations, checkify_slot_mapping_inputs, free_rows_are_empty,
     step_batch_violations,
@@ -85,16 +86,49 @@ def test_block_table_rules_fire_one_at_a_time():
     t = BlockTables.create(SPECS, 4, num_cache_blocks=32).append_block_ids(1, [[3], [4]], overwrite=True)
     assert not any(bool(v) for v in block_table_violations(t).values())
     assert_block_tables(t)
-    planted = {
-        "entry_past_live_length_not_NULL": t.replace(tables=(t.tables[0].at[1, 2].set(7), t.tables[1])),
-        "negative_block_table_entry": t.replace(tables=(t.tables[0].at[1, 0].set(-1), t.tables[1])),
-        "live_length_exceeds_width": t.replace(num_blocks=t.num_blocks.at[0, 1].set(5)),
-    }
-    for rule, bad in planted.items():
+    planted = [
+        ("entry_past_live_length_not_NULL", t.replace(tables=(t.tables[0].at[1, 2].set(7), t.tables[1]))),
+        ("negative_block_table_entry", t.replace(tables=(t.tables[0].at[1, 0].set(-1), t.tables[1]))),
+        ("live_length_exceeds_width", t.replace(num_blocks=t.num_blocks.at[0, 1].set(5))),
+        # logical block 32 of a 32-block cache: group 0 directly, group 1 as kernel id 64 = 32 * 2
+        ("live_entry_past_the_cache", t.replace(tables=(t.tables[0].at[1, 0].set(32), t.tables[1]))),
+        ("live_entry_past_the_cache", t.replace(tables=(t.tables[0], t.tables[1].at[1, 1].set(64)))),
+    ]
+    for rule, bad in planted:
         got = [k for k, v in block_table_violations(bad).items() if bool(v)]
-        assert rule in got, (rule, got)
+        assert got == [rule], (rule, got)
         with pytest.raises(AssertionError, match=rule):
             assert_block_tables(bad)
+
+
+def test_live_entries_name_blocks_the_cache_has():
+    """Below num_cache_blocks (logical ids: kernel id // blocks_per_kv_block) when known, else below
+    block_id_limit; an entry past the live length is another rule's, a NULL one is a skipped block."""
+    t = BlockTables.create(SPECS, 4, num_cache_blocks=32).append_block_ids(1, [[31], [31]], overwrite=True)
+    np.testing.assert_array_equal(t.tables[1][1, :2], [62, 63])  # logical 31 of group 1: kernel 62, 63
+    assert not bool(block_table_violations(t)["live_entry_past_the_cache"])
+    assert not bool(block_table_violations(t.replace(tables=(t.tables[0].at[1, 0].set(0), t.tables[1])))[
+        "live_entry_past_the_cache"])
+    unknown = BlockTables.create(SPECS, 4).append_block_ids(1, [[31], [31]], overwrite=True)
+    limit = block_id_limit(4)  # group 0: blocks of 4 tokens
+    for entry, bad in ((limit - 1, False), (limit, True)):
+        v = block_table_violations(unknown.replace(tables=(unknown.tables[0].at[1, 0].set(entry), unknown.tables[1])))
+        assert bool(v["live_entry_past_the_cache"]) == bad, entry
+    v = block_table_violations(unknown.replace(tables=(unknown.tables[0].at[1, 0].set(99), unknown.tables[1])))
+    assert not bool(v["live_entry_past_the_cache"])  # no num_cache_blocks: 99 is a block
+
+
+def test_a_real_slot_outside_its_rows_table_is_flagged():
+    s, t = make_state()
+    b = build_step_batch(s, t, ScheduledBatch.from_lists([0, 2], [3, 2], [2, 0], pad_to=4),
+                         num_tokens_padded=8, num_logits_padded=6)
+    assert violated(b) == []
+    # token 0 (row 0, position 3) into row 2's block 5 / into block 20, no row's: both off its table
+    for slot in (5 * 4 + 3, 20 * 4 + 3):
+        assert violated(b.replace(slot_mappings=b.slot_mappings.at[0, 0].set(slot))) == ["real_slot_beyond_its_table"]
+    # the table moved instead: row 0's position 3 is no longer in block 9
+    tbl = b.block_tables[0].at[0, 0].set(12)
+    assert violated(b.replace(block_tables=(tbl, b.block_tables[1]))) == ["real_slot_beyond_its_table"]
 
 
 def test_free_rows_are_empty():
@@ -108,18 +142,33 @@ def test_free_rows_are_empty():
 def test_checkify_slot_mapping_inputs_reports_each_fault():
     table = np.array([[1, 2, 0]], np.int32)  # row 0 holds blocks 1, 2; column 2 unallocated
 
-    def run(qsl, positions, T=4):
+    def run(qsl, positions, T=4, rows=(0,)):
         f = jax.jit(checkify.checkify(functools.partial(
             checkify_slot_mapping_inputs, block_size=4, num_tokens_padded=T)))
-        err, _ = f(table, np.array([0], np.int32), np.array(qsl, np.int32), np.array(positions, np.int32))
+        err, _ = f(table, np.array(rows, np.int32), np.array(qsl, np.int32), np.array(positions, np.int32))
         return err
 
     run([0, 2], [6, 7, 0, 0]).throw()  # block 2: fine
-    for qsl, positions, T, match in [
-        ([0, 2], [8, 9, 0, 0], 4, "NULL_BLOCK_ID"),  # column 2 is the null block
-        ([0, 2], [12, 13, 0, 0], 4, "outside the block table"),
-        ([1, 2], [6, 7, 0, 0], 4, r"query_start_loc\[0\] must be 0"),
-        ([0, 5], [6, 7, 0, 0, 0], 4, "exceeds num_tokens_padded"),
+    run([0, 2, 2], [6, 7, 0, 0], rows=(0, -1)).throw()  # a padding row
+    for qsl, positions, T, rows, match in [
+        ([0, 2], [8, 9, 0, 0], 4, (0,), "NULL_BLOCK_ID"),  # column 2 is the null block
+        ([0, 2], [12, 13, 0, 0], 4, (0,), "outside the block table"),
+        ([1, 2], [6, 7, 0, 0], 4, (0,), r"query_start_loc\[0\] must be 0"),
+        ([0, 5], [6, 7, 0, 0, 0], 4, (0,), "exceeds num_tokens_padded"),
+        # the table has one row: row 1 is past it (its tokens would silently write nothing)
+        ([0, 1, 2], [6, 7, 0, 0], 4, (0, 1), r"idx_mapping must have values in \[0, 1\) \(or -1\); got 1 at index 1"),
+        ([0, 1, 2], [6, 7, 0, 0], 4, (-2, 0), r"idx_mapping must have values in \[0, 1\) \(or -1\); got -2 at index 0"),
+        ([0, 3], [6, 7], 4, (0,), r"positions must cover the 3 real tokens \(query_start_loc\[-1\]\), got shape \[2\]"),
     ]:
         with pytest.raises(checkify.JaxRuntimeError, match=match):
-            run(qsl, positions, T).throw()
+            run(qsl, positions, T, rows).throw()
+        with pytest.raises(ValueError):  # the eager check of the same inputs
+            kvjax.compute_slot_mapping(table, np.array(rows), np.array(qsl), np.array(positions), block_size=4,
+                                       num_tokens_padded=T)
+
+
+def test_checkify_slot_mapping_inputs_makes_the_static_checks():
+    with pytest.raises(ValueError, match=r"query_start_loc must have shape \[2\], got \[3\]"):
+        checkify_slot_mapping_inputs(jnp.zeros((1, 3), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                     jnp.zeros((3,), jnp.int32), jnp.zeros((4,), jnp.int32),
+                                     block_size=4, num_tokens_padded=4)

@@ -93,6 +93,43 @@ def test_bad_schedules_are_rejected(rows, q, d, match):
         build_step_batch(s, t, ScheduledBatch.from_lists(rows, q, d, pad_to=4), num_tokens_padded=8)
 
 
+def test_a_row_with_no_tokens_may_repeat_a_request_row():
+    # A 0-token row is padding (it reads and writes nothing), so its entry is not read: it may name
+    # the row a row with tokens names, before or after it. Two rows with tokens may not.
+    s, t = make_state()
+    eager = functools.partial(build_step_batch, num_tokens_padded=8, num_logits_padded=6)
+    want = eager(s, t, ScheduledBatch.from_lists([0], [3], [2], pad_to=4))
+    for build in (JIT_BUILD, eager):
+        assert_batches_equal(build(s, t, ScheduledBatch.from_lists([0, 0, 2], [3, 0, 0], [2, 0, 0], pad_to=4)), want)
+        b = build(s, t, ScheduledBatch.from_lists([0, 0], [0, 3], [0, 2], pad_to=4))
+        np.testing.assert_array_equal(b.idx_mapping, [-1, 0, -1, -1])
+        np.testing.assert_array_equal(b.query_start_loc, [0, 0, 3, 3, 3])
+        kvjax.assert_step_batch(b, SPECS)
+    with pytest.raises(ValueError, match=r"idx_mapping must not repeat a request row among rows with tokens: "
+                                         r"batch row 2 names request row 0, as an earlier one does, got "
+                                         r"\[0, 2, 0, -1\]"):
+        eager(s, t, ScheduledBatch.from_lists([0, 2, 0], [3, 2, 1], [2, 0, 0], pad_to=4))
+
+
+def test_repeated_rows_are_the_later_real_rows_naming_an_earlier_real_rows_request_row():
+    """_row_faults' repeated_row (one scatter over the rows) against the pairwise definition, for
+    numpy (the eager check), jax.numpy and under jit (the mask)."""
+    from kvjax.state.step_batch import _row_faults
+    s = RequestState.create(4, 64, num_speculative_tokens=2)
+    rng = np.random.default_rng(0)
+    jitted = jax.jit(lambda i, q, d: _row_faults(s, i, q, d)["repeated_row"])
+    for _ in range(200):
+        R = int(rng.integers(1, 9))
+        idx = rng.integers(-2, 6, R).astype(np.int32)  # -2, 4 and 5: not rows (never real)
+        q = rng.integers(-1, 3, R).astype(np.int32)  # 0 and -1: no tokens (never real)
+        d = np.zeros(R, np.int32)
+        real = (idx >= 0) & (idx < 4) & (q > 0)
+        want = [bool(real[b] and any(real[j] and idx[j] == idx[b] for j in range(b))) for b in range(R)]
+        for got in (_row_faults(s, idx, q, d, xp=np)["repeated_row"], _row_faults(s, idx, q, d)["repeated_row"],
+                    jitted(idx, q, d)):
+            assert np.asarray(got).tolist() == want, (idx, q, got)
+
+
 def test_position_past_max_model_len_rejected():
     s = RequestState.create(1, 4).add_request(0, [1, 2, 3, 4])
     t = BlockTables.create((KVGroupSpec(block_size=4, max_num_blocks=1),), 1).append_block_ids(0, [[1]], overwrite=True)
@@ -113,6 +150,7 @@ def test_invariant_checks_catch_planted_violations_eagerly_and_under_checkify():
         "pad_token_id_or_position_nonzero": b.replace(positions=b.positions.at[6].set(3)),
         "pad_row_seq_len_nonzero": b.replace(seq_lens=b.seq_lens.at[3].set(1)),
         "logits_index_not_real_token": b.replace(logits_indices=b.logits_indices.at[3].set(6)),
+        "real_slot_beyond_its_table": b.replace(slot_mappings=b.slot_mappings.at[0, 0].set(20 * 4 + 3)),
     }
     for rule, bad in planted.items():
         with pytest.raises(AssertionError, match=rule):
