@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded, self_attention_impl
-from kvjax.models.hf import hybrid as hy
+from kvjax.models.hf import fields as fl
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import MoESpec, check_expert_groups, routed_ffn, topk_sigmoid_grouped
@@ -264,12 +264,12 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if cfg.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", cfg["pretraining_tp"], "only 1")
 
-    rp = hy.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
+    rp = fl.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
     rope_type = rp["rope_type"]
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf not in (None, 1, 1.0):
         refuse("partial_rotary_factor", prf, "the whole qk_rope_head_dim is rotated")
-    theta = hy.rope_number(ARCHITECTURE, cfg, rp, "rope_theta", 10000.0, positive=True)
+    theta = fl.rope_number(ARCHITECTURE, cfg, rp, "rope_theta", 10000.0, positive=True)
     max_pos = _field(cfg, "max_position_embeddings")
     yarn = {}
     if rope_type == "yarn":
@@ -281,21 +281,21 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             refuse("rope_parameters.factor", None, "YaRN needs an explicit factor")
         def yarn_number(name, default=None, **kw):  # transformers: beta_fast / beta_slow 'or' their default
             v = rp.get(name) or default if default is not None else rp.get(name)
-            return None if v is None else hy.check_number(ARCHITECTURE, f"rope_parameters.{name}", v, **kw)
+            return None if v is None else fl.check_number(ARCHITECTURE, f"rope_parameters.{name}", v, **kw)
 
         omp = "original_max_position_embeddings"  # transformers: the top-level field wins
         omp_src = cfg if cfg.get(omp) is not None else rp if rp.get(omp) is not None else {omp: max_pos}
         yarn = dict(
             yarn_factor=yarn_number("factor", positive=True),
-            yarn_original_max_position_embeddings=hy.check_int(ARCHITECTURE, omp_src, omp),
+            yarn_original_max_position_embeddings=fl.check_int(ARCHITECTURE, omp_src, omp),
             yarn_beta_fast=yarn_number("beta_fast", 32, positive=True),
             yarn_beta_slow=yarn_number("beta_slow", 1, positive=True),
             yarn_mscale=yarn_number("mscale"),
             yarn_mscale_all_dim=yarn_number("mscale_all_dim"),
             yarn_attention_factor=yarn_number("attention_factor", positive=True),
-            yarn_truncate=hy.check_bool(ARCHITECTURE, rp, "truncate", True),
+            yarn_truncate=fl.check_bool(ARCHITECTURE, rp, "truncate", True),
         )
-    flags = {name: hy.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
+    flags = {name: fl.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
              for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings")}
     mtp = {k: cfg[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in cfg}
     if len(mtp) == 2 and mtp["num_nextn_predict_layers"] != mtp["num_mtp_layers"]:
@@ -303,7 +303,7 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
                f"num_nextn_predict_layers={mtp['num_nextn_predict_layers']!r} and "
                f"num_mtp_layers={mtp['num_mtp_layers']!r} (its alias in transformers) disagree")
     mtp_name = next(iter(mtp), "num_nextn_predict_layers")
-    n_mtp = hy.check_int(ARCHITECTURE, cfg, mtp_name, 1, lo=0)
+    n_mtp = fl.check_int(ARCHITECTURE, cfg, mtp_name, 1, lo=0)
     ns = _field(cfg, "n_shared_experts")
     if not isinstance(ns, int) or ns < 1:
         refuse("n_shared_experts", ns, "at least one shared expert (transformers always builds one)")
@@ -316,7 +316,7 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
         num_attention_heads=H,
         n_shared_experts=ns,
         n_routed_experts=_field(cfg, "n_routed_experts"),
-        routed_scaling_factor=hy.number(ARCHITECTURE, cfg, "routed_scaling_factor",
+        routed_scaling_factor=fl.number(ARCHITECTURE, cfg, "routed_scaling_factor",
                                         _DEFAULTS["routed_scaling_factor"], positive=True),
         kv_lora_rank=_field(cfg, "kv_lora_rank"),
         q_lora_rank=_field(cfg, "q_lora_rank"),
@@ -328,7 +328,7 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
         num_experts_per_tok=_field(cfg, "num_experts_per_tok"),
         first_k_dense_replace=_field(cfg, "first_k_dense_replace"),
         norm_topk_prob=flags["norm_topk_prob"],
-        rms_norm_eps=hy.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
+        rms_norm_eps=fl.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
         rope_theta=theta,
         rope_interleave=flags["rope_interleave"],
         attention_bias=flags["attention_bias"],
