@@ -221,9 +221,9 @@ def _validate(c: DeepseekV3Config) -> None:
         pos_int("yarn_original_max_position_embeddings")
 
 
-def _field(cfg: dict, name: str):
-    v = cfg.get(name, _DEFAULTS.get(name))
-    return v
+def _field(cfg: dict, name: str, **kw):
+    """config.json field ``name`` by :func:`kvjax.models.hf.fields.field`, absent: transformers' default."""
+    return fl.field(ARCHITECTURE, cfg, name, _DEFAULTS.get(name), **kw)
 
 
 def config_from_hf(cfg: dict) -> DeepseekV3Config:
@@ -238,14 +238,13 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if archs is not None and ARCHITECTURE not in archs:
         raise ValueError(f"architectures must include {ARCHITECTURE!r}, got {archs!r}")
 
-    def refuse(name, value, why):
-        raise ValueError(f"DeepSeek-V3 config field {name}={value!r} is not supported: {why}")
-
+    refuse = functools.partial(fl.refuse, ARCHITECTURE)
     if cfg.get("quantization_config") is not None:
         refuse("quantization_config", cfg["quantization_config"],
                "quantised weights (e.g. fp8 block-scaled) are not read; convert the checkpoint to bf16/f32")
-    if _field(cfg, "hidden_act") != "silu":
-        refuse("hidden_act", cfg.get("hidden_act"), "only silu (SwiGLU) is implemented")
+    act = _field(cfg, "hidden_act")
+    if act != "silu":
+        refuse("hidden_act", act, "only silu (SwiGLU) is implemented")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         refuse("topk_method", cfg["topk_method"], "only 'noaux_tc' (sigmoid scores + correction bias, "
                "group-limited top-k, as transformers' DeepseekV3TopkRouter) is implemented")
@@ -258,9 +257,6 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if kvh is not None and kvh != H:
         refuse("num_key_value_heads", kvh, f"MLA up-projects one key/value per head; it must equal "
                f"num_attention_heads={H}")
-    for name in ("n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace"):
-        if name in cfg and cfg[name] is None:
-            refuse(name, None, "transformers' DeepseekV3 needs a value")
     if cfg.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", cfg["pretraining_tp"], "only 1")
 
@@ -319,7 +315,7 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
         routed_scaling_factor=fl.number(ARCHITECTURE, cfg, "routed_scaling_factor",
                                         _DEFAULTS["routed_scaling_factor"], positive=True),
         kv_lora_rank=_field(cfg, "kv_lora_rank"),
-        q_lora_rank=_field(cfg, "q_lora_rank"),
+        q_lora_rank=_field(cfg, "q_lora_rank", null=None),  # null: q_proj, no LoRA
         qk_rope_head_dim=_field(cfg, "qk_rope_head_dim"),
         v_head_dim=_field(cfg, "v_head_dim"),
         qk_nope_head_dim=_field(cfg, "qk_nope_head_dim"),

@@ -301,6 +301,26 @@ def test_a_null_field_without_a_null_meaning_is_refused(name, field, hf_checkpoi
                    tmp_path)
 
 
+@pytest.mark.parametrize("field", [
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "hidden_act", "kv_lora_rank",
+    "qk_rope_head_dim", "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_experts_per_tok",
+    "first_k_dense_replace", "max_position_embeddings",
+])
+def test_a_deepseek_null_field_without_a_null_meaning_is_refused(field, tmp_path):
+    """DeepSeek-V3 reads its fields by the hybrids' rule: a null is refused as a null, naming the field
+    (it used to be refused later as a bad int, or as an unsupported activation)."""
+    config_refused(rf"^DeepseekV3ForCausalLM: config\.json field {field} is null; expected a value",
+                   dict(DS_TINY, **{field: None}), tmp_path)
+
+
+def test_a_deepseek_null_q_lora_rank_is_no_query_lora(tmp_path):
+    """transformers' DeepSeek-V3 takes q_lora_rank null as a plain q_proj."""
+    path = tmp_path / "d"
+    os.makedirs(path)
+    json.dump(dict(DS_TINY, q_lora_rank=None), open(path / "config.json", "w"))
+    assert loader.model_from_dir(str(path)).config.q_lora_rank is None
+
+
 def test_null_fields_that_mean_something_read_as_transformers(hf_checkpoint, tmp_path):
     """Granite: attention_multiplier null is 1/sqrt(head_dim) (transformers passes scaling=None to
     its attention); num_key_value_heads null is num_attention_heads (Granite and Bamba)."""
