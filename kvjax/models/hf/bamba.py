@@ -18,7 +18,7 @@ from __future__ import annotations
 from kvjax.models.attention import AttnSpec
 from kvjax.models.hf import fields as fl
 from kvjax.models.hf import hybrid as hy
-from kvjax.models.hf.granite import _common, _mamba_spec, mixer_entries
+from kvjax.models.hf.granite import _common, _flags, _mamba_spec, mixer_entries
 from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
 from kvjax.models.moe import MLPSpec
 
@@ -49,11 +49,8 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
         mlp=MLPSpec(fl.check_int(arch, cfg, "intermediate_size", 14336), True, "silu"),
-        attn_bias=fl.check_bool(arch, cfg, "attention_bias", False),
         mlp_bias=fl.check_bool(arch, cfg, "mlp_bias", False),
-        mamba_proj_bias=fl.check_bool(arch, cfg, "mamba_proj_bias", False),
-        mamba_conv_bias=fl.check_bool(arch, cfg, "mamba_conv_bias", True),
-        tie_embeddings=fl.check_bool(arch, cfg, "tie_word_embeddings", False),
+        **_flags(arch, cfg),
     )
 
 

@@ -89,6 +89,16 @@ def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int |
     return V, d, L, eps, Hq, Hkv, D
 
 
+#: The bool fields Granite-4.0-H and Bamba share: (HybridConfig field, config.json field, transformers' default).
+_FLAGS = (("attn_bias", "attention_bias", False), ("mamba_proj_bias", "mamba_proj_bias", False),
+          ("mamba_conv_bias", "mamba_conv_bias", True), ("tie_embeddings", "tie_word_embeddings", False))
+
+
+def _flags(arch: str, cfg: dict) -> dict:
+    """:data:`_FLAGS` read by :func:`~kvjax.models.hf.fields.check_bool`, as HybridConfig keywords."""
+    return {ours: fl.check_bool(arch, cfg, name, default) for ours, name, default in _FLAGS}
+
+
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
@@ -131,12 +141,9 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         attn=attn if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
         mlp=None if E else shared, moe=moe, moe_shared=shared if E else None,
-        attn_bias=fl.check_bool(arch, cfg, "attention_bias", False),
-        mamba_proj_bias=fl.check_bool(arch, cfg, "mamba_proj_bias", False),
-        mamba_conv_bias=fl.check_bool(arch, cfg, "mamba_conv_bias", True),
         embedding_multiplier=fl.number(arch, cfg, "embedding_multiplier", 1.0),
         logits_scaling=fl.number(arch, cfg, "logits_scaling", 1.0, positive=True),
-        tie_embeddings=fl.check_bool(arch, cfg, "tie_word_embeddings", False),
+        **_flags(arch, cfg),
     )
 
 

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 st = pytest.importorskip("safetensors.numpy")
 
 from kvjax.models import load_pretrained  # noqa: E402
+from kvjax.models.hf import bamba, granite  # noqa: E402
 from kvjax.models.hf import deepseek_v3 as ds  # noqa: E402
 from kvjax.models.hf import loader  # noqa: E402
 from conftest import edit_config, refused  # noqa: E402
@@ -162,6 +163,30 @@ def test_a_bool_field_must_be_a_bool(name, field, value, hf_checkpoint, tmp_path
     cfg[field] = value
     config_refused(rf"config\.json field {field} must be true or false, got {re.escape(repr(value))}",
                    cfg, tmp_path)
+
+
+#: The bool fields Granite-4.0-H and Bamba share: config.json field -> HybridConfig field.
+SHARED_FLAGS = {"attention_bias": "attn_bias", "mamba_proj_bias": "mamba_proj_bias",
+                "mamba_conv_bias": "mamba_conv_bias", "tie_word_embeddings": "tie_embeddings"}
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "bamba"])
+def test_granite_and_bamba_bool_fields_read_as_transformers(name, hf_checkpoint):
+    """Absent, each takes transformers' default; given, its value lands in its own HybridConfig
+    field (the others keep theirs)."""
+    transformers = pytest.importorskip("transformers")
+    module = {"granite_rope_moe": granite, "bamba": bamba}[name]
+    bare = {k: v for k, v in hf_config(hf_checkpoint, name).items() if k not in SHARED_FLAGS}
+    default = transformers.CONFIG_MAPPING[bare["model_type"]]()
+    want = {ours: getattr(default, field) for field, ours in SHARED_FLAGS.items()}
+
+    def read(cfg):
+        c = module.config_from_hf(cfg)
+        return {ours: getattr(c, ours) for ours in SHARED_FLAGS.values()}
+
+    assert read(bare) == want
+    for field, ours in SHARED_FLAGS.items():
+        assert read(dict(bare, **{field: not want[ours]})) == dict(want, **{ours: not want[ours]}), field
 
 
 # ------------------------------------------------ 2. DeepSeek-V3's MTP layers, and no others
