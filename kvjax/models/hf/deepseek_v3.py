@@ -63,6 +63,7 @@ from kvjax.models.step_context import StepContext
 from pallas_kernels.kv_write import concat_and_cache_mla
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+_WHERE = "DeepSeek-V3 config"  # the prefix of DeepseekV3Config's own refusals (a config built in code)
 _SUB_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' DeepseekV3RMSNorm default
 _FP8_MAX = 448.0
 _DATA, _MODEL = "data", "model"
@@ -191,9 +192,7 @@ def _mscale(scale, mscale=1.0) -> float:
 
 def _validate(c: DeepseekV3Config) -> None:
     def pos_int(name, lo=1):
-        v = getattr(c, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"DeepSeek-V3 config: {name} must be an int >= {lo}, got {v!r}")
+        fl.check_int_value(_WHERE, name, getattr(c, name), lo, label="field")
 
     for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "n_shared_experts", "n_routed_experts",
@@ -206,18 +205,15 @@ def _validate(c: DeepseekV3Config) -> None:
     if c.q_lora_rank is not None:
         pos_int("q_lora_rank")
     if c.qk_rope_head_dim % 2:
-        raise ValueError(f"DeepSeek-V3 config: qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
-    check_expert_groups("DeepSeek-V3 config", c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok)
+        raise ValueError(f"{_WHERE}: qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
+    check_expert_groups(_WHERE, c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok)
     for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
-        v = getattr(c, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"DeepSeek-V3 config: {name} must be a positive number, got {v!r}")
+        fl.check_number(_WHERE, name, getattr(c, name), positive=True, label="field")
     if c.rope_type not in _ROPE_TYPES:
-        raise ValueError(f"DeepSeek-V3 config: rope type {c.rope_type!r} is not supported "
+        raise ValueError(f"{_WHERE}: rope type {c.rope_type!r} is not supported "
                          f"(supported: {_ROPE_TYPES})")
     if c.rope_type == "yarn":
-        if not (isinstance(c.yarn_factor, (int, float)) and c.yarn_factor > 0):
-            raise ValueError(f"DeepSeek-V3 config: yarn rope needs a positive factor, got {c.yarn_factor!r}")
+        fl.check_number(_WHERE, "yarn_factor", c.yarn_factor, positive=True, label="field")
         pos_int("yarn_original_max_position_embeddings")
 
 

@@ -49,17 +49,18 @@ def is_float_tag(v) -> bool:
 
 
 def check_number(arch: str, name: str, v, *, positive: bool = False, lo: float | None = None,
-                 allow_inf: bool = False) -> float:
+                 allow_inf: bool = False, label: str = "config.json field") -> float:
     """A config.json number as a float: a JSON int / float (not a bool, not a string) or
     transformers' tagged ``{"__float__": "Infinity" | "-Infinity" | "NaN"}``. Refused, naming
     the field: anything else, NaN, an infinity (unless ``allow_inf``: ``+inf`` only), a value
-    <= 0 when ``positive``, a value < ``lo``. Every module's numeric fields go through here."""
+    <= 0 when ``positive``, a value < ``lo``. Every module's numeric fields go through here.
+    ``label`` names what ``name`` is a field of (a config built in code: ``"field"``)."""
     if is_float_tag(v):
         f = _FLOAT_TAGS[v["__float__"]]
     elif isinstance(v, (int, float)) and not isinstance(v, bool):
         f = float(v)
     else:
-        raise ValueError(f"{arch}: config.json field {name} must be a number, got {v!r}")
+        raise ValueError(f"{arch}: {label} {name} must be a number, got {v!r}")
     if positive and not f > 0:
         why = "> 0"
     elif lo is not None and not f >= lo:
@@ -68,7 +69,7 @@ def check_number(arch: str, name: str, v, *, positive: bool = False, lo: float |
         why = "finite" + (" (or +inf)" if allow_inf else "")
     else:
         return f
-    raise ValueError(f"{arch}: config.json field {name} must be {why}, got {v!r}")
+    raise ValueError(f"{arch}: {label} {name} must be {why}, got {v!r}")
 
 
 def number(arch: str, cfg: dict, name: str, default=None, *, positive: bool = False,
@@ -85,11 +86,17 @@ def refuse(arch: str, name: str, got, why: str):
     raise ValueError(f"{arch}: config.json field {name}={got!r} is not supported ({why})")
 
 
-def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1, *, null=_NO_NULL) -> int:
-    v = field(arch, cfg, name, default, null=null)
+def check_int_value(arch: str, name: str, v, lo: int = 1, *, label: str = "config.json field") -> int:
+    """``v`` when it is an int (not a bool) >= ``lo``; refused naming the field otherwise (``label``
+    as in :func:`check_number`)."""
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{arch}: config.json field {name} must be an int >= {lo}, got {v!r}")
+        raise ValueError(f"{arch}: {label} {name} must be an int >= {lo}, got {v!r}")
     return v
+
+
+def check_int(arch: str, cfg: dict, name: str, default=None, lo: int = 1, *, null=_NO_NULL) -> int:
+    """config.json field ``name`` (:func:`field`) through :func:`check_int_value`."""
+    return check_int_value(arch, name, field(arch, cfg, name, default, null=null), lo)
 
 
 def rope_parameters(arch: str, cfg: dict, types: tuple[str, ...] = ("default",)) -> dict:

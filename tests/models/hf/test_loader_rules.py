@@ -8,6 +8,7 @@ tiny random models); the DeepSeek-V3 ones are written here from :func:`deepseek_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -415,6 +416,34 @@ def test_a_numeric_field_must_be_a_usable_number(name, changes, field, hf_checkp
     cfg = dict(DS_TINY) if name == "deepseek" else hf_config(hf_checkpoint, name)
     cfg.update(changes)
     config_refused(rf"field {re.escape(field)} (is null|must be)", cfg, tmp_path)
+
+
+@pytest.mark.parametrize("changes,name,want", [
+    (dict(rms_norm_eps=0.0), "rms_norm_eps", "> 0"),
+    (dict(rope_theta=-1e4), "rope_theta", "> 0"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor", "> 0"),
+    (dict(rms_norm_eps=float("inf")), "rms_norm_eps", "finite"),
+    (dict(rope_theta=True), "rope_theta", "a number"),
+    (dict(routed_scaling_factor="2.5"), "routed_scaling_factor", "a number"),
+    (dict(rope_type="yarn", yarn_original_max_position_embeddings=64, yarn_factor=float("inf")), "yarn_factor",
+     "finite"),
+    (dict(rope_type="yarn", yarn_original_max_position_embeddings=64, yarn_factor=0), "yarn_factor", "> 0"),
+    (dict(vocab_size=0), "vocab_size", "an int >= 1"),
+    (dict(hidden_size=64.0), "hidden_size", "an int >= 1"),
+    (dict(n_group=True), "n_group", "an int >= 1"),
+    (dict(qk_rope_head_dim=1), "qk_rope_head_dim", "an int >= 2"),
+    (dict(first_k_dense_replace=-1), "first_k_dense_replace", "an int >= 0"),
+    (dict(rope_type="yarn", yarn_original_max_position_embeddings=0), "yarn_original_max_position_embeddings",
+     "an int >= 1"),
+])
+def test_a_deepseek_config_built_in_code_is_checked_by_the_shared_field_rules(changes, name, want):
+    """DeepseekV3Config checks its own sizes and scales (a config built in code never passes
+    config_from_hf) by the config.json rules, naming the field, what it must be and what came."""
+    good = ds.config_from_hf(DS_TINY)
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(good, **changes)
+    assert re.fullmatch(rf"DeepSeek-V3 config: field {name} must be {re.escape(want)}, got "
+                        rf"{re.escape(repr(changes[name]))}", str(info.value)), str(info.value)
 
 
 def test_transformers_float_tags_are_read(hf_checkpoint, tmp_path):
