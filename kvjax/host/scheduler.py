@@ -95,24 +95,35 @@ def peak_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> 
     return max(num_prompt_tokens, min(num_prompt_tokens + max_tokens - 1, max_model_len - 1))
 
 
+def check_request(req_id: str, prompt, max_tokens, *, max_model_len: int) -> None:
+    """The admission rule's first part: what a request must be to run with ``max_model_len``,
+    whatever the cache (a workload's entries are checked by it before any cache exists).
+
+    Raises:
+      ValueError: the prompt is not a non-empty list, or ``max_tokens`` is not a positive int.
+      RequestTooLargeError: the prompt has ``max_model_len`` tokens or more (no room to generate).
+    """
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"request {req_id!r}: prompt must be a non-empty list of token ids, got {prompt!r}")
+    check_size(f"request {req_id!r}: max_tokens", max_tokens)
+    if len(prompt) >= max_model_len:
+        raise RequestTooLargeError(f"request {req_id!r}: prompt has {len(prompt)} tokens; "
+                                   f"max_model_len={max_model_len} leaves no room to generate")
+
+
 def check_request_fits(
     req: "Request", specs: tuple[KVGroupSpec, ...], *, num_blocks: int, max_model_len: int
 ) -> None:
     """The admission rule: what a request must be to ever run, checked before it is queued.
 
     Raises:
-      ValueError: the prompt is empty, or ``max_tokens`` is not a positive int.
-      RequestTooLargeError: the prompt has ``max_model_len`` tokens or more (no room to generate),
-        or ``req`` alone, at its :func:`peak_tokens`, needs more blocks of a KV group than a
-        block-table row holds (its ``max_num_blocks``), or more KV blocks than the cache has
-        (``num_blocks - 1``: block 0 is reserved).
+      ValueError: :func:`check_request` refuses it.
+      RequestTooLargeError: :func:`check_request` refuses its prompt's length, or ``req`` alone, at
+        its :func:`peak_tokens`, needs more blocks of a KV group than a block-table row holds (its
+        ``max_num_blocks``), or more KV blocks than the cache has (``num_blocks - 1``: block 0 is
+        reserved).
     """
-    if not isinstance(req.prompt, list) or not req.prompt:
-        raise ValueError(f"request {req.req_id!r}: prompt must be a non-empty list of token ids, got {req.prompt!r}")
-    check_size(f"request {req.req_id!r}: max_tokens", req.max_tokens)
-    if len(req.prompt) >= max_model_len:
-        raise RequestTooLargeError(f"request {req.req_id!r}: prompt has {len(req.prompt)} tokens; "
-                                   f"max_model_len={max_model_len} leaves no room to generate")
+    check_request(req.req_id, req.prompt, req.max_tokens, max_model_len=max_model_len)
     n = peak_tokens(len(req.prompt), req.max_tokens, max_model_len)
     for g, s in enumerate(specs):
         if s.blocks_to_add(n, 0) > s.max_num_blocks:
