@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 
-from kvjax.host.scheduler import Request
+from kvjax.host.scheduler import Request, check_request
 
 
 class WorkloadError(ValueError):
@@ -28,7 +28,8 @@ def validate_workload(data, *, vocab_size: int, max_model_len: int, check_fits=N
     """Requests from a parsed workload, or :class:`WorkloadError` naming the problem.
 
     Each request: ``id``, ``prompt`` (token ids), ``max_tokens``, optional ``arrival_step`` and
-    the optional :data:`SAMPLING_FIELDS` (greedy, no stop tokens by default).
+    the optional :data:`SAMPLING_FIELDS` (greedy, no stop tokens by default). Its prompt and
+    ``max_tokens`` are checked by the scheduler's :func:`~kvjax.host.scheduler.check_request`.
 
     ``check_fits``: optional ``Request -> None`` raising ``ValueError`` for a request the
     cache can never hold (the scheduler's capacity rule, ``Scheduler.check_fits``).
@@ -49,22 +50,16 @@ def validate_workload(data, *, vocab_size: int, max_model_len: int, check_fits=N
         if rid in seen:
             raise WorkloadError(f"duplicate request id {rid!r}")
         seen.add(rid)
-        prompt = r.get("prompt")
-        if not isinstance(prompt, list) or not prompt:
-            raise WorkloadError(f"{where}: prompt must be a non-empty list of token ids, got {prompt!r}")
+        prompt, mt = r.get("prompt"), r.get("max_tokens")
+        try:  # the scheduler's admission rule (its messages name the request as ``where`` does)
+            check_request(rid, prompt, mt, max_model_len=max_model_len)
+        except ValueError as e:
+            raise WorkloadError(str(e)) from None
         for j, t in enumerate(prompt):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                 raise WorkloadError(
                     f"{where}: prompt[{j}]={t!r} is not a token id in [0, {vocab_size})"
                 )
-        if len(prompt) >= max_model_len:
-            raise WorkloadError(
-                f"{where}: prompt has {len(prompt)} tokens; max_model_len={max_model_len} leaves no "
-                f"room to generate"
-            )
-        mt = r.get("max_tokens")
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt <= 0:
-            raise WorkloadError(f"{where}: max_tokens must be a positive int, got {mt!r}")
         arrival = r.get("arrival_step", 0)
         if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
             raise WorkloadError(f"{where}: arrival_step must be a non-negative int, got {arrival!r}")

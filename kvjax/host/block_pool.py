@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvjax.constants import NULL_BLOCK_ID
+from kvjax.host.buckets import check_size
 
 
 class OutOfBlocksError(RuntimeError):
@@ -31,11 +32,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, kind: str = "KV block"):
-        if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(
-                f"num_blocks must be an int >= 2 (id {NULL_BLOCK_ID} is reserved), got {num_blocks!r}"
-            )
-        self.num_blocks = num_blocks
+        self.num_blocks = check_size("num_blocks", num_blocks, 2, f"id {NULL_BLOCK_ID} is reserved")
         self.kind = kind
         # Highest id on top of the stack first: pops 1, 2, 3, ... on a fresh pool.
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK_ID, -1))
@@ -52,8 +49,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Pop ``n`` ids; they are recorded to be zeroed before first use."""
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        n = check_size("n", n, 0)
         if n > len(self._free):
             raise OutOfBlocksError(
                 f"cannot allocate {n} {self.kind}s: only {len(self._free)} of "

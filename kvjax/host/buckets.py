@@ -22,12 +22,14 @@ import numbers
 from kvjax.spec import cdiv
 
 
-def _size(name: str, value, minimum: int) -> int:
+def check_size(name: str, value, minimum: int = 1, why: str = "") -> int:
     """``value`` as a plain int, or ValueError naming ``name`` when it is not an int (``bool`` is
-    not one) of at least ``minimum``: 1 (a positive int) or 0 (a non-negative int). numpy ints are taken."""
+    not one) of at least ``minimum``; numpy ints are taken. The host's one rule for a size given by
+    name: the message says "a positive int" (``minimum`` 1), "a non-negative int" (0) or "an int >=
+    minimum", then ``why`` in parentheses when given."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        kind = "a positive int" if minimum else "a non-negative int"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        kind = {1: "a positive int", 0: "a non-negative int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"{name} must be {kind}{f' ({why})' if why else ''}, got {value!r}")
     return int(value)
 
 
@@ -59,8 +61,8 @@ def default_token_sizes(max_num_batched_tokens: int, num_speculative_tokens: int
     itself; every size rounded up to a multiple of ``1 + num_speculative_tokens``
     (a decode window) and capped at the maximum.
     """
-    m = _size("max_num_batched_tokens", max_num_batched_tokens, 1)
-    dql = 1 + _size("num_speculative_tokens", num_speculative_tokens, 0)
+    m = check_size("max_num_batched_tokens", max_num_batched_tokens, 1)
+    dql = 1 + check_size("num_speculative_tokens", num_speculative_tokens, 0)
     sizes = [1, 2, 4] + list(range(8, min(m + 1, 256), 8)) + list(range(256, m + 1, 16)) + [m]
     rounded = {min(cdiv(s, dql) * dql, m) for s in sizes if s <= m}
     return tuple(sorted(rounded))
@@ -86,9 +88,9 @@ class BucketSpec:
                 or list(ts) != sorted(set(ts))):
             raise ValueError(f"token_sizes must be distinct ascending positive ints, got {self.token_sizes!r}")
         object.__setattr__(self, "token_sizes", tuple(int(t) for t in ts))
-        object.__setattr__(self, "max_num_seqs", _size("max_num_seqs", self.max_num_seqs, 1))
+        object.__setattr__(self, "max_num_seqs", check_size("max_num_seqs", self.max_num_seqs, 1))
         object.__setattr__(self, "num_speculative_tokens",
-                           _size("num_speculative_tokens", self.num_speculative_tokens, 0))
+                           check_size("num_speculative_tokens", self.num_speculative_tokens, 0))
 
     @classmethod
     def default(cls, max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int = 0):
@@ -98,7 +100,7 @@ class BucketSpec:
     def bucket_for(self, num_tokens_padded: int, decode_only: bool = False) -> Bucket:
         """The bucket of one token size (mixed, or decode-only); ValueError for a size that is not
         one of :attr:`token_sizes` (no executable has it)."""
-        num_tokens_padded = _size("num_tokens_padded", num_tokens_padded, 1)
+        num_tokens_padded = check_size("num_tokens_padded", num_tokens_padded, 1)
         if num_tokens_padded not in self.token_sizes:
             raise ValueError(f"num_tokens_padded must be one of token_sizes {self.token_sizes}, "
                              f"got {num_tokens_padded!r}")
@@ -135,9 +137,9 @@ class BucketSpec:
           ValueError: a size is not a positive int.
           BatchTooLargeError: nothing fits; the scheduler must split the batch.
         """
-        num_tokens = _size("num_tokens", num_tokens, 1)
-        num_reqs = _size("num_reqs", num_reqs, 1)
-        num_logits = num_reqs if num_logits is None else _size("num_logits", num_logits, 1)
+        num_tokens = check_size("num_tokens", num_tokens, 1)
+        num_reqs = check_size("num_reqs", num_reqs, 1)
+        num_logits = num_reqs if num_logits is None else check_size("num_logits", num_logits, 1)
         need = Bucket(num_tokens, num_reqs, num_logits, bool(decode_only))
         for b in self.buckets:
             if b.holds(need):
@@ -185,9 +187,7 @@ class Staging:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"Staging.{f.name} must be a non-negative int, got {v!r}")
+            object.__setattr__(self, f.name, check_size(f"Staging.{f.name}", getattr(self, f.name), 0))
 
     def excess(self, need: "Staging") -> list[str]:
         """The fields where ``need`` exceeds this capacity, as ``"name: need > capacity"``."""
@@ -226,15 +226,15 @@ def bucket_staging(bucket: Bucket, *, block_size: int | tuple[int, ...], num_spe
         bucket holds more rows than ``max_num_seqs``.
     """
     if isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool):
-        block_sizes = (_size("block_size", block_size, 1),)
+        block_sizes = (check_size("block_size", block_size, 1),)
     elif isinstance(block_size, (tuple, list)) and block_size:
-        block_sizes = tuple(_size(f"block_size[{g}]", b, 1) for g, b in enumerate(block_size))
+        block_sizes = tuple(check_size(f"block_size[{g}]", b, 1) for g, b in enumerate(block_size))
     else:
         raise ValueError(f"block_size must be a positive int or a non-empty sequence of them (one per KV "
                          f"group), got {block_size!r}")
-    max_new_requests = _size("max_new_requests", max_new_requests, 1)
-    max_num_seqs = _size("max_num_seqs", max_num_seqs, 1)
-    k = _size("num_speculative_tokens", num_speculative_tokens, 0)
+    max_new_requests = check_size("max_new_requests", max_new_requests, 1)
+    max_num_seqs = check_size("max_num_seqs", max_num_seqs, 1)
+    k = check_size("num_speculative_tokens", num_speculative_tokens, 0)
     if max_new_requests > max_num_seqs:
         raise ValueError(f"max_new_requests must be <= max_num_seqs={max_num_seqs} (a new request "
                          f"takes a row), got {max_new_requests}")

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 
 from kvjax.host.block_pool import BlockPool, OutOfBlocksError
-from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging, max_prefill_rows
+from kvjax.host.buckets import Bucket, BucketSpec, Staging, bucket_staging, check_size, max_prefill_rows
 from kvjax.host.drafter import propose_ngram
 from kvjax.spec import KVGroupSpec
 from kvjax.state import RequestRows, step_progress
@@ -95,25 +95,35 @@ def peak_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> 
     return max(num_prompt_tokens, min(num_prompt_tokens + max_tokens - 1, max_model_len - 1))
 
 
+def check_request(req_id: str, prompt, max_tokens, *, max_model_len: int) -> None:
+    """The admission rule's first part: what a request must be to run with ``max_model_len``,
+    whatever the cache (a workload's entries are checked by it before any cache exists).
+
+    Raises:
+      ValueError: the prompt is not a non-empty list, or ``max_tokens`` is not a positive int.
+      RequestTooLargeError: the prompt has ``max_model_len`` tokens or more (no room to generate).
+    """
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"request {req_id!r}: prompt must be a non-empty list of token ids, got {prompt!r}")
+    check_size(f"request {req_id!r}: max_tokens", max_tokens)
+    if len(prompt) >= max_model_len:
+        raise RequestTooLargeError(f"request {req_id!r}: prompt has {len(prompt)} tokens; "
+                                   f"max_model_len={max_model_len} leaves no room to generate")
+
+
 def check_request_fits(
     req: "Request", specs: tuple[KVGroupSpec, ...], *, num_blocks: int, max_model_len: int
 ) -> None:
     """The admission rule: what a request must be to ever run, checked before it is queued.
 
     Raises:
-      ValueError: the prompt is empty, or ``max_tokens`` is not an int >= 1.
-      RequestTooLargeError: the prompt has ``max_model_len`` tokens or more (no room to generate),
-        or ``req`` alone, at its :func:`peak_tokens`, needs more blocks of a KV group than a
-        block-table row holds (its ``max_num_blocks``), or more KV blocks than the cache has
-        (``num_blocks - 1``: block 0 is reserved).
+      ValueError: :func:`check_request` refuses it.
+      RequestTooLargeError: :func:`check_request` refuses its prompt's length, or ``req`` alone, at
+        its :func:`peak_tokens`, needs more blocks of a KV group than a block-table row holds (its
+        ``max_num_blocks``), or more KV blocks than the cache has (``num_blocks - 1``: block 0 is
+        reserved).
     """
-    if not isinstance(req.prompt, list) or not req.prompt:
-        raise ValueError(f"request {req.req_id!r}: prompt must be a non-empty list of token ids, got {req.prompt!r}")
-    if not isinstance(req.max_tokens, int) or isinstance(req.max_tokens, bool) or req.max_tokens < 1:
-        raise ValueError(f"request {req.req_id!r}: max_tokens must be an int >= 1, got {req.max_tokens!r}")
-    if len(req.prompt) >= max_model_len:
-        raise RequestTooLargeError(f"request {req.req_id!r}: prompt has {len(req.prompt)} tokens; "
-                                   f"max_model_len={max_model_len} leaves no room to generate")
+    check_request(req.req_id, req.prompt, req.max_tokens, max_model_len=max_model_len)
     n = peak_tokens(len(req.prompt), req.max_tokens, max_model_len)
     for g, s in enumerate(specs):
         if s.blocks_to_add(n, 0) > s.max_num_blocks:
@@ -215,16 +225,16 @@ class Scheduler:
             raise ValueError(f"specs must be a non-empty sequence of KVGroupSpec, got {specs!r}")
         if not isinstance(buckets, BucketSpec):
             raise ValueError(f"buckets must be a BucketSpec, got {buckets!r}")
-        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 2:
-            raise ValueError(f"max_model_len must be an int >= 2 (a prompt token and an output), got {max_model_len!r}")
+        max_model_len = check_size("max_model_len", max_model_len, 2, "a prompt token and an output")
         per_request = 1 + buckets.num_speculative_tokens
-        if (not isinstance(num_state_slots, int) or isinstance(num_state_slots, bool)
-                or not (num_state_slots == 0 or num_state_slots >= 1 + per_request)):
+        num_state_slots = check_size("num_state_slots", num_state_slots, 0)
+        if 0 < num_state_slots < 1 + per_request:
             raise ValueError(
                 f"num_state_slots must be 0 (no recurrent layers) or an int >= {1 + per_request} (the reserved "
                 f"slot 0 and 1 + num_speculative_tokens = {per_request} slots for one request), got {num_state_slots!r}")
         self.specs = tuple(specs)
-        self.max_new_requests = buckets.max_num_seqs if max_new_requests is None else max_new_requests
+        self.max_new_requests = (buckets.max_num_seqs if max_new_requests is None
+                                 else check_size("max_new_requests", max_new_requests))
         self.drafter = drafter or propose_ngram
         self.buckets = buckets
         self.k = buckets.num_speculative_tokens

@@ -240,7 +240,7 @@ def cdiv_(a, b):
 def test_max_tokens_below_one_is_refused(max_tokens):
     # max_tokens=-2 with drafts used to be admitted and keep rows[b][:-2] of a window: rejected drafts
     sched = _sched(k=3)
-    with pytest.raises(ValueError, match=rf"request 'a': max_tokens must be an int >= 1, got {max_tokens!r}"):
+    with pytest.raises(ValueError, match=rf"request 'a': max_tokens must be a positive int, got {max_tokens!r}"):
         sched.add_request(Request("a", [1, 2, 3, 1, 2, 3], max_tokens))
     assert not sched.has_work
 
@@ -331,10 +331,26 @@ def test_the_fewest_state_slots_run_requests_one_at_a_time():
     (dict(max_model_len=1), r"max_model_len must be an int >= 2 \(a prompt token and an output\), got 1"),
     (dict(max_model_len=64.0), r"max_model_len must be an int >= 2 \(a prompt token and an output\), got 64.0"),
     (dict(specs=()), r"specs must be a non-empty sequence of KVGroupSpec, got \(\)"),
+    (dict(max_model_len=True), r"max_model_len must be an int >= 2 \(a prompt token and an output\), got True"),
+    (dict(num_state_slots="4"), r"num_state_slots must be a non-negative int, got '4'"),
+    (dict(num_state_slots=-1), r"num_state_slots must be a non-negative int, got -1"),
+    (dict(max_new_requests=2.0), r"max_new_requests must be a positive int, got 2.0"),
 ])
 def test_bad_scheduler_sizes_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         _sched(**kw)
+
+
+def test_numpy_int_sizes_are_taken_as_plain_ints():
+    """The scheduler's sizes go through the host's one size rule (buckets.check_size), which takes
+    numpy ints and keeps them as plain ints."""
+    sched = _sched(k=1, max_model_len=np.int64(64), num_blocks=np.int64(64), num_state_slots=np.int32(5),
+                   max_new_requests=np.int64(2))
+    sizes = (sched.max_model_len, sched.pool.num_blocks, sched.slots.num_blocks, sched.max_new_requests)
+    assert sizes == (64, 64, 5, 2) and {type(v) for v in sizes} == {int}
+    sched.add_request(Request("a", [1, 2, 3], np.int64(2)))
+    drive(sched, max_steps=10)
+    assert [len(r.output) for r in sched.finished] == [2]
 
 
 def _decode_plan(sched):

@@ -5,6 +5,7 @@ a plan with more cleared rows, new requests, block writes, ids per write, zeroed
 zeroed slots than its bucket stages used to crash ``Runner.pack`` mid-serving.
 """
 
+import dataclasses
 import random
 
 import numpy as np
@@ -214,3 +215,19 @@ def test_three_kv_groups_of_one_block_size_fit_the_staging():
     sched.update(plan, np.full((1, 1), 3, np.int32), np.ones((1,), np.int32))
     _drive(sched, random.Random(0), (16, 16, 16), max_steps=10)
     assert [r.req_id for r in sched.finished] == ["a"] and sched.pool.num_used == 0
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("zero_slots", -1, r"Staging\.zero_slots must be a non-negative int, got -1"),
+    ("prefill_rows", True, r"Staging\.prefill_rows must be a non-negative int, got True"),
+    ("block_writes", 2.0, r"Staging\.block_writes must be a non-negative int, got 2\.0"),
+])
+def test_staging_sizes_are_refused_by_name(field, value, match):
+    sizes = dict(cleared_rows=1, new_requests=1, block_writes=1, ids_per_write=1, zero_blocks=1, zero_slots=1)
+    with pytest.raises(ValueError, match=match):
+        Staging(**{**sizes, field: value})
+
+
+def test_staging_takes_numpy_ints_as_plain_ints():
+    st_ = Staging(*[np.int64(i) for i in range(7)])
+    assert dataclasses.astuple(st_) == tuple(range(7)) and {type(v) for v in dataclasses.astuple(st_)} == {int}

@@ -4,7 +4,8 @@
 reads a local directory (kvjax never downloads one). Architectures: Granite-4.0-H
 (:mod:`~kvjax.models.hf.granite`), Bamba (:mod:`~kvjax.models.hf.bamba`), Nemotron-H
 (:mod:`~kvjax.models.hf.nemotron_h`), all on the shared hybrid decoder of
-:mod:`~kvjax.models.hf.hybrid`.
+:mod:`~kvjax.models.hf.hybrid`, and DeepSeek-V3 (:mod:`~kvjax.models.hf.deepseek_v3`). Every
+architecture reads its ``config.json`` fields through :mod:`~kvjax.models.hf.fields`.
 """
 
 from kvjax.models.hf.hybrid import HybridConfig as HybridConfig, HybridModel as HybridModel

@@ -16,8 +16,9 @@ config.json fields: as Granite-4.0-H's for the shared ones (without the multipli
 from __future__ import annotations
 
 from kvjax.models.attention import AttnSpec
+from kvjax.models.hf import fields as fl
 from kvjax.models.hf import hybrid as hy
-from kvjax.models.hf.granite import _common, _mamba_spec, mixer_entries
+from kvjax.models.hf.granite import _common, _flags, _mamba_spec, mixer_entries
 from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
 from kvjax.models.moe import MLPSpec
 
@@ -29,16 +30,16 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-5, kv_heads_default=8)
-    idx = hy.field(arch, cfg, "attn_layer_indices", [], null=[])  # null: no attention layer, as transformers
+    idx = fl.field(arch, cfg, "attn_layer_indices", [], null=[])  # null: no attention layer, as transformers
     if not isinstance(idx, list) or any(not isinstance(i, int) or not 0 <= i < L for i in idx):
         raise ValueError(f"{arch}: config.json attn_layer_indices must list layer indices in [0, {L}), got {idx!r}")
     kinds = ["attn" if i in idx else "mamba" for i in range(L)]
     # transformers' BambaConfig passes partial_rotary_factor=0.5 whatever the top-level field says:
     # only rope_parameters.partial_rotary_factor changes it
-    theta, partial = hy.check_rope(arch, cfg, default_partial=0.5, top_level_partial=False)
+    theta, partial = fl.check_rope(arch, cfg, default_partial=0.5, top_level_partial=False)
     rotary = int(D * partial)
     if rotary % 2 or not 0 < rotary <= D:
-        hy.refuse(arch, "partial_rotary_factor", partial, f"it must rotate an even number of the {D} features")
+        fl.refuse(arch, "partial_rotary_factor", partial, f"it must rotate an even number of the {D} features")
     blocks = []
     for k in kinds:
         blocks += [Block(k), Block("mlp")]
@@ -47,12 +48,9 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         attn=AttnSpec(Hq, Hkv, D, rope_theta=theta, rotary_dim=None if rotary == D else rotary)
         if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
-        mlp=MLPSpec(hy.check_int(arch, cfg, "intermediate_size", 14336), True, "silu"),
-        attn_bias=hy.check_bool(arch, cfg, "attention_bias", False),
-        mlp_bias=hy.check_bool(arch, cfg, "mlp_bias", False),
-        mamba_proj_bias=hy.check_bool(arch, cfg, "mamba_proj_bias", False),
-        mamba_conv_bias=hy.check_bool(arch, cfg, "mamba_conv_bias", True),
-        tie_embeddings=hy.check_bool(arch, cfg, "tie_word_embeddings", False),
+        mlp=MLPSpec(fl.check_int(arch, cfg, "intermediate_size", 14336), True, "silu"),
+        mlp_bias=fl.check_bool(arch, cfg, "mlp_bias", False),
+        **_flags(arch, cfg),
     )
 
 

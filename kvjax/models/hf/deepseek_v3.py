@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_padded, self_attention_impl
-from kvjax.models.hf import hybrid as hy
+from kvjax.models.hf import fields as fl
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
 from kvjax.models.moe import MoESpec, check_expert_groups, route_rule, routed_ffn
@@ -64,6 +64,7 @@ from pallas_kernels.moe_route import moe_route
 from pallas_kernels.kv_write import concat_and_cache_mla
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+_WHERE = "DeepSeek-V3 config"  # the prefix of DeepseekV3Config's own refusals (a config built in code)
 _SUB_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' DeepseekV3RMSNorm default
 _FP8_MAX = 448.0
 _DATA, _MODEL = "data", "model"
@@ -192,9 +193,7 @@ def _mscale(scale, mscale=1.0) -> float:
 
 def _validate(c: DeepseekV3Config) -> None:
     def pos_int(name, lo=1):
-        v = getattr(c, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"DeepSeek-V3 config: {name} must be an int >= {lo}, got {v!r}")
+        fl.check_int_value(_WHERE, name, getattr(c, name), lo, label="field")
 
     for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "n_shared_experts", "n_routed_experts",
@@ -207,24 +206,21 @@ def _validate(c: DeepseekV3Config) -> None:
     if c.q_lora_rank is not None:
         pos_int("q_lora_rank")
     if c.qk_rope_head_dim % 2:
-        raise ValueError(f"DeepSeek-V3 config: qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
-    check_expert_groups("DeepSeek-V3 config", c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok)
+        raise ValueError(f"{_WHERE}: qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
+    check_expert_groups(_WHERE, c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok)
     for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
-        v = getattr(c, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"DeepSeek-V3 config: {name} must be a positive number, got {v!r}")
+        fl.check_number(_WHERE, name, getattr(c, name), positive=True, label="field")
     if c.rope_type not in _ROPE_TYPES:
-        raise ValueError(f"DeepSeek-V3 config: rope type {c.rope_type!r} is not supported "
+        raise ValueError(f"{_WHERE}: rope type {c.rope_type!r} is not supported "
                          f"(supported: {_ROPE_TYPES})")
     if c.rope_type == "yarn":
-        if not (isinstance(c.yarn_factor, (int, float)) and c.yarn_factor > 0):
-            raise ValueError(f"DeepSeek-V3 config: yarn rope needs a positive factor, got {c.yarn_factor!r}")
+        fl.check_number(_WHERE, "yarn_factor", c.yarn_factor, positive=True, label="field")
         pos_int("yarn_original_max_position_embeddings")
 
 
-def _field(cfg: dict, name: str):
-    v = cfg.get(name, _DEFAULTS.get(name))
-    return v
+def _field(cfg: dict, name: str, **kw):
+    """config.json field ``name`` by :func:`kvjax.models.hf.fields.field`, absent: transformers' default."""
+    return fl.field(ARCHITECTURE, cfg, name, _DEFAULTS.get(name), **kw)
 
 
 def config_from_hf(cfg: dict) -> DeepseekV3Config:
@@ -239,14 +235,13 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if archs is not None and ARCHITECTURE not in archs:
         raise ValueError(f"architectures must include {ARCHITECTURE!r}, got {archs!r}")
 
-    def refuse(name, value, why):
-        raise ValueError(f"DeepSeek-V3 config field {name}={value!r} is not supported: {why}")
-
+    refuse = functools.partial(fl.refuse, ARCHITECTURE)
     if cfg.get("quantization_config") is not None:
         refuse("quantization_config", cfg["quantization_config"],
                "quantised weights (e.g. fp8 block-scaled) are not read; convert the checkpoint to bf16/f32")
-    if _field(cfg, "hidden_act") != "silu":
-        refuse("hidden_act", cfg.get("hidden_act"), "only silu (SwiGLU) is implemented")
+    act = _field(cfg, "hidden_act")
+    if act != "silu":
+        refuse("hidden_act", act, "only silu (SwiGLU) is implemented")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         refuse("topk_method", cfg["topk_method"], "only 'noaux_tc' (sigmoid scores + correction bias, "
                "group-limited top-k, as transformers' DeepseekV3TopkRouter) is implemented")
@@ -259,18 +254,15 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
     if kvh is not None and kvh != H:
         refuse("num_key_value_heads", kvh, f"MLA up-projects one key/value per head; it must equal "
                f"num_attention_heads={H}")
-    for name in ("n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace"):
-        if name in cfg and cfg[name] is None:
-            refuse(name, None, "transformers' DeepseekV3 needs a value")
     if cfg.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", cfg["pretraining_tp"], "only 1")
 
-    rp = hy.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
+    rp = fl.rope_parameters(ARCHITECTURE, cfg, _ROPE_TYPES)
     rope_type = rp["rope_type"]
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf not in (None, 1, 1.0):
         refuse("partial_rotary_factor", prf, "the whole qk_rope_head_dim is rotated")
-    theta = hy.rope_number(ARCHITECTURE, cfg, rp, "rope_theta", 10000.0, positive=True)
+    theta = fl.rope_number(ARCHITECTURE, cfg, rp, "rope_theta", 10000.0, positive=True)
     max_pos = _field(cfg, "max_position_embeddings")
     yarn = {}
     if rope_type == "yarn":
@@ -282,21 +274,21 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
             refuse("rope_parameters.factor", None, "YaRN needs an explicit factor")
         def yarn_number(name, default=None, **kw):  # transformers: beta_fast / beta_slow 'or' their default
             v = rp.get(name) or default if default is not None else rp.get(name)
-            return None if v is None else hy.check_number(ARCHITECTURE, f"rope_parameters.{name}", v, **kw)
+            return None if v is None else fl.check_number(ARCHITECTURE, f"rope_parameters.{name}", v, **kw)
 
         omp = "original_max_position_embeddings"  # transformers: the top-level field wins
         omp_src = cfg if cfg.get(omp) is not None else rp if rp.get(omp) is not None else {omp: max_pos}
         yarn = dict(
             yarn_factor=yarn_number("factor", positive=True),
-            yarn_original_max_position_embeddings=hy.check_int(ARCHITECTURE, omp_src, omp),
+            yarn_original_max_position_embeddings=fl.check_int(ARCHITECTURE, omp_src, omp),
             yarn_beta_fast=yarn_number("beta_fast", 32, positive=True),
             yarn_beta_slow=yarn_number("beta_slow", 1, positive=True),
             yarn_mscale=yarn_number("mscale"),
             yarn_mscale_all_dim=yarn_number("mscale_all_dim"),
             yarn_attention_factor=yarn_number("attention_factor", positive=True),
-            yarn_truncate=hy.check_bool(ARCHITECTURE, rp, "truncate", True),
+            yarn_truncate=fl.check_bool(ARCHITECTURE, rp, "truncate", True),
         )
-    flags = {name: hy.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
+    flags = {name: fl.check_bool(ARCHITECTURE, cfg, name, _DEFAULTS[name])
              for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings")}
     mtp = {k: cfg[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in cfg}
     if len(mtp) == 2 and mtp["num_nextn_predict_layers"] != mtp["num_mtp_layers"]:
@@ -304,7 +296,7 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
                f"num_nextn_predict_layers={mtp['num_nextn_predict_layers']!r} and "
                f"num_mtp_layers={mtp['num_mtp_layers']!r} (its alias in transformers) disagree")
     mtp_name = next(iter(mtp), "num_nextn_predict_layers")
-    n_mtp = hy.check_int(ARCHITECTURE, cfg, mtp_name, 1, lo=0)
+    n_mtp = fl.check_int(ARCHITECTURE, cfg, mtp_name, 1, lo=0)
     ns = _field(cfg, "n_shared_experts")
     if not isinstance(ns, int) or ns < 1:
         refuse("n_shared_experts", ns, "at least one shared expert (transformers always builds one)")
@@ -317,10 +309,10 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
         num_attention_heads=H,
         n_shared_experts=ns,
         n_routed_experts=_field(cfg, "n_routed_experts"),
-        routed_scaling_factor=hy.number(ARCHITECTURE, cfg, "routed_scaling_factor",
+        routed_scaling_factor=fl.number(ARCHITECTURE, cfg, "routed_scaling_factor",
                                         _DEFAULTS["routed_scaling_factor"], positive=True),
         kv_lora_rank=_field(cfg, "kv_lora_rank"),
-        q_lora_rank=_field(cfg, "q_lora_rank"),
+        q_lora_rank=_field(cfg, "q_lora_rank", null=None),  # null: q_proj, no LoRA
         qk_rope_head_dim=_field(cfg, "qk_rope_head_dim"),
         v_head_dim=_field(cfg, "v_head_dim"),
         qk_nope_head_dim=_field(cfg, "qk_nope_head_dim"),
@@ -329,7 +321,7 @@ def config_from_hf(cfg: dict) -> DeepseekV3Config:
         num_experts_per_tok=_field(cfg, "num_experts_per_tok"),
         first_k_dense_replace=_field(cfg, "first_k_dense_replace"),
         norm_topk_prob=flags["norm_topk_prob"],
-        rms_norm_eps=hy.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
+        rms_norm_eps=fl.number(ARCHITECTURE, cfg, "rms_norm_eps", _DEFAULTS["rms_norm_eps"], positive=True),
         rope_theta=theta,
         rope_interleave=flags["rope_interleave"],
         attention_bias=flags["attention_bias"],

@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.models.attention import AttnSpec
+from kvjax.models.hf import fields as fl
 from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
 from kvjax.models.mamba_layer import MambaSpec
@@ -48,14 +49,14 @@ Model = HybridModel
 
 def _mamba_spec(arch: str, cfg: dict, d: int, eps: float) -> MambaSpec:
     """The Mamba2 fields Granite-4.0-H and Bamba share (``mamba_*``)."""
-    H = hy.check_int(arch, cfg, "mamba_n_heads", 128)
-    G = hy.check_int(arch, cfg, "mamba_n_groups", 1)
-    N = hy.check_int(arch, cfg, "mamba_d_state", 256)
-    W = hy.check_int(arch, cfg, "mamba_d_conv", 4, lo=2)
-    expand = hy.check_int(arch, cfg, "mamba_expand", 2)
-    hy.check_int(arch, cfg, "mamba_chunk_size", 256)  # prefill chunking only: no effect on the math
+    H = fl.check_int(arch, cfg, "mamba_n_heads", 128)
+    G = fl.check_int(arch, cfg, "mamba_n_groups", 1)
+    N = fl.check_int(arch, cfg, "mamba_d_state", 256)
+    W = fl.check_int(arch, cfg, "mamba_d_conv", 4, lo=2)
+    expand = fl.check_int(arch, cfg, "mamba_expand", 2)
+    fl.check_int(arch, cfg, "mamba_chunk_size", 256)  # prefill chunking only: no effect on the math
     inner = expand * d
-    P = hy.field(arch, cfg, "mamba_d_head", "auto")
+    P = fl.field(arch, cfg, "mamba_d_head", "auto")
     if P == "auto":
         P = inner // H
     if not isinstance(P, int) or P < 1 or P * H != inner:
@@ -70,29 +71,39 @@ def _mamba_spec(arch: str, cfg: dict, d: int, eps: float) -> MambaSpec:
 def _common(arch: str, cfg: dict, *, eps_default: float, kv_heads_default: int | None):
     """vocab, hidden, eps, layer count, attention heads / head_dim (fields both archs read);
     absent fields take transformers' defaults of the architecture."""
-    V = hy.check_int(arch, cfg, "vocab_size")
-    d = hy.check_int(arch, cfg, "hidden_size")
-    L = hy.check_int(arch, cfg, "num_hidden_layers")
-    eps = hy.number(arch, cfg, "rms_norm_eps", eps_default, positive=True)
-    Hq = hy.check_int(arch, cfg, "num_attention_heads", 32)
-    Hkv = hy.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq, null=Hq)  # null: MHA
-    D = hy.check_int(arch, cfg, "head_dim", d // Hq)
+    V = fl.check_int(arch, cfg, "vocab_size")
+    d = fl.check_int(arch, cfg, "hidden_size")
+    L = fl.check_int(arch, cfg, "num_hidden_layers")
+    eps = fl.number(arch, cfg, "rms_norm_eps", eps_default, positive=True)
+    Hq = fl.check_int(arch, cfg, "num_attention_heads", 32)
+    Hkv = fl.check_int(arch, cfg, "num_key_value_heads", kv_heads_default or Hq, null=Hq)  # null: MHA
+    D = fl.check_int(arch, cfg, "head_dim", d // Hq)
     if Hq % Hkv:
         raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
-    sw = hy.field(arch, cfg, "sliding_window", null=None)
+    sw = fl.field(arch, cfg, "sliding_window", null=None)
     if sw is not None:
-        hy.refuse(arch, "sliding_window", sw, "sliding-window attention is not implemented")
-    act = hy.field(arch, cfg, "hidden_act", "silu")
+        fl.refuse(arch, "sliding_window", sw, "sliding-window attention is not implemented")
+    act = fl.field(arch, cfg, "hidden_act", "silu")
     if act != "silu":
-        hy.refuse(arch, "hidden_act", act, "the Mamba conv, the MLPs and the experts use SiLU only")
+        fl.refuse(arch, "hidden_act", act, "the Mamba conv, the MLPs and the experts use SiLU only")
     return V, d, L, eps, Hq, Hkv, D
+
+
+#: The bool fields Granite-4.0-H and Bamba share: (HybridConfig field, config.json field, transformers' default).
+_FLAGS = (("attn_bias", "attention_bias", False), ("mamba_proj_bias", "mamba_proj_bias", False),
+          ("mamba_conv_bias", "mamba_conv_bias", True), ("tie_embeddings", "tie_word_embeddings", False))
+
+
+def _flags(arch: str, cfg: dict) -> dict:
+    """:data:`_FLAGS` read by :func:`~kvjax.models.hf.fields.check_bool`, as HybridConfig keywords."""
+    return {ours: fl.check_bool(arch, cfg, name, default) for ours, name, default in _FLAGS}
 
 
 def config_from_hf(cfg: dict) -> HybridConfig:
     arch = ARCH
     hy.check_common(arch, cfg)
     V, d, L, eps, Hq, Hkv, D = _common(arch, cfg, eps_default=1e-6, kv_heads_default=None)
-    types = hy.field(arch, cfg, "layer_types", null=None) or hy.field(arch, cfg, "layers_block_type", null=None)
+    types = fl.field(arch, cfg, "layer_types", null=None) or fl.field(arch, cfg, "layers_block_type", null=None)
     if types is None:
         types = ["linear_attention"] * L
     if not isinstance(types, list) or len(types) != L:
@@ -101,25 +112,25 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     for t in types:
         t = hy.remap_layer_type(t)
         if t not in ("linear_attention", "full_attention"):
-            hy.refuse(arch, "layer_types", t, "expected 'mamba' / 'linear_attention' or 'attention' / 'full_attention'")
+            fl.refuse(arch, "layer_types", t, "expected 'mamba' / 'linear_attention' or 'attention' / 'full_attention'")
         kinds.append("mamba" if t == "linear_attention" else "attn")
-    pe = hy.field(arch, cfg, "position_embedding_type", null=None)
+    pe = fl.field(arch, cfg, "position_embedding_type", null=None)
     if pe not in (None, "rope", "nope"):
-        hy.refuse(arch, "position_embedding_type", pe, "expected 'rope' or null (NoPE)")
+        fl.refuse(arch, "position_embedding_type", pe, "expected 'rope' or null (NoPE)")
     theta = None
     if pe == "rope":
         # transformers' Granite default RoPE rotates the whole head (it ignores partial_rotary_factor)
-        theta, _ = hy.check_rope(arch, cfg)
-    rm = hy.number(arch, cfg, "residual_multiplier", 1.0)
+        theta, _ = fl.check_rope(arch, cfg)
+    rm = fl.number(arch, cfg, "residual_multiplier", 1.0)
     # attention_multiplier null: transformers passes scaling=None to its attention, i.e. 1/sqrt(head_dim)
     attn = AttnSpec(Hq, Hkv, D, rope_theta=theta,
-                    sm_scale=hy.number(arch, cfg, "attention_multiplier", 1.0, null=None))
-    E = hy.check_int(arch, cfg, "num_local_experts", 8, lo=0)
-    shared = MLPSpec(hy.check_int(arch, cfg, "shared_intermediate_size", 1024), True, "silu")
+                    sm_scale=fl.number(arch, cfg, "attention_multiplier", 1.0, null=None))
+    E = fl.check_int(arch, cfg, "num_local_experts", 8, lo=0)
+    shared = MLPSpec(fl.check_int(arch, cfg, "shared_intermediate_size", 1024), True, "silu")
     moe = None
     if E:
-        moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
-                      hy.check_int(arch, cfg, "intermediate_size", 11008))
+        moe = MoESpec(E, fl.check_int(arch, cfg, "num_experts_per_tok", 2),
+                      fl.check_int(arch, cfg, "intermediate_size", 11008))
         if moe.top_k > E:
             raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > num_local_experts={E}")
     blocks = []
@@ -130,12 +141,9 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         attn=attn if "attn" in kinds else None,
         mamba=_mamba_spec(arch, cfg, d, eps) if "mamba" in kinds else None,
         mlp=None if E else shared, moe=moe, moe_shared=shared if E else None,
-        attn_bias=hy.check_bool(arch, cfg, "attention_bias", False),
-        mamba_proj_bias=hy.check_bool(arch, cfg, "mamba_proj_bias", False),
-        mamba_conv_bias=hy.check_bool(arch, cfg, "mamba_conv_bias", True),
-        embedding_multiplier=hy.number(arch, cfg, "embedding_multiplier", 1.0),
-        logits_scaling=hy.number(arch, cfg, "logits_scaling", 1.0, positive=True),
-        tie_embeddings=hy.check_bool(arch, cfg, "tie_word_embeddings", False),
+        embedding_multiplier=fl.number(arch, cfg, "embedding_multiplier", 1.0),
+        logits_scaling=fl.number(arch, cfg, "logits_scaling", 1.0, positive=True),
+        **_flags(arch, cfg),
     )
 
 

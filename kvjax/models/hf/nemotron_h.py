@@ -38,6 +38,7 @@ import math
 import numpy as np
 
 from kvjax.models.attention import AttnSpec
+from kvjax.models.hf import fields as fl
 from kvjax.models.hf import hybrid as hy
 from kvjax.models.hf.granite import attn_entries, mamba_entries
 from kvjax.models.hf.hybrid import Block, Entry, HybridConfig, HybridModel
@@ -52,9 +53,9 @@ _SSM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _layer_types(arch: str, cfg: dict) -> list[str]:
-    types = hy.field(arch, cfg, "layers_block_type", null=None) or hy.field(arch, cfg, "layer_types", null=None)
+    types = fl.field(arch, cfg, "layers_block_type", null=None) or fl.field(arch, cfg, "layer_types", null=None)
     if types is None:
-        pattern = hy.field(arch, cfg, "hybrid_override_pattern", null=None)
+        pattern = fl.field(arch, cfg, "hybrid_override_pattern", null=None)
         if not isinstance(pattern, str) or not pattern or any(ch not in _PATTERN for ch in pattern):
             raise ValueError(f"{arch}: config.json needs layers_block_type (a list) or hybrid_override_pattern "
                              f"(a string of {''.join(_PATTERN)}), got {pattern!r}")
@@ -65,7 +66,7 @@ def _layer_types(arch: str, cfg: dict) -> list[str]:
     for t in types:
         t = hy.remap_layer_type(t)
         if t not in _KIND:
-            hy.refuse(arch, "layers_block_type", t, f"expected one of {sorted(_KIND)} (or mamba / attention)")
+            fl.refuse(arch, "layers_block_type", t, f"expected one of {sorted(_KIND)} (or mamba / attention)")
         out.append(_KIND[t])
     return out
 
@@ -85,62 +86,62 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         if cfg.get(old) is not None:
             cfg[new] = cfg.pop(old)
     kinds = _layer_types(arch, cfg)
-    V = hy.check_int(arch, cfg, "vocab_size")
-    d = hy.check_int(arch, cfg, "hidden_size")
-    eps = hy.number(arch, cfg, "layer_norm_epsilon", 1e-5, positive=True)
-    sw = hy.field(arch, cfg, "sliding_window", null=None)
+    V = fl.check_int(arch, cfg, "vocab_size")
+    d = fl.check_int(arch, cfg, "hidden_size")
+    eps = fl.number(arch, cfg, "layer_norm_epsilon", 1e-5, positive=True)
+    sw = fl.field(arch, cfg, "sliding_window", null=None)
     if sw is not None:
-        hy.refuse(arch, "sliding_window", sw, "transformers' Nemotron-H ignores it; kvjax does not guess")
-    act = hy.field(arch, cfg, "mlp_hidden_act", "relu2")
+        fl.refuse(arch, "sliding_window", sw, "transformers' Nemotron-H ignores it; kvjax does not guess")
+    act = fl.field(arch, cfg, "mlp_hidden_act", "relu2")
     if act not in ACTIVATIONS:
-        hy.refuse(arch, "mlp_hidden_act", act, f"implemented: {ACTIVATIONS}")
+        fl.refuse(arch, "mlp_hidden_act", act, f"implemented: {ACTIVATIONS}")
     attn = mamba = mlp = moe = shared = None
     latent = None
     if "attn" in kinds:
-        Hq = hy.check_int(arch, cfg, "num_attention_heads", 32)
-        Hkv = hy.check_int(arch, cfg, "num_key_value_heads", 8)
+        Hq = fl.check_int(arch, cfg, "num_attention_heads", 32)
+        Hkv = fl.check_int(arch, cfg, "num_key_value_heads", 8)
         if Hq % Hkv:
             raise ValueError(f"{arch}: num_attention_heads={Hq} must be a multiple of num_key_value_heads={Hkv}")
-        attn = AttnSpec(Hq, Hkv, hy.check_int(arch, cfg, "head_dim", 128), rope_theta=None)
+        attn = AttnSpec(Hq, Hkv, fl.check_int(arch, cfg, "head_dim", 128), rope_theta=None)
     if "mamba" in kinds:
-        mact = hy.field(arch, cfg, "mamba_hidden_act", "silu")
+        mact = fl.field(arch, cfg, "mamba_hidden_act", "silu")
         if mact != "silu":
-            hy.refuse(arch, "mamba_hidden_act", mact, "the Mamba conv activation is SiLU only")
-        H = hy.check_int(arch, cfg, "mamba_num_heads", 128)
-        G = hy.check_int(arch, cfg, "n_groups", 8)
+            fl.refuse(arch, "mamba_hidden_act", mact, "the Mamba conv activation is SiLU only")
+        H = fl.check_int(arch, cfg, "mamba_num_heads", 128)
+        G = fl.check_int(arch, cfg, "n_groups", 8)
         if H % G:
             raise ValueError(f"{arch}: mamba_num_heads={H} must be a multiple of n_groups={G}")
-        hy.check_int(arch, cfg, "chunk_size", 128)  # prefill chunking only
-        lo = hy.number(arch, cfg, "time_step_min", 0.001, lo=0.0)
-        mamba = MambaSpec(num_heads=H, head_dim=hy.check_int(arch, cfg, "mamba_head_dim", 64),
-                          d_state=hy.check_int(arch, cfg, "ssm_state_size", 128), n_groups=G,
-                          conv_width=hy.check_int(arch, cfg, "conv_kernel", 4, lo=2), rms_eps=eps,
+        fl.check_int(arch, cfg, "chunk_size", 128)  # prefill chunking only
+        lo = fl.number(arch, cfg, "time_step_min", 0.001, lo=0.0)
+        mamba = MambaSpec(num_heads=H, head_dim=fl.check_int(arch, cfg, "mamba_head_dim", 64),
+                          d_state=fl.check_int(arch, cfg, "ssm_state_size", 128), n_groups=G,
+                          conv_width=fl.check_int(arch, cfg, "conv_kernel", 4, lo=2), rms_eps=eps,
                           norm_groups=G, norm_spans_shards=G == 1, dt_limit=(lo, math.inf))
     if "mlp" in kinds:
-        mlp = MLPSpec(hy.check_int(arch, cfg, "intermediate_size", 21504), False, act)
+        mlp = MLPSpec(fl.check_int(arch, cfg, "intermediate_size", 21504), False, act)
     if "moe" in kinds:
-        E = hy.check_int(arch, cfg, "n_routed_experts", 8)
-        ng = hy.check_int(arch, cfg, "n_group", 1)
-        tg = hy.check_int(arch, cfg, "topk_group", 1)
-        moe = MoESpec(E, hy.check_int(arch, cfg, "num_experts_per_tok", 2),
-                      hy.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
-                      n_group=ng, topk_group=tg, norm_topk_prob=hy.check_bool(arch, cfg, "norm_topk_prob", True),
-                      routed_scaling_factor=hy.number(arch, cfg, "routed_scaling_factor", 1.0, positive=True),
+        E = fl.check_int(arch, cfg, "n_routed_experts", 8)
+        ng = fl.check_int(arch, cfg, "n_group", 1)
+        tg = fl.check_int(arch, cfg, "topk_group", 1)
+        moe = MoESpec(E, fl.check_int(arch, cfg, "num_experts_per_tok", 2),
+                      fl.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
+                      n_group=ng, topk_group=tg, norm_topk_prob=fl.check_bool(arch, cfg, "norm_topk_prob", True),
+                      routed_scaling_factor=fl.number(arch, cfg, "routed_scaling_factor", 1.0, positive=True),
                       gated=False, activation=act)
         check_expert_groups(f"{arch}: config.json", E, ng, tg, moe.top_k)  # DeepSeek-V3's rule (same router)
-        shared = MLPSpec(hy.check_int(arch, cfg, "moe_shared_expert_intermediate_size", 7688), False, act)
-        latent = hy.field(arch, cfg, "moe_latent_size", null=None)
+        shared = MLPSpec(fl.check_int(arch, cfg, "moe_shared_expert_intermediate_size", 7688), False, act)
+        latent = fl.field(arch, cfg, "moe_latent_size", null=None)
         if latent is not None:
-            latent = hy.check_int(arch, cfg, "moe_latent_size")
-    ssm_dtype = hy.field(arch, cfg, "mamba_ssm_cache_dtype", "float32")
+            latent = fl.check_int(arch, cfg, "moe_latent_size")
+    ssm_dtype = fl.field(arch, cfg, "mamba_ssm_cache_dtype", "float32")
     if ssm_dtype not in _SSM_DTYPES:
-        hy.refuse(arch, "mamba_ssm_cache_dtype", ssm_dtype, f"expected one of {_SSM_DTYPES}")
+        fl.refuse(arch, "mamba_ssm_cache_dtype", ssm_dtype, f"expected one of {_SSM_DTYPES}")
     return HybridConfig(
         architecture=arch, vocab_size=V, d_model=d, rms_eps=eps, blocks=tuple(Block(k) for k in kinds),
         attn=attn, mamba=mamba, mlp=mlp, moe=moe, moe_shared=shared, moe_latent=latent,
-        mlp_bias=hy.check_bool(arch, cfg, "mlp_bias", False),
-        mamba_proj_bias=hy.check_bool(arch, cfg, "use_bias", False),
-        mamba_conv_bias=hy.check_bool(arch, cfg, "use_conv_bias", True),
+        mlp_bias=fl.check_bool(arch, cfg, "mlp_bias", False),
+        mamba_proj_bias=fl.check_bool(arch, cfg, "use_bias", False),
+        mamba_conv_bias=fl.check_bool(arch, cfg, "use_conv_bias", True),
         moe_e_bias=moe is not None, tie_embeddings=False, ssm_state_dtype=ssm_dtype,
     )
 

@@ -8,6 +8,7 @@ tiny random models); the DeepSeek-V3 ones are written here from :func:`deepseek_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ pytest.importorskip("transformers")
 st = pytest.importorskip("safetensors.numpy")
 
 from kvjax.models import load_pretrained  # noqa: E402
+from kvjax.models.hf import bamba, granite  # noqa: E402
 from kvjax.models.hf import deepseek_v3 as ds  # noqa: E402
 from kvjax.models.hf import loader  # noqa: E402
 from conftest import edit_config, refused  # noqa: E402
@@ -164,6 +166,30 @@ def test_a_bool_field_must_be_a_bool(name, field, value, hf_checkpoint, tmp_path
                    cfg, tmp_path)
 
 
+#: The bool fields Granite-4.0-H and Bamba share: config.json field -> HybridConfig field.
+SHARED_FLAGS = {"attention_bias": "attn_bias", "mamba_proj_bias": "mamba_proj_bias",
+                "mamba_conv_bias": "mamba_conv_bias", "tie_word_embeddings": "tie_embeddings"}
+
+
+@pytest.mark.parametrize("name", ["granite_rope_moe", "bamba"])
+def test_granite_and_bamba_bool_fields_read_as_transformers(name, hf_checkpoint):
+    """Absent, each takes transformers' default; given, its value lands in its own HybridConfig
+    field (the others keep theirs)."""
+    transformers = pytest.importorskip("transformers")
+    module = {"granite_rope_moe": granite, "bamba": bamba}[name]
+    bare = {k: v for k, v in hf_config(hf_checkpoint, name).items() if k not in SHARED_FLAGS}
+    default = transformers.CONFIG_MAPPING[bare["model_type"]]()
+    want = {ours: getattr(default, field) for field, ours in SHARED_FLAGS.items()}
+
+    def read(cfg):
+        c = module.config_from_hf(cfg)
+        return {ours: getattr(c, ours) for ours in SHARED_FLAGS.values()}
+
+    assert read(bare) == want
+    for field, ours in SHARED_FLAGS.items():
+        assert read(dict(bare, **{field: not want[ours]})) == dict(want, **{ours: not want[ours]}), field
+
+
 # ------------------------------------------------ 2. DeepSeek-V3's MTP layers, and no others
 
 
@@ -301,6 +327,26 @@ def test_a_null_field_without_a_null_meaning_is_refused(name, field, hf_checkpoi
                    tmp_path)
 
 
+@pytest.mark.parametrize("field", [
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "hidden_act", "kv_lora_rank",
+    "qk_rope_head_dim", "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_experts_per_tok",
+    "first_k_dense_replace", "max_position_embeddings",
+])
+def test_a_deepseek_null_field_without_a_null_meaning_is_refused(field, tmp_path):
+    """DeepSeek-V3 reads its fields by the hybrids' rule: a null is refused as a null, naming the field
+    (it used to be refused later as a bad int, or as an unsupported activation)."""
+    config_refused(rf"^DeepseekV3ForCausalLM: config\.json field {field} is null; expected a value",
+                   dict(DS_TINY, **{field: None}), tmp_path)
+
+
+def test_a_deepseek_null_q_lora_rank_is_no_query_lora(tmp_path):
+    """transformers' DeepSeek-V3 takes q_lora_rank null as a plain q_proj."""
+    path = tmp_path / "d"
+    os.makedirs(path)
+    json.dump(dict(DS_TINY, q_lora_rank=None), open(path / "config.json", "w"))
+    assert loader.model_from_dir(str(path)).config.q_lora_rank is None
+
+
 def test_null_fields_that_mean_something_read_as_transformers(hf_checkpoint, tmp_path):
     """Granite: attention_multiplier null is 1/sqrt(head_dim) (transformers passes scaling=None to
     its attention); num_key_value_heads null is num_attention_heads (Granite and Bamba)."""
@@ -370,6 +416,34 @@ def test_a_numeric_field_must_be_a_usable_number(name, changes, field, hf_checkp
     cfg = dict(DS_TINY) if name == "deepseek" else hf_config(hf_checkpoint, name)
     cfg.update(changes)
     config_refused(rf"field {re.escape(field)} (is null|must be)", cfg, tmp_path)
+
+
+@pytest.mark.parametrize("changes,name,want", [
+    (dict(rms_norm_eps=0.0), "rms_norm_eps", "> 0"),
+    (dict(rope_theta=-1e4), "rope_theta", "> 0"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor", "> 0"),
+    (dict(rms_norm_eps=float("inf")), "rms_norm_eps", "finite"),
+    (dict(rope_theta=True), "rope_theta", "a number"),
+    (dict(routed_scaling_factor="2.5"), "routed_scaling_factor", "a number"),
+    (dict(rope_type="yarn", yarn_original_max_position_embeddings=64, yarn_factor=float("inf")), "yarn_factor",
+     "finite"),
+    (dict(rope_type="yarn", yarn_original_max_position_embeddings=64, yarn_factor=0), "yarn_factor", "> 0"),
+    (dict(vocab_size=0), "vocab_size", "an int >= 1"),
+    (dict(hidden_size=64.0), "hidden_size", "an int >= 1"),
+    (dict(n_group=True), "n_group", "an int >= 1"),
+    (dict(qk_rope_head_dim=1), "qk_rope_head_dim", "an int >= 2"),
+    (dict(first_k_dense_replace=-1), "first_k_dense_replace", "an int >= 0"),
+    (dict(rope_type="yarn", yarn_original_max_position_embeddings=0), "yarn_original_max_position_embeddings",
+     "an int >= 1"),
+])
+def test_a_deepseek_config_built_in_code_is_checked_by_the_shared_field_rules(changes, name, want):
+    """DeepseekV3Config checks its own sizes and scales (a config built in code never passes
+    config_from_hf) by the config.json rules, naming the field, what it must be and what came."""
+    good = ds.config_from_hf(DS_TINY)
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(good, **changes)
+    assert re.fullmatch(rf"DeepSeek-V3 config: field {name} must be {re.escape(want)}, got "
+                        rf"{re.escape(repr(changes[name]))}", str(info.value)), str(info.value)
 
 
 def test_transformers_float_tags_are_read(hf_checkpoint, tmp_path):
