@@ -412,10 +412,14 @@ def _row_faults(requests: RequestState, idx, q, d, *, xp=jnp) -> dict:
     s = xp.where(row_ok, idx, 0)
     nc = xp.asarray(requests.num_computed_tokens)[s]
     pl = xp.asarray(requests.prefill_len)[s]
-    b = xp.arange(idx.shape[0], dtype=xp.int32)
+    # an [R, R] compare (one fusion inside the step on a GPU; a scatter into the request rows
+    # would be a kernel of its own)
+    R = idx.shape[0]
+    earlier = xp.arange(R)[None, :] < xp.arange(R)[:, None]  # [b, j]: j before b
+    repeated = xp.any(earlier & real[None, :] & (idx[None, :] == idx[:, None]), axis=1)
     decode = nc >= pl
     return {name: real & bad for name, bad in {
-        "repeated_row": _first_real_row(idx, real, requests.max_num_reqs, xp=xp)[s] != b,
+        "repeated_row": repeated,
         "past_max_model_len": nc + q > requests.max_model_len,
         "too_many_drafts": d > requests.num_speculative_tokens,
         "drafts_off_a_decode_window": (d > 0) & (~decode | (q != 1 + d)),
@@ -423,15 +427,3 @@ def _row_faults(requests: RequestState, idx, q, d, *, xp=jnp) -> dict:
         "decode_query_not_its_window": decode & (q != 1 + d),
     }.items()}
 
-
-def _first_real_row(idx, real, num_rows: int, *, xp):
-    """int32 ``[num_rows]``: for each request row, the first batch row ``b`` with ``real[b]`` whose
-    ``idx[b]`` names it (``len(idx)`` where none does). One scatter-min over the batch rows: a
-    real row ``b`` repeats an earlier one exactly when ``first[idx[b]] != b``."""
-    R = idx.shape[0]
-    b = xp.arange(R, dtype=xp.int32)
-    if xp is np:
-        first = np.full((num_rows,), R, np.int32)
-        np.minimum.at(first, idx[real], b[real])
-        return first
-    return jnp.full((num_rows,), R, jnp.int32).at[jnp.where(real, idx, num_rows)].min(b, mode="drop")
