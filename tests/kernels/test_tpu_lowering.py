@@ -179,11 +179,11 @@ def _combine(T, R, MR, S, num_new=1):
 
 def test_every_public_tpu_op_is_covered():
     # no TPU flavour: the varlen Mamba ops (jnp), paged_attention (GPU kernel; the TPU path is
-    # ragged_paged_attention over the rpa layout), grouped_matmul (GPU kernel; its jnp reference
-    # on TPU) and group_tiles (a jnp helper)
+    # ragged_paged_attention over the rpa layout), grouped_matmul and moe_route (GPU kernels;
+    # their jnp references on TPU) and group_tiles (a jnp helper)
     ops = {n for n in pk.__all__ if n[0].islower()} - {"selective_scan_varlen",
                                                         "causal_conv1d_varlen", "paged_attention",
-                                                        "grouped_matmul", "group_tiles"}
+                                                        "grouped_matmul", "moe_route", "group_tiles"}
     prefixes = {"reshape_and_cache_flash": "flash", "concat_and_cache_mla": "mla",
                 "write_kv_pages": "pages", "zero_blocks": "zero",
                 "ragged_paged_attention": "rpa",
