@@ -3,7 +3,8 @@
 ``grouped_matmul(x, w, tile_group, tile_rows=TM)``: ``x [NT * TM, K]`` is ``NT`` tiles of ``TM``
 rows; tile ``i`` is multiplied by ``w[tile_group[i]]`` (``w [G, K, N]``), so that
 ``out[i * TM:(i + 1) * TM] = x[i * TM:(i + 1) * TM] @ w[tile_group[i]]``, float32 ``[NT * TM, N]``.
-A tile whose group is outside ``[0, G)`` reads nothing and gives 0. With ``gate`` (``[G, K, N]``,
+A tile whose group is outside ``[0, G)`` (``[0, G + S)`` with ``S`` more groups, ``more_w``) reads
+nothing and gives 0. With ``gate`` (``[G, K, N]``,
 same dtype) and ``activation``, the output is ``act(x @ gate[g]) * (x @ w[g])`` instead: a gated
 (SwiGLU-style) expert's first layer in one pass over ``x`` and one launch. This is the product of a
 mixture of experts with the (token, expert) pairs sorted by expert: every expert's weights
@@ -16,7 +17,7 @@ Contract (every implementation):
   float32 operands multiply in IEEE float32. Implementations differ only in the order of the
   float32 accumulation. ``activation`` is applied in float32: ``"silu"`` (``v / (1 + exp(-v))``)
   or ``"relu2"`` (``max(v, 0) ** 2``). The output is float32, or ``out_dtype``.
-* ``tile_group`` values outside ``[0, G)`` are the unused tiles: 0 out, no weight read (a
+* ``tile_group`` values outside ``[0, G + S)`` are the unused tiles: 0 out, no weight read (a
   value check refuses nothing here: the tile layout marks unused tiles with ``G``).
 
 Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference):
@@ -26,7 +27,8 @@ Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference)
 * GPU (Pallas Triton): grid ``(NT, cdiv(N, block_n))``. Program ``(i, j)`` reads its tile's
   group, then accumulates ``block_k``-deep products of the tile's rows with columns
   ``[j * block_n, (j + 1) * block_n)`` of that group's matrix, read in place through
-  ``w``'s flat view. An unused tile stores zeros.
+  ``w``'s flat view (a group of ``more_w``, through its flat view in either layout). An unused
+  tile stores zeros.
 """
 
 from __future__ import annotations
@@ -175,9 +177,22 @@ def _operands(x, w):
     return x.astype(jnp.float32), w.astype(jnp.float32), jax.lax.Precision.HIGHEST
 
 
+def _as_stack(m, more_groups: int):
+    """``more_w`` / ``more_gate`` as a ``[S, K, N]`` stack (side by side ``[K, S * N]``: a copy)."""
+    if m.ndim == 3:
+        return m
+    K, SN = m.shape
+    return m.reshape(K, more_groups, SN // more_groups).transpose(1, 0, 2)
+
+
 @_backend.register(OP_GROUPED_MATMUL, "reference")
-def _reference(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, interpret):
+def _reference(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, out_dtype,
+               more_groups, config, interpret):
     del config, interpret
+    if more_w is not None:
+        w = jnp.concatenate([w, _as_stack(more_w, more_groups)])
+        if gate is not None:
+            gate = jnp.concatenate([gate, _as_stack(more_gate, more_groups)])
     G = w.shape[0]
     NT = tile_group.shape[0]
     used = (tile_group >= 0) & (tile_group < G)
@@ -232,16 +247,20 @@ def _fit_shared_memory(TM: int, BN: int, BK: int, itemsize: int, gated: bool, cf
 
 
 @_backend.register(OP_GROUPED_MATMUL, "gpu")
-def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, interpret):
+def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, out_dtype, more_groups,
+         config, interpret):
     TM = tile_rows
     G, K, N = w.shape
+    S = more_groups if more_w is not None else 0
+    side_by_side = S > 0 and more_w.ndim == 2
     NT = tile_group.shape[0]
     BN, BK, warps = _blocks(NT, N, K, TM, config)
     BN, BK = _fit_shared_memory(TM, BN, BK, jnp.dtype(x.dtype).itemsize, gate is not None, config,
                                 gpu_tiling.device_shared_memory_budget())
     if not interpret and TM < 16:
         raise NotImplementedError(f"the GPU kernel needs tile_rows >= 16 (Triton products), got {TM}")
-    for name, shape in (("x", x.shape), ("w", w.shape), ("the output", (NT * TM, N + BN))):
+    for name, shape in (("x", x.shape), ("w", w.shape), ("the output", (NT * TM, N + BN)),
+                        ("more_w", (S, K, N))):
         gpu_tiling.check_int32_offsets(name, shape)
     f32 = jnp.dtype(x.dtype) == jnp.float32
     # Interpret mode widens both operands (XLA:CPU has no bf16 x bf16 -> f32 dot); the products
@@ -254,8 +273,12 @@ def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, in
 
     def kernel(group_ref, x_ref, w_ref, *refs):
         # group_ref i32[NT], x_ref [NT * TM * K], w_ref (and gated: gate_ref) [G * K * N],
-        # o_ref out_dtype[NT * TM * Np].
-        gate_ref, o_ref = refs if gated else (None, refs[0])
+        # with more groups more_ref (and more_gate_ref) [S * K * N], o_ref out_dtype[NT * TM * Np].
+        refs = list(refs)
+        gate_ref = refs.pop(0) if gated else None
+        more_ref = refs.pop(0) if S else None
+        more_gate_ref = refs.pop(0) if S and gated else None
+        o_ref, = refs
         i, j = pl.program_id(0), pl.program_id(1)
         g = group_ref[i]
         rows = i * TM + jnp.arange(TM, dtype=jnp.int32)
@@ -267,8 +290,9 @@ def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, in
         if not n_even:  # masked columns read inside the matrix
             cols = jnp.minimum(cols, N - 1)
 
-        @pl.when((g >= 0) & (g < G))
-        def _product():
+        def product(mats, address):
+            """The tile's product with ``mats`` (one, or two when gated), element ``(k, n)`` of
+            the tile's matrix at ``address(kk, cols)``."""
             def step(kb, accs):
                 kk = kb * BK + jnp.arange(BK, dtype=jnp.int32)
                 if k_even:
@@ -283,8 +307,8 @@ def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, in
                 if interpret:
                     a = a.astype(jnp.float32)
                 out = []
-                for m_ref, acc in zip((w_ref, gate_ref) if gated else (w_ref,), accs):
-                    b_at = m_ref.at[(g * K + kk[:, None]) * N + cols[None, :]]
+                for m_ref, acc in zip(mats, accs):
+                    b_at = m_ref.at[address(kk[:, None], cols[None, :])]
                     b = load(b_at) if b_mask is None else load(b_at, mask=b_mask, other=0)
                     if interpret:
                         b = b.astype(jnp.float32)
@@ -298,7 +322,21 @@ def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, in
             out = _activate(accs[1], activation) * accs[0] if gated else accs[0]
             store(out_at, out.astype(out_dtype))
 
-        @pl.when((g < 0) | (g >= G))
+        @pl.when((g >= 0) & (g < G))
+        def _main_groups():
+            product((w_ref, gate_ref) if gated else (w_ref,), lambda k, n: (g * K + k) * N + n)
+
+        if S:
+            @pl.when((g >= G) & (g < G + S))
+            def _more_groups():
+                e = g - G
+                if side_by_side:  # group G + e is columns e * N .. (e + 1) * N of [K, S * N]
+                    address = lambda k, n: k * (S * N) + e * N + n  # noqa: E731
+                else:
+                    address = lambda k, n: (e * K + k) * N + n  # noqa: E731
+                product((more_ref, more_gate_ref) if gated else (more_ref,), address)
+
+        @pl.when((g < 0) | (g >= G + S))
         def _unused_tile():
             store(out_at, jnp.zeros((TM, BN), out_dtype))
 
@@ -312,6 +350,8 @@ def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, in
         name="grouped_matmul_gpu",
     )
     mats = (w.reshape(-1),) + ((gate.reshape(-1),) if gated else ())
+    if S:
+        mats += (more_w.reshape(-1),) + ((more_gate.reshape(-1),) if gated else ())
     out = call(tile_group, x.reshape(-1), *mats).reshape(NT * TM, Np)
     return out if n_even else out[:, :N]
 
@@ -322,19 +362,26 @@ def _gpu(x, w, tile_group, gate, *, tile_rows, activation, out_dtype, config, in
 
 
 def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: str | None = None,
-                   out_dtype=jnp.float32, backend: str = "auto", interpret: bool | None = None,
+                   out_dtype=jnp.float32, more_w=None, more_gate=None, more_groups: int = 0,
+                   backend: str = "auto", interpret: bool | None = None,
                    config: GroupedMatmulConfig = GroupedMatmulConfig()):
     """Each ``tile_rows``-row tile of ``x`` times its group's matrix (see the module docstring).
 
     Args:
       x: ``[NT * tile_rows, K]``, float32, bfloat16 or float16.
       w: ``[G, K, N]``, ``x``'s dtype.
-      tile_group: int32 ``[NT]``: tile ``i``'s group; outside ``[0, G)``: an unused tile.
+      tile_group: int32 ``[NT]``: tile ``i``'s group; outside ``[0, G + more_groups)``: an unused
+        tile.
       tile_rows: rows of a tile (static; >= 16 for the compiled GPU kernel).
       gate: optional ``[G, K, N]`` in ``w``'s dtype; with it, ``activation`` (one of
         :data:`ACTIVATIONS`, static) is required and the output is
         ``activation(x @ gate[g]) * (x @ w[g])``.
       out_dtype: the output's float dtype (static; the float32 result rounded once).
+      more_w, more_gate, more_groups: ``more_groups`` (static) groups ``G .. G + S - 1`` held
+        apart from ``w`` (and ``gate``, which then needs ``more_gate`` in the same layout):
+        ``[S, K, N]`` (a stack like ``w``), or ``[K, S * N]`` side by side (group ``G + s`` is
+        columns ``s * N .. (s + 1) * N``: a dense layer's matrix read as ``S`` experts in
+        place). The kernel reads them where they are; the reference concatenates.
       backend, interpret: see :mod:`pallas_kernels.backend` (TPU: the reference).
       config: :class:`GroupedMatmulConfig` (static).
 
@@ -370,7 +417,37 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
         raise ValueError(f"out_dtype must be a float dtype, got {out_dtype!r}")
     out_dtype = jnp.dtype(out_dtype)
     G, K, N = np.shape(w)
+    S = _check_more(more_w, more_gate, more_groups, gated=gate is not None, K=K, N=N, dtype=w.dtype)
     if NT == 0 or N == 0 or G == 0 or K == 0:
         return jnp.zeros((NT * tile_rows, N), out_dtype)
-    return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, gate, tile_rows=tile_rows,
-                        activation=activation, out_dtype=out_dtype, config=config)
+    return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, gate, more_w, more_gate,
+                        tile_rows=tile_rows, activation=activation, out_dtype=out_dtype,
+                        more_groups=S, config=config)
+
+
+def _check_more(more_w, more_gate, more_groups, *, gated: bool, K: int, N: int, dtype) -> int:
+    """The number of groups ``more_w`` adds (0 without it), its arguments checked."""
+    if more_w is None:
+        if more_gate is not None or more_groups:
+            raise ValueError(f"more_gate and more_groups need more_w, got more_gate "
+                             f"{'set' if more_gate is not None else None} and more_groups={more_groups!r}")
+        return 0
+    if not isinstance(more_groups, int) or isinstance(more_groups, bool) or more_groups < 1:
+        raise ValueError(f"more_groups must be an int >= 1 with more_w, got {more_groups!r}")
+    S = more_groups
+    shapes = ((S, K, N), (K, S * N))
+    for name, m in (("more_w", more_w), ("more_gate", more_gate if gated else None)):
+        if gated and m is None:
+            raise ValueError("more_gate is required with gate and more_w (the gated form of the more groups)")
+        if m is None:
+            continue
+        if tuple(np.shape(m)) not in shapes:
+            raise ValueError(f"{name} must have shape {list(shapes[0])} (a stack) or {list(shapes[1])} "
+                             f"(side by side), got {list(np.shape(m))}")
+        validation.check_dtype(name, m, np.dtype(dtype))
+    if not gated and more_gate is not None:
+        raise ValueError("more_gate is for the gated form (gate=...), got it without a gate")
+    if gated and np.ndim(more_gate) != np.ndim(more_w):
+        raise ValueError(f"more_gate must have more_w's layout, got shapes {list(np.shape(more_gate))} "
+                         f"and {list(np.shape(more_w))}")
+    return S

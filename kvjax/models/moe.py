@@ -218,36 +218,43 @@ def _expert_mlp(x, up_w, gate_w, down_w, gated: bool, act: str):
     return row_padded(mlp, x, axis=1)
 
 
-def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, backend: str):
+def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, backend: str,
+                 shared=None):
     """``[T, k, d]``: pair ``(t, j)``'s expert ``local[t, j]`` on ``h[t]`` (0 where not
-    ``valid``), the pairs sorted by expert into row tiles run by the grouped-matmul kernel."""
+    ``valid``), the pairs sorted by expert into row tiles run by the grouped-matmul kernel.
+    ``shared``: ``(gate [d, S * F], up [d, S * F], down [S * F, d])``, a dense MLP read in place
+    as experts ``El .. El + S - 1`` of width ``F``."""
     up_w, gate_w, down_w = (None if a is None else jnp.asarray(a) for a in (up_w, gate_w, down_w))
     T, k = local.shape
-    El, d = up_w.shape[0], h.shape[-1]
+    El, d, F = up_w.shape
+    S = 0 if shared is None else shared[1].shape[1] // F
     P = T * k
-    TM = tile_rows_for(P, El)
-    # one token: its k choices are k distinct experts, each pair a tile of its own (no counting)
-    slot, tile_group = group_tiles(jnp.where(valid, local, El).reshape(P), El, TM, rows_apart=T == 1 and P <= El)
+    TM = tile_rows_for(P, El + S)
+    # one token: its choices are distinct experts, each pair a tile of its own (no counting)
+    slot, tile_group = group_tiles(jnp.where(valid, local, El + S).reshape(P), El + S, TM,
+                                   rows_apart=T == 1 and P <= El + S)
     rows = tile_group.shape[0] * TM
     x = jnp.zeros((rows, d), up_w.dtype).at[slot].set(
         jnp.repeat(h.astype(up_w.dtype), k, axis=0), mode="drop", unique_indices=True)
 
-    def product(a, w, **gating):
+    def product(a, w, more=None, more_gate=None, **gating):
+        extra = {} if not S else dict(more_w=more, more_gate=more_gate, more_groups=S)
         return grouped_matmul(a.astype(w.dtype), w, tile_group, tile_rows=TM, backend=backend,
-                              **gating)
+                              **extra, **gating)
 
+    sg, su, sd = shared if S else (None, None, None)
     if gated:  # act(x @ gate) * (x @ up) in one kernel, rounded once to the weights' dtype
-        a = product(x, up_w, gate=gate_w, activation=act, out_dtype=up_w.dtype)
+        a = product(x, up_w, su, sg, gate=gate_w, activation=act, out_dtype=up_w.dtype)
     else:
-        a = activation(product(x, up_w), act)
-    y = product(a, down_w)  # [rows, d]; padding rows and unused tiles hold 0
+        a = activation(product(x, up_w, su), act)
+    y = product(a, down_w, None if sd is None else sd.reshape(S, F, d))  # [rows, d]; padding rows 0
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, d)
 
 
 def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, gated: bool = True,
                   activation: str = "silu", first: jax.Array | int = 0,
                   path: str = "auto", backend: str = "reference",
-                  token_mask: jax.Array | None = None) -> jax.Array:
+                  token_mask: jax.Array | None = None, shared: dict | None = None) -> jax.Array:
     """``y[t] = sum_j weight[t, j] * expert_{idx[t, j]}(h[t])`` over the experts held in ``w``
     (float32 ``[T, d]``), the one rule every MoE here applies its routed experts by.
 
@@ -270,6 +277,11 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
       token_mask: ``bool [T]``; a token not in it (a step's padding) adds 0 and its choices
         name no expert: the grouped path gives them no tile, so an expert only padding chose is
         not read (its row of the result is 0).
+      shared: grouped path only: ``w_gate``, ``w_up [d, S * F]``, ``w_down [S * F, d]`` (``F``
+        the routed experts' width), a gated dense MLP every token in ``token_mask`` adds with
+        weight 1 (DeepSeek's shared experts), run as ``S`` more experts in the routed experts'
+        launches, its weights read in place; ``sum_j`` then runs over the ``k`` choices, then
+        the ``S`` parts.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -285,8 +297,21 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
     gate_w = w["w_gate"] if gated else None
     if path == "auto":
         path = choose_path(T, k, El, backend)
+    sh = None
+    if shared is not None:  # S more pairs per token: experts El .. El + S - 1, weight 1
+        F, Fs = w["w_up"].shape[-1], shared["w_up"].shape[-1]
+        if path != "grouped" or not gated or Fs % F:
+            raise ValueError(f"shared experts run on the grouped path of gated experts, as a whole number "
+                             f"of experts of width {F}: got path {path!r}, gated={gated}, width {Fs}")
+        S = Fs // F
+        local = jnp.concatenate([local, jnp.broadcast_to(El + jnp.arange(S, dtype=jnp.int32), (T, S))], 1)
+        tok = jnp.ones((T,), bool) if token_mask is None else token_mask.astype(bool)
+        valid = jnp.concatenate([valid, jnp.broadcast_to(tok[:, None], (T, S))], 1)
+        weight = jnp.concatenate([weight.astype(jnp.float32), jnp.ones((T, S), jnp.float32)], 1)
+        sh = (shared["w_gate"], shared["w_up"], shared["w_down"])
     if path == "grouped":
-        o = _grouped_mlp(h, local, valid, w["w_up"], gate_w, w["w_down"], gated, activation, backend)
+        o = _grouped_mlp(h, local, valid, w["w_up"], gate_w, w["w_down"], gated, activation, backend,
+                         shared=sh)
     elif path == "sparse":
         sel = local.reshape(T * k)
 
@@ -308,7 +333,8 @@ def routed_ffn(h: jax.Array, route_fn: Callable[[jax.Array], tuple[jax.Array, ja
                w: dict, *, gated: bool = True, activation: str = "silu",
                expert_axis: str | None = None, route_input: jax.Array | None = None,
                path: str = "auto", backend: str = "reference",
-               token_mask: jax.Array | None = None, num_tokens: int | None = None) -> jax.Array:
+               token_mask: jax.Array | None = None, num_tokens: int | None = None,
+               shared: dict | None = None) -> jax.Array:
     """Routed experts of ``h [T, d]`` (float32 ``[T, d]``): ``route_fn(r) -> (idx [T, k],
     weight [T, k])`` chooses on ``r = route_input`` (default ``h``), :func:`apply_experts`
     applies them. With ``expert_axis`` (see the module docstring) ``w`` holds this member's
@@ -316,7 +342,8 @@ def routed_ffn(h: jax.Array, route_fn: Callable[[jax.Array], tuple[jax.Array, ja
     ``backend`` and ``token_mask [T]`` (a step's real tokens: padding reads no expert): as
     :func:`apply_experts`. ``num_tokens`` (static, default ``T``): the step's tokens are the
     first ``num_tokens`` rows; the rows after them (a one-token step's second row,
-    :func:`~kvjax.models.attention.row_count`) are not routed, read nothing and come out 0."""
+    :func:`~kvjax.models.attention.row_count`) are not routed, read nothing and come out 0.
+    ``shared``: as :func:`apply_experts` (not under ``expert_axis``)."""
     T = h.shape[0]
     if num_tokens is not None and num_tokens != T:
         if not (isinstance(num_tokens, int) and 0 < num_tokens < T):
@@ -325,13 +352,17 @@ def routed_ffn(h: jax.Array, route_fn: Callable[[jax.Array], tuple[jax.Array, ja
                          expert_axis=expert_axis,
                          route_input=None if route_input is None else route_input[:num_tokens],
                          path=path, backend=backend,
-                         token_mask=None if token_mask is None else token_mask[:num_tokens])
+                         token_mask=None if token_mask is None else token_mask[:num_tokens],
+                         shared=shared)
         return pad_rows(out, T)
     r = h if route_input is None else route_input
     if expert_axis is None:
         idx, weight = route_fn(r)
         return apply_experts(h, idx, weight, w, gated=gated, activation=activation, path=path,
-                             backend=backend, token_mask=token_mask)
+                             backend=backend, token_mask=token_mask, shared=shared)
+    if shared is not None:
+        raise ValueError("shared experts are not taken under expert_axis (each member would run them on "
+                         "every member's tokens)")
     El = w["w_up"].shape[0]
     h_all = jax.lax.all_gather(h, expert_axis, tiled=True)  # [S * T, d]: every member's tokens
     r_all = h_all if route_input is None else jax.lax.all_gather(r, expert_axis, tiled=True)

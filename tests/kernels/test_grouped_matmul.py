@@ -290,3 +290,65 @@ def test_bad_arguments_name_themselves(bad, match):
                        **args)
     with pytest.raises(ValueError, match="gpu_block_n must be a power of two"):
         GroupedMatmulConfig(gpu_block_n=48)
+
+
+@pytest.mark.parametrize("layout", ["stack", "side"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_more_groups_are_read_in_place(layout, gated):
+    """``more_w`` (and ``more_gate``): ``S`` groups after ``w``'s, a ``[S, K, N]`` stack or a
+    ``[K, S * N]`` matrix side by side; each tile of such a group is multiplied by its slice,
+    on the kernel (interpreted) exactly as in numpy."""
+    r = np.random.default_rng(11)
+    G, K, N, S, TM = 3, 40, 24, 2, 16
+    w, g = (r.standard_normal((G, K, N)).astype(np.float32) for _ in range(2))
+    more = [r.standard_normal((S, K, N)).astype(np.float32) for _ in range(2)]
+    tg = np.array([0, 4, 2, 3, 9, 1], np.int32)  # 3 and 4 are the more groups, 9 unused
+    x = r.standard_normal((len(tg) * TM, K)).astype(np.float32)
+    lay = (lambda m: m) if layout == "stack" else (lambda m: np.ascontiguousarray(m.transpose(1, 0, 2)).reshape(K, S * N))
+    kw = dict(tile_rows=TM, more_w=lay(more[0]), more_groups=S)
+    if gated:
+        kw.update(gate=g, activation="silu", more_gate=lay(more[1]))
+    full_w, full_g = np.concatenate([w, more[0]]), np.concatenate([g, more[1]])
+    want = np.zeros((len(tg) * TM, N))
+    for i, grp in enumerate(tg):
+        if grp < G + S:
+            a = x[i * TM:(i + 1) * TM].astype(np.float64)
+            o = a @ full_w[grp]
+            if gated:
+                v = a @ full_g[grp]
+                o = v / (1 + np.exp(-v)) * o
+            want[i * TM:(i + 1) * TM] = o
+    for backend, interp in (("reference", None), ("pallas_gpu", True)):
+        got = grouped_matmul(x, w, tg, backend=backend, interpret=interp, **kw)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=backend)
+
+
+def test_more_groups_lower_for_cuda(verified_triton_modules):
+    from tests.kernels.test_gpu_launches import lower_for_cuda
+
+    x = jnp.zeros((2 * 16, 64), jnp.bfloat16)
+    w = jnp.zeros((4, 64, 32), jnp.bfloat16)
+    side = jnp.zeros((64, 2 * 32), jnp.bfloat16)
+    fn = lambda x, w, s: grouped_matmul(x, w, np.array([1, 5], np.int32), tile_rows=16, gate=w,  # noqa: E731
+                                        activation="silu", more_w=s, more_gate=s, more_groups=2,
+                                        backend="pallas_gpu", interpret=False)
+    lower_for_cuda(fn, x, w, side)
+    assert len(verified_triton_modules) == 1
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(more_w=np.ones((1, 2, 3), np.float32)), "more_groups must be an int >= 1"),
+    (dict(more_groups=1), "more_gate and more_groups need more_w"),
+    (dict(more_w=np.ones((2, 2, 3), np.float32), more_groups=1), "more_w must have shape"),
+    (dict(more_w=np.ones((2, 6), np.float32), more_groups=2, gate=np.ones((1, 2, 3), np.float32),
+          activation="silu"), "more_gate is required"),
+    (dict(more_w=np.ones((2, 6), np.float32), more_groups=2, gate=np.ones((1, 2, 3), np.float32),
+          activation="silu", more_gate=np.ones((2, 2, 3), np.float32)), "more_gate must have more_w's layout"),
+    (dict(more_w=np.ones((2, 6), np.float32), more_gate=np.ones((2, 6), np.float32), more_groups=2),
+     "more_gate is for the gated form"),
+    (dict(more_w=np.ones((2, 6), np.float16), more_groups=2), "more_w"),
+])
+def test_more_groups_bad_arguments_name_themselves(bad, match):
+    with pytest.raises(ValueError, match=match):
+        grouped_matmul(np.ones((2, 2), np.float32), np.ones((1, 2, 3), np.float32), np.array([0], np.int32),
+                       tile_rows=2, backend="reference", **bad)

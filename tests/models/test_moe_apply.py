@@ -470,3 +470,57 @@ def test_row_padded_runs_one_row_as_two_off_the_cpu(monkeypatch, axis):
     seen.clear()
     x3 = jnp.concatenate([x] * 3, axis=axis)
     assert attention.row_padded(f, x3, axis=axis).shape == np.asarray(x3 @ w).shape and len(seen[0]) == 3
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("backend", ["reference", "pallas_gpu"])
+def test_shared_experts_in_the_grouped_launches(T, backend):
+    """``shared`` (a gated dense MLP of width ``S * F``) adds, for every real token, what the MLP
+    gives alone, read as ``S`` more experts of the routed experts' launches; padding adds 0.
+    DeepSeek-V3's layer takes it on the kernel's path and matches its two-part form."""
+    w = _weights(T, gated=True)
+    r = np.random.default_rng(T + 5)
+    S = 2
+    shared = {"w_gate": jnp.asarray(r.standard_normal((D, S * F)) / 4, jnp.float32),
+              "w_up": jnp.asarray(r.standard_normal((D, S * F)) / 4, jnp.float32),
+              "w_down": jnp.asarray(r.standard_normal((S * F, D)) / 4, jnp.float32)}
+    h = r.standard_normal((T, D)).astype(np.float32)
+    idx, weight = _routing(T + 9, T)
+    mask = np.arange(T) != 1  # the second token (where there is one) is padding
+    got = moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path="grouped",
+                            backend=backend, token_mask=jnp.asarray(mask), shared=shared)
+    alone = moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path="grouped",
+                              backend=backend, token_mask=jnp.asarray(mask))
+    g, u, dn = (np.asarray(shared[n], np.float64) for n in ("w_gate", "w_up", "w_down"))
+    v = h @ g
+    mlp = (v / (1 + np.exp(-v)) * (h @ u)) @ dn
+    want = np.asarray(alone) + np.where(mask[:, None], mlp, 0.0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=LOOP_TOL)
+    with pytest.raises(ValueError, match="shared experts run on the grouped path"):
+        moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path="dense",
+                          shared=shared)
+
+
+def test_deepseek_runs_its_shared_experts_in_the_grouped_launches(monkeypatch):
+    """On the kernel's path (``pallas_gpu``, interpreted) DeepSeek-V3's MoE layer gives the shared
+    experts to the routed experts' grouped launches; the result matches the reference backend's
+    separate shared MLP, and without the kernel's path no ``shared`` reaches ``routed_ffn``."""
+    c = ds.config_from_hf(dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=2,
+        n_routed_experts=16, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=4, topk_group=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=64))
+    r = np.random.default_rng(3)
+    f = lambda *s: jnp.asarray(r.standard_normal(s) / np.sqrt(s[-2] if len(s) > 1 else 1), jnp.float32)  # noqa: E731
+    mp = {"router": f(32, 16), "bias": jnp.asarray(r.standard_normal(16) * 0.1, jnp.float32),
+          "w_gate": f(16, 32, 16), "w_up": f(16, 32, 16), "w_down": f(16, 16, 32),
+          "shared_gate": f(32, 32), "shared_up": f(32, 32), "shared_down": f(32, 32)}
+    h = jnp.asarray(r.standard_normal((2, 32)), jnp.float32)
+    seen = []
+    real = moe.routed_ffn
+    monkeypatch.setattr(ds, "routed_ffn", lambda *a, **k: seen.append(k.get("shared") is not None) or real(*a, **k))
+    ref = ds._moe(mp, c, h, None, None, "reference")
+    got = ds._moe(mp, c, h, None, None, "pallas_gpu")
+    assert seen == [False, True]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=LOOP_TOL)

@@ -58,7 +58,7 @@ from kvjax.models.attention import dot_operands, pad_rows, padded_stream, row_pa
 from kvjax.models.hf import fields as fl
 from kvjax.models.hf.mla import MLA_FORMS, paged_latent_attention, rope, split_latent_attention, step_form
 from kvjax.models.interface import CacheSizes, PoolSpec
-from kvjax.models.moe import MoESpec, check_expert_groups, route_rule, routed_ffn
+from kvjax.models.moe import MoESpec, check_expert_groups, choose_path, route_rule, routed_ffn
 from kvjax.models.step_context import StepContext
 from pallas_kernels.moe_route import moe_route
 from pallas_kernels.kv_write import concat_and_cache_mla
@@ -560,7 +560,18 @@ def _moe_spec(c: DeepseekV3Config) -> MoESpec:
                    norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
 
 
+#: The most tokens of a step whose shared experts run inside the routed experts' grouped-matmul
+#: launches (:func:`kvjax.models.moe.apply_experts`' ``shared``), on the GPU kernel's path only.
+SHARED_IN_GROUPED_MAX_TOKENS = 256
+
+
 def _moe(mp, c, h, expert_axis, model_axis, backend, token_mask=None, num_tokens=None):
+    T = h.shape[0] if num_tokens is None else num_tokens
+    if (expert_axis is None and model_axis is None and T <= SHARED_IN_GROUPED_MAX_TOKENS
+            and choose_path(T, c.num_experts_per_tok, c.n_routed_experts, backend) == "grouped"):
+        shared = {"w_gate": mp["shared_gate"], "w_up": mp["shared_up"], "w_down": mp["shared_down"]}
+        return routed_ffn(h, lambda r: route(r, mp, c, backend), mp, backend=backend,
+                          token_mask=token_mask, num_tokens=num_tokens, shared=shared)
     shared = _swiglu(h, mp["shared_gate"], mp["shared_up"], mp["shared_down"])
     if model_axis is not None:
         shared = jax.lax.psum(shared, model_axis)
