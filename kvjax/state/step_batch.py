@@ -364,7 +364,7 @@ def validate_schedule(
             f"the schedule has {total} tokens, more than the bucket's num_tokens_padded="
             f"{num_tokens_padded}"
         )
-    nlog = int((1 + d[live]).sum())
+    nlog = int((1 + d[live & (q > 0)]).sum())  # a row with 0 tokens is padding: no logits row
     if nlog > num_logits_padded:
         raise ValueError(
             f"the schedule needs {nlog} logits rows, more than num_logits_padded={num_logits_padded}"

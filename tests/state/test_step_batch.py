@@ -112,8 +112,8 @@ def test_a_row_with_no_tokens_may_repeat_a_request_row():
 
 
 def test_repeated_rows_are_the_later_real_rows_naming_an_earlier_real_rows_request_row():
-    """_row_faults' repeated_row (one scatter over the rows) against the pairwise definition, for
-    numpy (the eager check), jax.numpy and under jit (the mask)."""
+    """_row_faults' repeated_row against the pairwise definition, for numpy (the eager check),
+    jax.numpy and under jit (the mask)."""
     from kvjax.state.step_batch import _row_faults
     s = RequestState.create(4, 64, num_speculative_tokens=2)
     rng = np.random.default_rng(0)
@@ -128,6 +128,20 @@ def test_repeated_rows_are_the_later_real_rows_naming_an_earlier_real_rows_reque
         for got in (_row_faults(s, idx, q, d, xp=np)["repeated_row"], _row_faults(s, idx, q, d)["repeated_row"],
                     jitted(idx, q, d)):
             assert np.asarray(got).tolist() == want, (idx, q, got)
+
+
+def test_a_row_with_no_tokens_needs_no_logits_row_eagerly_either():
+    # Under jit a 0-token row is padding with no logits (_real_rows); the eager check counted
+    # 1 + drafts for it and refused a schedule whose real rows fit num_logits_padded.
+    s, t = make_state()
+    sched = ScheduledBatch.from_lists([0, 2], [3, 0], [2, 0], pad_to=4)  # row 0: 3 logits rows
+    eager = build_step_batch(s, t, sched, num_tokens_padded=8, num_logits_padded=3)
+    jitted = jax.jit(functools.partial(build_step_batch, num_tokens_padded=8, num_logits_padded=3))(s, t, sched)
+    assert_batches_equal(eager, jitted)
+    np.testing.assert_array_equal(eager.cu_num_logits, [0, 3, 3, 3, 3])
+    with pytest.raises(ValueError, match="needs 4 logits rows, more than num_logits_padded=3"):
+        build_step_batch(s, t, ScheduledBatch.from_lists([0, 2], [3, 1], [2, 0], pad_to=4),
+                         num_tokens_padded=8, num_logits_padded=3)
 
 
 def test_position_past_max_model_len_rejected():
