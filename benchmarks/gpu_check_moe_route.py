@@ -3,11 +3,13 @@
     PYTHONPATH=. python benchmarks/gpu_check_moe_route.py
 
 At DeepSeek-V2-Lite's router (2048 x 64, top-6; float32 hidden states, a bf16 router, as in
-the model), DeepSeek-V3's (7168 x 256, 8 groups, top-4 groups, top-8), Nemotron-H's and a softmax
-router, for 1 to 8,192 tokens and several splits: the chosen experts equal the reference's, or (a tie to float32 rounding) have the
-same choice values within ``TIE``; the weights of the tokens that chose alike within 2e-6 of the
-reference's (times the scale); nothing non-finite. The kernel takes calls of up to 256 tokens here
-(``gpu_max_tokens``; past it, as in the 8,192-token case, the GPU flavour runs the reference). Prints each path's device time at 1 to 256 tokens.
+the model), DeepSeek-V3's (7168 x 256, 8 groups, top-4 groups, top-8), Nemotron-H's and a
+softmax router, for 1 to 256 tokens through the kernel (``gpu_max_tokens`` 256 here) and
+several splits, and 8,192 tokens (the GPU flavour's fallback to the reference): the chosen
+experts equal the reference's, or (a tie to float32 rounding) have the same choice values
+within ``TIE``; the weights of the tokens that chose alike within 2e-6 of the reference's
+(times the scale); nothing non-finite. Then prints each path's device time at 1 to 256 tokens
+(informational: under ``run_gpu.sh`` other checks share the GPU; time it in a call of its own).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Contract (every implementation):
   float32 accumulation. ``activation`` is applied in float32: ``"silu"`` (``v / (1 + exp(-v))``)
   or ``"relu2"`` (``max(v, 0) ** 2``). The output is float32, or ``out_dtype``.
 * ``tile_group`` values outside ``[0, G + S)`` are the unused tiles: 0 out, no weight read (a
-  value check refuses nothing here: the tile layout marks unused tiles with ``G``).
+  value check refuses nothing here: the tile layout marks unused tiles with ``G + S``).
 
 Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference):
 
@@ -417,7 +417,7 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
         raise ValueError(f"out_dtype must be a float dtype, got {out_dtype!r}")
     out_dtype = jnp.dtype(out_dtype)
     G, K, N = np.shape(w)
-    S = _check_more(more_w, more_gate, more_groups, gated=gate is not None, K=K, N=N, dtype=w.dtype)
+    S = _check_more(more_w, more_gate, more_groups, gated=gate is not None, G=G, K=K, N=N, dtype=w.dtype)
     if NT == 0 or N == 0 or G == 0 or K == 0:
         return jnp.zeros((NT * tile_rows, N), out_dtype)
     return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, gate, more_w, more_gate,
@@ -425,7 +425,7 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
                         more_groups=S, config=config)
 
 
-def _check_more(more_w, more_gate, more_groups, *, gated: bool, K: int, N: int, dtype) -> int:
+def _check_more(more_w, more_gate, more_groups, *, gated: bool, G: int, K: int, N: int, dtype) -> int:
     """The number of groups ``more_w`` adds (0 without it), its arguments checked."""
     if more_w is None:
         if more_gate is not None or more_groups:
@@ -434,6 +434,8 @@ def _check_more(more_w, more_gate, more_groups, *, gated: bool, K: int, N: int, 
         return 0
     if not isinstance(more_groups, int) or isinstance(more_groups, bool) or more_groups < 1:
         raise ValueError(f"more_groups must be an int >= 1 with more_w, got {more_groups!r}")
+    if G == 0:
+        raise ValueError(f"w must hold at least one group beside more_w, got shape [{G}, {K}, {N}]")
     S = more_groups
     shapes = ((S, K, N), (K, S * N))
     for name, m in (("more_w", more_w), ("more_gate", more_gate if gated else None)):

@@ -11,8 +11,8 @@ The rule (:func:`select_experts`, written once; every implementation computes it
   over those ``k`` logits.
 * ``scoring="sigmoid"`` (DeepSeek-V3, Nemotron-H): ``scores = sigmoid(logits)``; the
   choice is made on ``scores + bias`` (``bias [E]``, optional), restricted to the ``topk_group``
-  best of ``n_group`` equal groups of consecutive experts, a group scored by the sum of its two
-  best choice values (its one value when a group holds one expert); the weights are the chosen
+  best of ``n_group`` equal groups of consecutive experts (at least 2 each), a group scored by
+  the sum of its two best choice values; the weights are the chosen
   experts' ``scores``, divided by their sum (plus 1e-20) if ``renormalize``, times ``scale``.
 * Ties go to the lower expert (and the lower group), as ``jax.lax.top_k`` orders them.
 
@@ -20,11 +20,11 @@ Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference)
 
 * reference (jnp): the product with ``Precision.HIGHEST``, then :func:`select_experts`.
 * GPU (Pallas Triton), for calls of at most ``gpu_max_tokens`` tokens (larger ones run the
-  reference): with ``split`` 1, program ``i`` accumulates the ``[block_t, E]`` logits
-  of ``block_t`` tokens over ``d`` and routes them; with ``split`` ``S > 1`` a first launch of
+  reference): with ``split`` 1, program ``i`` accumulates the ``[BLOCK_T, E]`` logits
+  of :data:`BLOCK_T` tokens over ``d`` and routes them; with ``split`` ``S > 1`` a first launch of
   ``S`` programs per token block writes ``S`` partial products over slices of ``d`` (a decode
   step's one token then reads the router with ``S`` programs, not one) and a routing program
-  (one warp, as few tokens as the call has, up to ``block_t``) adds them in order. Every
+  (one warp, as few tokens as the call has, up to :data:`BLOCK_T`) adds them in order. Every
   product is exact (:func:`_product_terms`: a float32 ``x`` meets a bfloat16 router as three
   bfloat16 parts on the tensor cores), summed in float32. The selection is ``k`` rounds of a row maximum over the ``E`` lanes (a
   lane mask for the groups). The sums over ``d`` run in another order and the exponential is
@@ -45,7 +45,7 @@ from pallas_kernels import backend as _backend
 from pallas_kernels import contract as validation
 from pallas_kernels import gpu_tiling
 
-__all__ = ["MoERouteConfig", "SCORINGS", "moe_route", "select_experts"]
+__all__ = ["MoERouteConfig", "SCORINGS", "check_rule", "moe_route", "select_experts"]
 
 OP_MOE_ROUTE = "moe_route"
 
@@ -56,63 +56,82 @@ SCORINGS = ("softmax", "sigmoid")
 RENORM_EPS = 1e-20
 
 
+#: Tokens of a product program (Triton products need >= 16 rows), depth of one product step
+#: over ``d``, and the warps of a product program and of a routing program.
+BLOCK_T, BLOCK_K, PRODUCT_WARPS, SELECT_WARPS = 16, 128, 4, 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MoERouteConfig:
     """Tuning knobs of the GPU kernel (a static argument).
 
     Attributes:
-      gpu_block_t: tokens of a product program (a power of two >= 16: Triton products).
-      gpu_block_k: depth of one product step over ``d`` (a power of two).
-      gpu_split: programs that share one token block's product over ``d`` (1: the routing
-        program computes it itself). None: ``cdiv(d, block_k)``, at most 16.
-      gpu_num_warps: warps of a product program; gpu_select_warps: of a routing program.
+      gpu_split: programs that share one token block's product over ``d`` (a power of two; 1:
+        the routing program computes it itself). None: ``cdiv(d, 128)``, at most 16.
       gpu_max_tokens: the most tokens the kernel takes; a larger call runs the reference's XLA
         product and top-k. On an H200 (DeepSeek-V2-Lite's router) the kernel took 6.0-7.2 us at
-        1-4 tokens against XLA's 9.6-9.8, the same at 8, and more from 16 on (BENCHMARKS.md's
+        1-4 tokens against XLA's 9.6-9.8, the same at 8, and more at 16 and 64 (BENCHMARKS.md's
         H200 notes, item 47).
     """
 
-    gpu_block_t: int = 16
-    gpu_block_k: int = 128
     gpu_split: int | None = None
-    gpu_num_warps: int = 4
-    gpu_select_warps: int = 1
     gpu_max_tokens: int = 4
 
     def __post_init__(self):
-        for name in ("gpu_block_t", "gpu_block_k", "gpu_num_warps", "gpu_select_warps", "gpu_split",
-                     "gpu_max_tokens"):
-            v = getattr(self, name)
-            if v is None and name == "gpu_split":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v!r}")
-        if self.gpu_block_t < 16:
-            raise ValueError(f"gpu_block_t must be >= 16 (Triton products), got {self.gpu_block_t}")
+        v = self.gpu_split
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1)):
+            raise ValueError(f"gpu_split must be a power of two or None, got {v!r}")
+        v = self.gpu_max_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"gpu_max_tokens must be an int >= 1, got {v!r}")
 
 
-def _check_rule(num_experts: int, top_k, scoring, n_group, topk_group, renormalize, scale):
+def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renormalize=True, scale=1.0,
+               *, where: str = "", names: dict | None = None) -> None:
+    """The routing rule's parameters (one owner; the loaders call it with their config field
+    names): ``top_k``, ``n_group``, ``topk_group`` ints >= 1; ``num_experts`` split into
+    ``n_group`` groups, each of at least 2 experts when there are groups (a group's score is the
+    sum of its two best, as transformers' DeepSeek-V3 and Nemotron-H routers take it);
+    ``topk_group <= n_group``; ``top_k`` at most the experts of ``topk_group`` groups;
+    softmax has no groups; ``renormalize`` a bool; ``scale`` a finite number. ``ValueError``
+    prefixed by ``where``, each parameter called ``names.get(name, name)``."""
+    n = {"num_experts": "num_experts", "top_k": "top_k", "n_group": "n_group",
+         "topk_group": "topk_group", **(names or {})}
+    at = f"{where}: " if where else ""
     if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+        raise ValueError(f"{at}scoring must be one of {SCORINGS}, got {scoring!r}")
     for name, v in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if top_k > num_experts:
-        raise ValueError(f"top_k must be <= the number of experts {num_experts}, got {top_k}")
-    if num_experts % n_group:
-        raise ValueError(f"n_group must divide the number of experts {num_experts}, got {n_group}")
-    if topk_group > n_group:
-        raise ValueError(f"topk_group must be <= n_group={n_group}, got {topk_group}")
-    if top_k > topk_group * (num_experts // n_group):
-        raise ValueError(f"top_k={top_k} must be <= topk_group * experts per group = "
-                         f"{topk_group * (num_experts // n_group)}")
-    if scoring == "softmax" and (n_group != 1 or topk_group != 1):
-        raise ValueError(f"softmax scoring has no expert groups: n_group and topk_group must be 1, "
-                         f"got {n_group} and {topk_group}")
+            raise ValueError(f"{at}{n[name]} must be an int >= 1, got {v!r}")
+    E, G = num_experts, n_group
+    if top_k > E:
+        raise ValueError(f"{at}{n['top_k']}={top_k} must be <= {n['num_experts']}={E}")
+    if E % G or (G > 1 and E // G < 2):
+        raise ValueError(f"{at}{n['num_experts']}={E} must split into {n['n_group']}={G} groups of at least "
+                         f"2 experts (a group's score is its top-2 sum)")
+    if topk_group > G:
+        raise ValueError(f"{at}{n['topk_group']}={topk_group} must be <= {n['n_group']}={G}")
+    if top_k > topk_group * (E // G):
+        raise ValueError(f"{at}{n['top_k']}={top_k} exceeds the {topk_group * (E // G)} experts of "
+                         f"{n['topk_group']}={topk_group} groups")
+    if scoring == "softmax" and (G != 1 or topk_group != 1):
+        raise ValueError(f"{at}softmax scoring has no expert groups: {n['n_group']} and {n['topk_group']} "
+                         f"must be 1, got {G} and {topk_group}")
     if not isinstance(renormalize, bool):
-        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
-    if not np.isfinite(float(scale)):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+        raise ValueError(f"{at}renormalize must be a bool, got {renormalize!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(float(scale)):
+        raise ValueError(f"{at}scale must be a finite number, got {scale!r}")
+
+
+def _check_bias(bias, scoring: str, E: int) -> None:
+    if bias is None:
+        return
+    if scoring != "sigmoid":
+        raise ValueError(f"bias is for scoring='sigmoid', got it with scoring={scoring!r}")
+    validation.check_rank("bias", bias, 1)
+    validation.check_shape("bias", bias, (E,))
+    validation.check_dtype("bias", bias, (np.float32, jnp.bfloat16, np.float16))
 
 
 def select_experts(logits: jax.Array, bias: jax.Array | None = None, *, top_k: int,
@@ -122,7 +141,8 @@ def select_experts(logits: jax.Array, bias: jax.Array | None = None, *, top_k: i
     rule of the module docstring (the owner of that rule; jnp, any backend)."""
     validation.check_rank("logits", logits, 2)
     T, E = logits.shape
-    _check_rule(E, top_k, scoring, n_group, topk_group, renormalize, scale)
+    check_rule(E, top_k, scoring, n_group, topk_group, renormalize, scale)
+    _check_bias(bias, scoring, E)
     logits = logits.astype(jnp.float32)
     if scoring == "softmax":
         vals, idx = jax.lax.top_k(logits, top_k)
@@ -132,7 +152,7 @@ def select_experts(logits: jax.Array, bias: jax.Array | None = None, *, top_k: i
     if n_group > 1:
         per = E // n_group
         grouped = choice.reshape(T, n_group, per)
-        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)  # [T, n_group]
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, n_group]
         _, best = jax.lax.top_k(group_score, topk_group)
         keep = jnp.any(best[:, :, None] == jnp.arange(n_group)[None, None, :], axis=1)  # [T, n_group]
         choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
@@ -200,8 +220,8 @@ def _select_block(logits, bias_row, lane, *, E, Ep, Kp, top_k, scoring, n_group,
         for g in range(n_group):
             in_g = group == g
             vals = jnp.where(in_g, choice, -jnp.inf)
-            (m1, p1), *rest = _top_rounds(vals, lane, min(2, per), Ep)
-            gscores.append(m1 + rest[0][0] if rest else m1)
+            (m1, _), (m2, _) = _top_rounds(vals, lane, 2, Ep)
+            gscores.append(m1 + m2)
         # topk_group rounds over the groups: a group wins over a later one on a tie
         taken = [jnp.zeros(choice.shape[:1], jnp.bool_) for _ in range(n_group)]
         for _ in range(topk_group):
@@ -265,7 +285,7 @@ def _gpu(x, router, bias, *, config, interpret, **rule):
     if T > config.gpu_max_tokens:
         return _reference(x, router, bias, config=config, interpret=interpret, **rule)
     E = router.shape[1]
-    BT, BK = config.gpu_block_t, min(config.gpu_block_k, max(16, pl.next_power_of_2(K)))
+    BT, BK = BLOCK_T, min(BLOCK_K, max(16, pl.next_power_of_2(K)))
     S = min(config.gpu_split or 16, -(-K // BK))
     Ep = max(16, pl.next_power_of_2(E))
     Kp = max(2, pl.next_power_of_2(rule["top_k"]))
@@ -317,7 +337,7 @@ def _gpu(x, router, bias, *, config, interpret, **rule):
         partials = pl.pallas_call(
             partial_kernel, out_shape=jax.ShapeDtypeStruct((S * nT * BT * Ep,), jnp.float32),
             grid=(nT, S), interpret=interpret, name="moe_route_product_gpu",
-            compiler_params=_backend.triton.CompilerParams(num_warps=config.gpu_num_warps,
+            compiler_params=_backend.triton.CompilerParams(num_warps=PRODUCT_WARPS,
                                                            num_stages=2))(xf, rf)
         args = (partials,)
     has_bias = bias is not None
@@ -351,7 +371,7 @@ def _gpu(x, router, bias, *, config, interpret, **rule):
         store(idx_ref.at[at], idx)
         store(w_ref.at[at], w)
 
-    warps = config.gpu_num_warps if S == 1 else config.gpu_select_warps
+    warps = PRODUCT_WARPS if S == 1 else SELECT_WARPS
     idx, w = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((nS * BS * Kp,), jnp.int32),
@@ -402,13 +422,8 @@ def moe_route(x, router, bias=None, *, top_k: int, scoring: str, n_group: int = 
     if E == 0:
         raise ValueError("router must have at least one expert column, got shape "
                          f"{list(np.shape(router))}")
-    _check_rule(E, top_k, scoring, n_group, topk_group, renormalize, scale)
-    if bias is not None:
-        if scoring != "sigmoid":
-            raise ValueError(f"bias is for scoring='sigmoid', got it with scoring={scoring!r}")
-        validation.check_rank("bias", bias, 1)
-        validation.check_shape("bias", bias, (E,))
-        validation.check_dtype("bias", bias, floats)
+    check_rule(E, top_k, scoring, n_group, topk_group, renormalize, scale)
+    _check_bias(bias, scoring, E)
     rule = dict(top_k=int(top_k), scoring=scoring, n_group=int(n_group), topk_group=int(topk_group),
                 renormalize=renormalize, scale=float(scale))
     if T == 0:

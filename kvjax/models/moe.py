@@ -40,7 +40,7 @@ from kvjax.models.config import TinyHybridConfig
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels import group_tiles, grouped_matmul
 from pallas_kernels.grouped_matmul import OP_GROUPED_MATMUL, tile_rows_for
-from pallas_kernels.moe_route import moe_route, select_experts
+from pallas_kernels.moe_route import check_rule, moe_route, select_experts
 
 
 def route(h: jax.Array, router: jax.Array, top_k: int) -> jax.Array:
@@ -134,19 +134,11 @@ class MoESpec:
 
 
 def check_expert_groups(where: str, num_experts: int, n_group: int, topk_group: int, top_k: int) -> None:
-    """The group-limited routing's rule (transformers' DeepSeek-V3 and Nemotron-H routers):
-    ``n_routed_experts`` splits into ``n_group`` groups of at least 2 experts (a group is scored
-    by its two best), ``topk_group <= n_group``, and ``num_experts_per_tok`` at most the experts
-    of the ``topk_group`` chosen groups. ``ValueError`` prefixed by ``where``."""
-    E, G = num_experts, n_group
-    if E % G or E // G < 2:
-        raise ValueError(f"{where}: n_routed_experts={E} must split into n_group={G} groups of at "
-                         f"least 2 experts (a group's score is its top-2 sum)")
-    if topk_group > G:
-        raise ValueError(f"{where}: topk_group={topk_group} must be <= n_group={G}")
-    if top_k > topk_group * (E // G):
-        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds the {topk_group * (E // G)} experts "
-                         f"of topk_group={topk_group} groups")
+    """A config's group-limited sigmoid routing (transformers' DeepSeek-V3 and Nemotron-H
+    routers), checked by the routing rule's owner (:func:`pallas_kernels.moe_route.check_rule`)
+    under the config's field names; ``ValueError`` prefixed by ``where``."""
+    check_rule(num_experts, top_k, "sigmoid", n_group, topk_group, where=where,
+               names={"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"})
 
 
 def route_sigmoid_grouped(logits: jax.Array, e_bias: jax.Array | None, spec: MoESpec) -> jax.Array:
@@ -299,10 +291,14 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
         path = choose_path(T, k, El, backend)
     sh = None
     if shared is not None:  # S more pairs per token: experts El .. El + S - 1, weight 1
-        F, Fs = w["w_up"].shape[-1], shared["w_up"].shape[-1]
+        d, F, Fs = h.shape[-1], w["w_up"].shape[-1], shared["w_up"].shape[-1]
         if path != "grouped" or not gated or Fs % F:
             raise ValueError(f"shared experts run on the grouped path of gated experts, as a whole number "
                              f"of experts of width {F}: got path {path!r}, gated={gated}, width {Fs}")
+        for name, want in (("w_gate", (d, Fs)), ("w_up", (d, Fs)), ("w_down", (Fs, d))):
+            got = tuple(shared[name].shape)
+            if got != want:
+                raise ValueError(f"shared[{name!r}] must have shape {list(want)}, got {list(got)}")
         S = Fs // F
         local = jnp.concatenate([local, jnp.broadcast_to(El + jnp.arange(S, dtype=jnp.int32), (T, S))], 1)
         tok = jnp.ones((T,), bool) if token_mask is None else token_mask.astype(bool)

@@ -426,4 +426,3 @@ def _row_faults(requests: RequestState, idx, q, d, *, xp=jnp) -> dict:
         "chunk_past_the_prompt": ~decode & (nc + q > pl),
         "decode_query_not_its_window": decode & (q != 1 + d),
     }.items()}
-

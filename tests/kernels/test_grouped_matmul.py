@@ -346,9 +346,12 @@ def test_more_groups_lower_for_cuda(verified_triton_modules):
           activation="silu", more_gate=np.ones((2, 2, 3), np.float32)), "more_gate must have more_w's layout"),
     (dict(more_w=np.ones((2, 6), np.float32), more_gate=np.ones((2, 6), np.float32), more_groups=2),
      "more_gate is for the gated form"),
-    (dict(more_w=np.ones((2, 6), np.float16), more_groups=2), "more_w"),
+    (dict(more_w=np.ones((2, 6), np.float16), more_groups=2), "more_w must have dtype"),
+    (dict(w=np.ones((0, 2, 3), np.float32), more_w=np.ones((2, 3), np.float32), more_groups=1),
+     r"w must hold at least one group beside more_w, got shape \[0, 2, 3\]"),
 ])
 def test_more_groups_bad_arguments_name_themselves(bad, match):
     with pytest.raises(ValueError, match=match):
-        grouped_matmul(np.ones((2, 2), np.float32), np.ones((1, 2, 3), np.float32), np.array([0], np.int32),
-                       tile_rows=2, backend="reference", **bad)
+        args = {"w": np.ones((1, 2, 3), np.float32), **bad}
+        grouped_matmul(np.ones((2, 2), np.float32), args.pop("w"), np.array([0], np.int32),
+                       tile_rows=2, backend="reference", **args)

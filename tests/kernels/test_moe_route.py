@@ -129,19 +129,21 @@ def test_lowers_for_cuda(T, split, kernels, verified_triton_modules):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(scoring="top"), "scoring must be one of"),
-    (dict(top_k=0), "top_k must be an int >= 1"),
-    (dict(top_k=17), "top_k must be <= the number of experts 16"),
-    (dict(n_group=3), "n_group must divide the number of experts 16"),
-    (dict(n_group=4, topk_group=5), "topk_group must be <= n_group=4"),
-    (dict(n_group=4, topk_group=1, top_k=5), "top_k=5 must be <= topk_group"),
-    (dict(scoring="softmax", bias=True), "bias is for scoring='sigmoid'"),
-    (dict(scoring="softmax", n_group=2), "softmax scoring has no expert groups"),
-    (dict(renormalize=1), "renormalize must be a bool"),
-    (dict(scale=float("nan")), "scale must be a finite number"),
-    (dict(router_shape=(32, 16)), "router"),
-    (dict(bias_shape=(15,)), "bias"),
-    (dict(x_dtype=jnp.int32), "x"),
+    (dict(scoring="top"), r"scoring must be one of \('softmax', 'sigmoid'\), got 'top'"),
+    (dict(top_k=0), "top_k must be an int >= 1, got 0"),
+    (dict(top_k=17), "top_k=17 must be <= num_experts=16"),
+    (dict(n_group=3), "num_experts=16 must split into n_group=3 groups of at least 2 experts"),
+    (dict(n_group=16, topk_group=8), "num_experts=16 must split into n_group=16 groups of at least 2"),
+    (dict(n_group=4, topk_group=5), "topk_group=5 must be <= n_group=4"),
+    (dict(n_group=4, topk_group=1, top_k=5), "top_k=5 exceeds the 4 experts of topk_group=1 groups"),
+    (dict(scoring="softmax", bias=True), "bias is for scoring='sigmoid', got it with scoring='softmax'"),
+    (dict(scoring="softmax", n_group=2), "softmax scoring has no expert groups: n_group and topk_group"),
+    (dict(renormalize=1), "renormalize must be a bool, got 1"),
+    (dict(scale=float("nan")), "scale must be a finite number, got nan"),
+    (dict(scale="2"), "scale must be a finite number, got '2'"),
+    (dict(router_shape=(32, 16)), r"router must have shape \[16, 16\], got \[32, 16\]"),
+    (dict(bias_shape=(15,)), r"bias must have shape \[16\], got \[15\]"),
+    (dict(x_dtype=jnp.int32), "x must have dtype"),
 ])
 def test_bad_arguments_name_themselves(kw, match):
     T, d, E = 2, 16, 16
@@ -149,11 +151,24 @@ def test_bad_arguments_name_themselves(kw, match):
     args.update({k: v for k, v in kw.items() if k not in ("bias", "router_shape", "bias_shape", "x_dtype")})
     x = jnp.zeros((T, d), kw.get("x_dtype", f32))
     r = jnp.zeros(kw.get("router_shape", (d, E)), f32)
-    b = jnp.zeros(kw.get("bias_shape", (E,)), f32)
+    b = jnp.zeros(kw.get("bias_shape", (E,)), f32) if kw.get("bias", True) and args["scoring"] != "softmax" \
+        or kw.get("bias") else None
     with pytest.raises(ValueError, match=match):
         moe_route(x, r, b, **args)
-    with pytest.raises(ValueError):
-        MoERouteConfig(gpu_block_t=8)
+    if "x_dtype" not in kw and "router_shape" not in kw:  # the rule's owner refuses the same
+        with pytest.raises(ValueError, match=match):
+            select_experts(jnp.zeros((T, E), f32), b, **args)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(gpu_split=3), "gpu_split must be a power of two or None, got 3"),
+    (dict(gpu_split=0), "gpu_split must be a power of two or None, got 0"),
+    (dict(gpu_max_tokens=0), "gpu_max_tokens must be an int >= 1, got 0"),
+    (dict(gpu_max_tokens=True), "gpu_max_tokens must be an int >= 1, got True"),
+])
+def test_bad_config_names_itself(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MoERouteConfig(**kw)
 
 
 def test_split_product_is_exact_to_float32_sums():

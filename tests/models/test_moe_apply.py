@@ -499,6 +499,9 @@ def test_shared_experts_in_the_grouped_launches(T, backend):
     with pytest.raises(ValueError, match="shared experts run on the grouped path"):
         moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path="dense",
                           shared=shared)
+    with pytest.raises(ValueError, match=r"shared\['w_down'\] must have shape \[48, 16\], got \[16, 48\]"):
+        moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path="grouped",
+                          backend=backend, shared=dict(shared, w_down=shared["w_down"].T))
 
 
 def test_deepseek_runs_its_shared_experts_in_the_grouped_launches(monkeypatch):

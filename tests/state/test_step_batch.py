@@ -131,8 +131,8 @@ def test_repeated_rows_are_the_later_real_rows_naming_an_earlier_real_rows_reque
 
 
 def test_a_row_with_no_tokens_needs_no_logits_row_eagerly_either():
-    # Under jit a 0-token row is padding with no logits (_real_rows); the eager check counted
-    # 1 + drafts for it and refused a schedule whose real rows fit num_logits_padded.
+    # A 0-token row is padding with no logits row (_real_rows), eagerly as under jit: a schedule
+    # whose real rows fit num_logits_padded is accepted whatever its 0-token rows' drafts.
     s, t = make_state()
     sched = ScheduledBatch.from_lists([0, 2], [3, 0], [2, 0], pad_to=4)  # row 0: 3 logits rows
     eager = build_step_batch(s, t, sched, num_tokens_padded=8, num_logits_padded=3)

@@ -30,8 +30,11 @@ dense / shared MLP's intermediate width (partial outputs ``psum``-ed); the laten
 per token, not per head, so every model rank holds and writes the whole of it.
 ``expert_axis`` splits the routed experts: each member gathers every member's tokens,
 applies its own experts and ``psum_scatter``-s the partial outputs back; the routed experts
-are applied by :func:`kvjax.models.moe.routed_ffn` (the rule every MoE here shares: dense
-batched over the expert axis, or only the chosen experts' weights for few tokens).
+are applied by :func:`kvjax.models.moe.routed_ffn` (the rule every MoE here shares: the
+GPU's grouped-matmul kernel, or elsewhere dense batched over the expert axis, or only the
+chosen experts' weights for few tokens). On the grouped kernel's path, without a mesh axis and
+for steps of at most :data:`SHARED_IN_GROUPED_MAX_TOKENS` tokens, the shared experts run inside
+the routed experts' launches, their weights read in place as ``n_shared_experts`` more experts.
 
 Not served (``ValueError`` from :func:`config_from_hf`): RoPE types other than
 ``default`` / ``yarn``, ``partial_rotary_factor != 1``, ``quantization_config`` (fp8
@@ -562,6 +565,8 @@ def _moe_spec(c: DeepseekV3Config) -> MoESpec:
 
 #: The most tokens of a step whose shared experts run inside the routed experts' grouped-matmul
 #: launches (:func:`kvjax.models.moe.apply_experts`' ``shared``), on the GPU kernel's path only.
+#: Measured on an H200 at decode batches 1-256 (1.7-9.7% faster steps, BENCHMARKS.md's H200
+#: notes, item 48); larger steps (prefill) keep the separate shared MLP, not measured fused.
 SHARED_IN_GROUPED_MAX_TOKENS = 256
 
 

@@ -333,8 +333,8 @@ def test_a_null_field_without_a_null_meaning_is_refused(name, field, hf_checkpoi
     "first_k_dense_replace", "max_position_embeddings",
 ])
 def test_a_deepseek_null_field_without_a_null_meaning_is_refused(field, tmp_path):
-    """DeepSeek-V3 reads its fields by the hybrids' rule: a null is refused as a null, naming the field
-    (it used to be refused later as a bad int, or as an unsupported activation)."""
+    """DeepSeek-V3 reads its fields by the hybrids' rule: a null is refused as a null, naming the field,
+    before any other check of its value."""
     config_refused(rf"^DeepseekV3ForCausalLM: config\.json field {field} is null; expected a value",
                    dict(DS_TINY, **{field: None}), tmp_path)
 
