@@ -15,12 +15,16 @@ The rule (:func:`select_experts`, written once; every implementation computes it
   the sum of its two best choice values; the weights are the chosen
   experts' ``scores``, divided by their sum (plus 1e-20) if ``renormalize``, times ``scale``.
 * Ties go to the lower expert (and the lower group), as ``jax.lax.top_k`` orders them.
+* Non-finite values: a -inf choice value ranks below every finite one (ties among them to the
+  lower expert, as above). A NaN in a token's logits or ``bias`` leaves that token's choice
+  and weights unspecified (implementations differ), but every implementation still names
+  ``k`` distinct experts in ``[0, E)``.
 
 Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference):
 
 * reference (jnp): the product with ``Precision.HIGHEST``, then :func:`select_experts`.
-* GPU (Pallas Triton), for calls of at most ``gpu_max_tokens`` tokens (larger ones run the
-  reference): with ``split`` 1, program ``i`` accumulates the ``[BLOCK_T, E]`` logits
+* GPU (Pallas Triton), for calls of at most ``gpu_max_tokens`` tokens (larger ones, and a
+  ``d`` of 0, run the reference): with ``split`` 1, program ``i`` accumulates the ``[BLOCK_T, E]`` logits
   of :data:`BLOCK_T` tokens over ``d`` and routes them; with ``split`` ``S > 1`` a first launch of
   ``S`` programs per token block writes ``S`` partial products over slices of ``d`` (a decode
   step's one token then reads the router with ``S`` programs, not one) and a routing program
@@ -93,7 +97,8 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
     ``n_group`` groups, each of at least 2 experts when there are groups (a group's score is the
     sum of its two best, as transformers' DeepSeek-V3 and Nemotron-H routers take it);
     ``topk_group <= n_group``; ``top_k`` at most the experts of ``topk_group`` groups;
-    softmax has no groups; ``renormalize`` a bool; ``scale`` a finite number. ``ValueError``
+    softmax has no groups, no renormalising choice and no scale; ``renormalize`` a bool;
+    ``scale`` a finite number. ``ValueError``
     prefixed by ``where``, each parameter called ``names.get(name, name)``."""
     n = {"num_experts": "num_experts", "top_k": "top_k", "n_group": "n_group",
          "topk_group": "topk_group", **(names or {})}
@@ -119,9 +124,12 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
                          f"must be 1, got {G} and {topk_group}")
     if not isinstance(renormalize, bool):
         raise ValueError(f"{at}renormalize must be a bool, got {renormalize!r}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)) \
             or not np.isfinite(float(scale)):
         raise ValueError(f"{at}scale must be a finite number, got {scale!r}")
+    if scoring == "softmax" and (not renormalize or float(scale) != 1.0):
+        raise ValueError(f"{at}softmax scoring's weights are the softmax over the top_k logits: renormalize "
+                         f"must be True and scale 1, got {renormalize} and {scale!r}")
 
 
 def _check_bias(bias, scoring: str, E: int) -> None:
@@ -175,18 +183,25 @@ def _reference(x, router, bias, *, config, interpret, **rule):
     return select_experts(logits, bias, **rule)
 
 
-def _top_rounds(values, lane, k: int, width: int):
+def _top_rounds(values, lane, k: int, width: int, valid: int):
     """``k`` rounds of a row maximum over ``values [BT, width]`` (float32, -inf where not a
-    candidate): ``[(max [BT], position int32 [BT]), ...]``, best first; a tie goes to the lower
-    lane. Taken lanes become -inf: a row with fewer than ``k`` finite candidates (the rule's
-    parameters rule that out for finite logits) may name a lane twice."""
+    candidate; lanes ``>= valid`` are not experts): ``[(max [BT], position int32 [BT]), ...]``,
+    best first; a tie goes to the lower lane. Each round names a lane below ``valid`` that no
+    earlier round named (``k <= valid``): the lowest untaken one equal to the maximum, else (a
+    maximum no untaken lane equals: -inf left after the finite candidates, as ``top_k`` then
+    takes the lowest -inf lanes, or a NaN) the lowest untaken lane. Taken lanes become -inf."""
     out = []
+    free = lane < valid
     for _ in range(k):
         m = jnp.max(values, axis=1)
-        pos = jnp.min(jnp.where(values == m[:, None], lane, width), axis=1)
-        pos = jnp.minimum(pos, width - 1)
+        # one reduction: an untaken lane equal to m, else any untaken lane (offset by width)
+        key = jnp.where(free, jnp.where(values == m[:, None], lane, lane + width), 2 * width)
+        pos = jnp.min(key, axis=1)
+        pos = jnp.where(pos >= width, pos - width, pos)
         out.append((m, pos))
-        values = jnp.where(lane == pos[:, None], -jnp.inf, values)
+        hit = lane == pos[:, None]
+        free = free & ~hit
+        values = jnp.where(hit, -jnp.inf, values)
     return out
 
 
@@ -199,7 +214,7 @@ def _select_block(logits, bias_row, lane, *, E, Ep, Kp, top_k, scoring, n_group,
     idx = jnp.zeros(col.shape, jnp.int32)
     w = jnp.zeros(col.shape, jnp.float32)
     if scoring == "softmax":
-        rounds = _top_rounds(jnp.where(is_expert, logits, -jnp.inf), lane, top_k, Ep)
+        rounds = _top_rounds(jnp.where(is_expert, logits, -jnp.inf), lane, top_k, Ep, E)
         top = rounds[0][0]
         exps = [jnp.exp(m - top) for m, _ in rounds]
         total = exps[0]
@@ -220,7 +235,7 @@ def _select_block(logits, bias_row, lane, *, E, Ep, Kp, top_k, scoring, n_group,
         for g in range(n_group):
             in_g = group == g
             vals = jnp.where(in_g, choice, -jnp.inf)
-            (m1, _), (m2, _) = _top_rounds(vals, lane, 2, Ep)
+            (m1, _), (m2, _) = _top_rounds(vals, lane, 2, Ep, E)
             gscores.append(m1 + m2)
         # topk_group rounds over the groups: a group wins over a later one on a tie
         taken = [jnp.zeros(choice.shape[:1], jnp.bool_) for _ in range(n_group)]
@@ -236,7 +251,7 @@ def _select_block(logits, bias_row, lane, *, E, Ep, Kp, top_k, scoring, n_group,
         for g in range(n_group):
             keep = keep | ((group == g) & taken[g][:, None])
         choice = jnp.where(keep, choice, -jnp.inf)
-    rounds = _top_rounds(choice, lane, top_k, Ep)
+    rounds = _top_rounds(choice, lane, top_k, Ep, E)
     picked = [jnp.sum(jnp.where(lane == pos[:, None], scores, 0.0), axis=1) for _, pos in rounds]
     if renormalize:
         total = picked[0]
@@ -282,7 +297,7 @@ def _product_terms(a, b, interpret: bool):
 @_backend.register(OP_MOE_ROUTE, "gpu")
 def _gpu(x, router, bias, *, config, interpret, **rule):
     T, K = x.shape
-    if T > config.gpu_max_tokens:
+    if T > config.gpu_max_tokens or K == 0:
         return _reference(x, router, bias, config=config, interpret=interpret, **rule)
     E = router.shape[1]
     BT, BK = BLOCK_T, min(BLOCK_K, max(16, pl.next_power_of_2(K)))

@@ -243,6 +243,24 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, d)
 
 
+def _check_shared(shared: dict, d: int, dtype) -> int:
+    """``shared``'s width ``Fs``, its matrices checked: ``w_gate``, ``w_up [d, Fs]``,
+    ``w_down [Fs, d]``, all in the experts' ``dtype`` (``ValueError`` naming the one that is not)."""
+    if not isinstance(shared, dict) or not {"w_gate", "w_up", "w_down"} <= set(shared):
+        raise ValueError(f"shared must be a dict of w_gate, w_up and w_down, got "
+                         f"{sorted(shared) if isinstance(shared, dict) else type(shared).__name__}")
+    Fs = jnp.shape(shared["w_up"])[-1] if jnp.ndim(shared["w_up"]) else -1
+    for name, want in (("w_gate", (d, Fs)), ("w_up", (d, Fs)), ("w_down", (Fs, d))):
+        m = shared[name]
+        if tuple(jnp.shape(m)) != want:
+            raise ValueError(f"shared[{name!r}] must have shape {list(want)} (d={d}, the shared width "
+                             f"w_up's {Fs}), got {list(jnp.shape(m))}")
+        have, want_dt = (jax.dtypes.canonicalize_dtype(t) for t in (m.dtype, dtype))
+        if have != want_dt:
+            raise ValueError(f"shared[{name!r}] must have the experts' dtype {want_dt.name}, got {have.name}")
+    return int(Fs)
+
+
 def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, gated: bool = True,
                   activation: str = "silu", first: jax.Array | int = 0,
                   path: str = "auto", backend: str = "reference",
@@ -291,14 +309,10 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
         path = choose_path(T, k, El, backend)
     sh = None
     if shared is not None:  # S more pairs per token: experts El .. El + S - 1, weight 1
-        d, F, Fs = h.shape[-1], w["w_up"].shape[-1], shared["w_up"].shape[-1]
+        F, Fs = w["w_up"].shape[-1], _check_shared(shared, h.shape[-1], w["w_up"].dtype)
         if path != "grouped" or not gated or Fs % F:
             raise ValueError(f"shared experts run on the grouped path of gated experts, as a whole number "
                              f"of experts of width {F}: got path {path!r}, gated={gated}, width {Fs}")
-        for name, want in (("w_gate", (d, Fs)), ("w_up", (d, Fs)), ("w_down", (Fs, d))):
-            got = tuple(shared[name].shape)
-            if got != want:
-                raise ValueError(f"shared[{name!r}] must have shape {list(want)}, got {list(got)}")
         S = Fs // F
         local = jnp.concatenate([local, jnp.broadcast_to(El + jnp.arange(S, dtype=jnp.int32), (T, S))], 1)
         tok = jnp.ones((T,), bool) if token_mask is None else token_mask.astype(bool)
@@ -316,7 +330,7 @@ def apply_experts(h: jax.Array, idx: jax.Array, weight: jax.Array, w: dict, *, g
 
         x = jnp.repeat(h, k, axis=0)[:, None, :]  # [T * k, 1, d]: member t * k + j is h[t]
         o = _expert_mlp(x, take(w["w_up"]), take(gate_w), take(w["w_down"]), gated, activation)
-        o = o.reshape(T, k, -1)
+        o = o.reshape(T, k, o.shape[-1])  # (not -1: T * k may be 0)
     else:
         x = jnp.broadcast_to(h.astype(w["w_up"].dtype)[None], (El,) + h.shape)  # [El, T, d]
         o_all = _expert_mlp(x, w["w_up"], gate_w, w["w_down"], gated, activation)  # [El, T, d]

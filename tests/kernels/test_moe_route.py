@@ -182,3 +182,79 @@ def test_split_product_is_exact_to_float32_sums():
     want = np.asarray(a, np.float64) @ np.asarray(b.astype(f32), np.float64)
     got = np.asarray(_product_terms(a, b, interpret=True), np.float64)
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def _route_row(row, bias, backend, **rule):
+    """``moe_route`` of one token whose logits are ``row`` exactly (``d`` 1: ``1 * row``, no
+    ``0 * inf`` terms), ``bias`` optional."""
+    x, r = jnp.ones((1, 1), f32), jnp.asarray([row], f32)
+    b = None if bias is None else jnp.asarray(bias, f32)
+    i, w = moe_route(x, r, b, backend=backend, interpret=True if backend == "pallas_gpu" else None,
+                     config=MoERouteConfig(gpu_max_tokens=8), **rule)
+    return np.asarray(i)[0], np.asarray(w)[0]
+
+
+inf, nan = np.inf, np.nan
+
+
+@pytest.mark.parametrize("row, bias, rule, same", [
+    # -inf candidates rank below the finite ones, ties to the lower expert: as the reference
+    ([0, -inf, -inf, 2, -inf], None, dict(top_k=3, scoring="softmax"), True),
+    ([-inf] * 5, None, dict(top_k=2, scoring="softmax"), True),
+    ([0.0] * 8, [0, -inf, -inf, -inf, -inf, -inf, -inf, -inf], dict(top_k=3, scoring="sigmoid"), True),
+    ([0.0] * 8, [0, -inf, -inf, -inf, -inf, -inf, -inf, 1], dict(top_k=3, scoring="sigmoid", n_group=4,
+                                                                topk_group=2), True),
+    # NaN: the choice is unspecified, but still k distinct experts in [0, E)
+    ([nan, 0, 1, 2, 3], None, dict(top_k=2, scoring="softmax"), False),
+    ([0, 1, nan, 2, 3, 4], None, dict(top_k=2, scoring="sigmoid", n_group=3, topk_group=2), False),
+    ([nan] * 16, None, dict(top_k=4, scoring="sigmoid"), False),
+    ([0.0] * 5, [0, nan, 0, 0, 0], dict(top_k=3, scoring="sigmoid"), False),
+])
+def test_kernel_names_distinct_experts_on_non_finite_values(row, bias, rule, same):
+    """The module docstring's non-finite rule: the kernel names neither a padding lane
+    (``>= E``) for a NaN row nor one lane twice once the finite candidates run out."""
+    E = len(row)
+    i1, _ = _route_row(row, bias, "pallas_gpu", **rule)
+    assert len(set(i1.tolist())) == rule["top_k"] and all(0 <= e < E for e in i1), i1
+    if same:
+        i0, w0 = _route_row(row, bias, "reference", **rule)
+        np.testing.assert_array_equal(i1, i0)
+
+
+def test_kernel_flavour_takes_a_zero_width_input():
+    """``d`` 0 (every logit 0): the GPU flavour gives the reference's answer."""
+    x, r = jnp.zeros((2, 0), f32), jnp.zeros((0, 6), bf16)
+    rule = dict(top_k=2, scoring="sigmoid", n_group=3, topk_group=2)
+    i0, w0 = moe_route(x, r, backend="reference", **rule)
+    i1, w1 = moe_route(x, r, backend="pallas_gpu", interpret=True, config=MoERouteConfig(gpu_max_tokens=8), **rule)
+    np.testing.assert_array_equal(np.asarray(i1), np.asarray(i0))
+    np.testing.assert_array_equal(np.asarray(w1), np.asarray(w0))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(scale="2"), "scale must be a finite number"),
+    (dict(scale=True), "scale must be a finite number"),
+    (dict(scale=None), "scale must be a finite number"),
+    (dict(scoring="softmax", renormalize=False), "renormalize must be True and scale 1"),
+    (dict(scoring="softmax", scale=2.5), "renormalize must be True and scale 1"),
+])
+def test_rule_arguments_are_not_silently_taken(kw, match):
+    """``scale`` is a number (not a string, a bool or None); softmax scoring has no
+    ``renormalize`` / ``scale``, refused by name rather than ignored."""
+    args = dict(dict(top_k=2, scoring="sigmoid"), **kw)
+    for fn in (lambda: moe_route(jnp.zeros((2, 4), f32), jnp.zeros((4, 8), f32), **args),
+               lambda: select_experts(jnp.zeros((2, 8), f32), **args)):
+        with pytest.raises(ValueError, match=match):
+            fn()
+
+
+@pytest.mark.parametrize("scoring, bias, match", [
+    ("softmax", np.arange(8.0), "bias is for scoring='sigmoid'"),
+    ("sigmoid", np.ones(1), r"bias must have shape \[8\]"),
+    ("sigmoid", np.arange(8.0)[None], "bias must have rank 1"),
+])
+def test_select_experts_checks_its_bias(scoring, bias, match):
+    """``select_experts``' ``bias`` is checked as ``moe_route``'s: refused under softmax and in
+    any shape but ``[E]``."""
+    with pytest.raises(ValueError, match=match):
+        select_experts(jnp.zeros((2, 8), f32), jnp.asarray(bias, f32), top_k=2, scoring=scoring)

@@ -499,7 +499,7 @@ def test_shared_experts_in_the_grouped_launches(T, backend):
     with pytest.raises(ValueError, match="shared experts run on the grouped path"):
         moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path="dense",
                           shared=shared)
-    with pytest.raises(ValueError, match=r"shared\['w_down'\] must have shape \[48, 16\], got \[16, 48\]"):
+    with pytest.raises(ValueError, match=r"shared\['w_down'\] must have shape \[48, 16\] .*got \[16, 48\]"):
         moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), w, path="grouped",
                           backend=backend, shared=dict(shared, w_down=shared["w_down"].T))
 
@@ -527,3 +527,33 @@ def test_deepseek_runs_its_shared_experts_in_the_grouped_launches(monkeypatch):
     got = ds._moe(mp, c, h, None, None, "pallas_gpu")
     assert seen == [False, True]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=LOOP_TOL)
+
+
+@pytest.mark.parametrize("bad, match", [
+    # the [S * F, d] down matrix given as [d, S * F] (the same size: a reshape would take it)
+    (lambda s: dict(s, w_down=s["w_down"].T), r"shared\['w_down'\] must have shape \[48, 16\]"),
+    (lambda s: dict(s, w_gate=s["w_gate"][:-1]), r"shared\['w_gate'\] must have shape \[16, 48\]"),
+    (lambda s: dict(s, w_up=s["w_up"].astype(jnp.bfloat16)), r"shared\['w_up'\] must have the experts' dtype float32"),
+    (lambda s: {k: v for k, v in s.items() if k != "w_gate"}, "shared must be a dict of w_gate, w_up and w_down"),
+])
+@pytest.mark.parametrize("backend", ["reference", "pallas_gpu"])
+def test_shared_experts_refuse_bad_matrices_by_name(bad, match, backend):
+    r = np.random.default_rng(40)
+    S = 2
+    shared = {"w_gate": jnp.asarray(r.standard_normal((D, S * F)), jnp.float32),
+              "w_up": jnp.asarray(r.standard_normal((D, S * F)), jnp.float32),
+              "w_down": jnp.asarray(r.standard_normal((S * F, D)), jnp.float32)}
+    h = r.standard_normal((2, D)).astype(np.float32)
+    idx, weight = _routing(41, 2)
+    with pytest.raises(ValueError, match=match):
+        moe.apply_experts(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(weight), _weights(42), path="grouped",
+                          backend=backend, shared=bad(shared))
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse", "grouped"])
+def test_no_tokens_on_every_path(path):
+    """``T`` 0 gives ``[0, d]`` on every path (DeepSeek's reference-backend layer on an empty
+    step takes the sparse path)."""
+    y = moe.apply_experts(jnp.zeros((0, D), jnp.float32), jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32),
+                          _weights(43), path=path, backend="pallas_gpu" if path == "grouped" else "reference")
+    assert y.shape == (0, D)
