@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.constants import NULL_BLOCK_ID, PAD_ROW_ID
-from kvjax.host.buckets import Bucket, BucketSpec, bucket_staging
+from kvjax.host.buckets import Bucket, BucketSpec, bucket_staging, check_size
 from kvjax.host.scheduler import Scheduler, StepPlan
 from kvjax.models import as_model, default_model
 from kvjax.models.interface import DATA, MODEL, CacheSizes, Model, PoolSpec
@@ -101,14 +101,11 @@ class RunnerConfig:
         object.__setattr__(self, "model", as_model(self.model))
         if not isinstance(self.model, Model):
             raise ValueError(f"model must implement kvjax.models.interface.Model, got {type(self.model).__name__}")
-        for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+        for name, minimum, why in (("block_size", 1, ""), ("num_blocks", 2, "block 0 is reserved"),
+                                   ("max_model_len", 1, ""), ("max_num_seqs", 1, ""),
+                                   ("max_num_batched_tokens", 1, ""), ("max_new_requests_per_step", 1, ""),
+                                   ("num_speculative_tokens", 0, "")):
+            object.__setattr__(self, name, check_size(name, getattr(self, name), minimum, why))
         self.cache_sizes  # validates kv_cache_dtype and kv_layout
         if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
             raise ValueError(

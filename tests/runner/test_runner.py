@@ -2,6 +2,7 @@
 speculative decoding, preemption, row reuse, dummy steps and no serving-time compiles; the
 overlapped serving loop gives bitwise the lockstep loop's tokens and logits."""
 
+import dataclasses
 import json
 import random
 
@@ -420,3 +421,20 @@ def test_sampled_requests_match_the_reference_sampler(runner):
     seed and positions: identical tokens."""
     report, _ = serve(CONFIG, _sampled_workload(), runner=runner, progress_stream=None)
     assert report.all_match, {k: v for k, v in report.requests.items() if not v["matches_reference"]}
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("block_size", 0, "block_size must be a positive int, got 0"),
+    ("max_model_len", True, "max_model_len must be a positive int, got True"),
+    ("max_num_seqs", 2.0, "max_num_seqs must be a positive int, got 2.0"),
+    ("num_blocks", 1, r"num_blocks must be an int >= 2 \(block 0 is reserved\), got 1"),
+    ("max_new_requests_per_step", 0, "max_new_requests_per_step must be a positive int, got 0"),
+    ("num_speculative_tokens", -1, "num_speculative_tokens must be a non-negative int, got -1"),
+])
+def test_config_sizes_are_refused_by_name(field, value, match):
+    """RunnerConfig's sizes follow the host's one size rule (``buckets.check_size``): a bool or a
+    float is not a size, numpy ints are taken as plain ints."""
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(BASE, **{field: value})
+    got = dataclasses.replace(BASE, max_num_seqs=np.int64(3))
+    assert type(got.max_num_seqs) is int and got.max_num_seqs == 3
