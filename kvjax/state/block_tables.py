@@ -150,7 +150,7 @@ class BlockTables:
             new_counts.append(upd["count"])
         return self.replace(tables=tuple(new_tables), num_blocks=jnp.stack(new_counts))
 
-    def _id_limit(self, g: int) -> int:
+    def id_limit(self, g: int) -> int:
         """Group ``g``'s logical ids lie in ``[0, limit)``: ``num_cache_blocks`` when known, and
         never more than :func:`block_id_limit` of its block size (its slots fit int32)."""
         limit = block_id_limit(self.specs[g].block_size)
@@ -166,7 +166,7 @@ class BlockTables:
         bad_row = jnp.zeros(rows.shape, bool)
         narrowed = []
         for g, b in enumerate(block_ids):
-            hi = self._id_limit(g)
+            hi = self.id_limit(g)
             b = b if validation.is_concrete(b) else jnp.asarray(b)
             used = jnp.arange(b.shape[1])[None, :] < num_new[g][:, None]
             ok = (b >= 0) & (b < hi) if b.size else jnp.ones(b.shape, bool)
@@ -209,7 +209,7 @@ class BlockTables:
                     f"PAD_SLOT_ID (-1) belongs in slot mappings; a skipped block is "
                     f"NULL_BLOCK_ID ({NULL_BLOCK_ID})"
                 )
-            validation.check_values_in_range(f"block_ids[{g}]", used, 0, self._id_limit(g))
+            validation.check_values_in_range(f"block_ids[{g}]", used, 0, self.id_limit(g))
             counts = validation.concrete_values(self.num_blocks[g])
             ov = validation.concrete_values(overwrite)
             if counts is None or ov is None:

@@ -103,7 +103,7 @@ def block_table_violations(tables: BlockTables) -> dict[str, jax.Array]:
         past.append(jnp.any((col >= cnt) & (tbl != NULL_BLOCK_ID)))
         neg.append(jnp.any(tbl < 0))
         over.append(jnp.any(tables.num_blocks[g] > spec.table_width))
-        limit = tables._id_limit(g)
+        limit = tables.id_limit(g)
         if limit < INT32_RANGE[1]:  # else every int32 id is below it
             beyond.append(jnp.any((col < cnt) & (tbl // spec.blocks_per_kv_block >= limit)))
     return {
