@@ -311,7 +311,7 @@ def _gpu(x, router, bias, *, config, interpret, **rule):
     for name, shape in (("x", x.shape), ("router", router.shape), ("the partial products", (S * nT * BT, Ep))):
         gpu_tiling.check_int32_offsets(name, shape)
     load, store = _backend.triton.load, _backend.triton.store
-    chunk = -(-(-(-K // S)) // BK) * BK  # d columns of one split, a multiple of BK
+    chunk = pl.cdiv(pl.cdiv(K, S), BK) * BK  # d columns of one split, a multiple of BK
     steps = chunk // BK
     # the widened form of half-precision operands meeting a float32 one (see _product_terms)
     if x.dtype == jnp.float16 and router.dtype != jnp.float16:

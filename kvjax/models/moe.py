@@ -40,29 +40,7 @@ from kvjax.models.config import TinyHybridConfig
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels import group_tiles, grouped_matmul
 from pallas_kernels.grouped_matmul import OP_GROUPED_MATMUL, tile_rows_for
-from pallas_kernels.moe_route import check_rule, moe_route, select_experts
-
-
-def route(h: jax.Array, router: jax.Array, top_k: int) -> jax.Array:
-    """Gate weights float32 ``[T, E]``: softmax over each token's ``top_k`` router logits, 0 elsewhere."""
-    return route_from_logits(h @ router, top_k)
-
-
-def route_from_logits(logits: jax.Array, top_k: int) -> jax.Array:
-    """:func:`route` from the router logits ``[T, E]``."""
-    return gates_from_topk(*topk_softmax(logits, top_k), logits.shape[-1])
-
-
-def topk_softmax(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """``(idx int32 [T, k], weight float32 [T, k])``: each token's ``top_k`` largest router logits
-    (best first) and the softmax over them (:func:`pallas_kernels.moe_route.select_experts`)."""
-    return select_experts(logits, top_k=top_k, scoring="softmax")
-
-
-def gates_from_topk(idx: jax.Array, weight: jax.Array, num_experts: int) -> jax.Array:
-    """Dense gate weights float32 ``[T, E]``: ``weight[t, j]`` at ``idx[t, j]``, 0 elsewhere."""
-    onehot = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [T, k, E]
-    return jnp.einsum("tk,tke->te", weight, onehot)
+from pallas_kernels.moe_route import check_rule, moe_route
 
 
 ACTIVATIONS = ("silu", "relu2")
@@ -139,18 +117,6 @@ def check_expert_groups(where: str, num_experts: int, n_group: int, topk_group: 
     under the config's field names; ``ValueError`` prefixed by ``where``."""
     check_rule(num_experts, top_k, "sigmoid", n_group, topk_group, where=where,
                names={"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"})
-
-
-def route_sigmoid_grouped(logits: jax.Array, e_bias: jax.Array | None, spec: MoESpec) -> jax.Array:
-    """Gate weights float32 ``[T, E]`` of group-limited sigmoid routing (see :class:`MoESpec`)."""
-    return gates_from_topk(*topk_sigmoid_grouped(logits, e_bias, spec), logits.shape[-1])
-
-
-def topk_sigmoid_grouped(logits: jax.Array, e_bias: jax.Array | None,
-                         spec: MoESpec) -> tuple[jax.Array, jax.Array]:
-    """``(idx int32 [T, k], weight float32 [T, k])`` of group-limited sigmoid routing (see
-    :class:`MoESpec`; the rule: :func:`pallas_kernels.moe_route.select_experts`)."""
-    return select_experts(logits, e_bias, **route_rule(spec))
 
 
 def route_rule(spec: MoESpec) -> dict:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvjax.models import moe
+from pallas_kernels.moe_route import select_experts
 from kvjax.models.hf import deepseek_v3 as ds
 from kvjax.testing.fast_compile import DEFAULT_FUSION_OPTIONS, XLA_DEFAULT_COMPILER_OPTIONS
 
@@ -267,15 +268,20 @@ def _old_gates_sigmoid_grouped(logits, e_bias, spec):
     return jnp.einsum("tk,tke->te", w, jax.nn.one_hot(idx, E_, dtype=jnp.float32))
 
 
+def gates_from_topk(idx, weight, num_experts):
+    """Dense gate weights float32 ``[T, E]``: ``weight[t, j]`` at ``idx[t, j]``, 0 elsewhere."""
+    return jnp.einsum("tk,tke->te", weight, jax.nn.one_hot(idx, num_experts, dtype=jnp.float32))
+
+
 def test_routing_functions_unchanged_bitwise():
     r = np.random.default_rng(0)
     logits = jnp.asarray(r.standard_normal((32, 16)), jnp.float32)
     bias = jnp.asarray(r.standard_normal(16) * 0.1, jnp.float32)
-    np.testing.assert_array_equal(moe.route_from_logits(logits, 3), _old_gates_softmax(logits, 3))
-    np.testing.assert_array_equal(moe.gates_from_topk(*moe.topk_softmax(logits, 3), 16),
+    softmax = moe.MoESpec(16, 3, 8)
+    np.testing.assert_array_equal(gates_from_topk(*select_experts(logits, **moe.route_rule(softmax)), 16),
                                   _old_gates_softmax(logits, 3))
     spec = moe.MoESpec(16, 3, 8, routing="sigmoid_grouped", n_group=4, topk_group=2, routed_scaling_factor=2.5)
-    np.testing.assert_array_equal(moe.route_sigmoid_grouped(logits, bias, spec),
+    np.testing.assert_array_equal(gates_from_topk(*select_experts(logits, bias, **moe.route_rule(spec)), 16),
                                   _old_gates_sigmoid_grouped(logits, bias, spec))
     # DeepSeek-V3's router: the same choice and weights as the previous dense-gates form
     for norm in (True, False):
@@ -292,7 +298,7 @@ def test_routing_functions_unchanged_bitwise():
         spec = moe.MoESpec(16, 3, 16, routing="sigmoid_grouped", n_group=4, topk_group=2,
                            norm_topk_prob=norm, routed_scaling_factor=2.5)
         old_gates = _old_gates_sigmoid_grouped(logits, bias, spec)
-        np.testing.assert_array_equal(moe.gates_from_topk(*ds.route(h, mp, c), 16), old_gates)
+        np.testing.assert_array_equal(gates_from_topk(*ds.route(h, mp, c), 16), old_gates)
 
 
 # ----------------------------------------------------------------------------- compiled HLO
@@ -317,7 +323,7 @@ def stack_sized_copies(hlo: str, stack: int) -> list[str]:
 
 def _old_einsum_experts(h, idx, weight, w, **_):
     """The previous rule (``td,edf->tef``): a transposed copy of two stacks every call."""
-    g = moe.gates_from_topk(idx, weight, E)
+    g = gates_from_topk(idx, weight, E)
     a = jnp.einsum("td,edf->tef", h, w["w_gate"])
     b = jnp.einsum("td,edf->tef", h, w["w_up"])
     o = jnp.einsum("tef,efd->ted", jax.nn.silu(a) * b, w["w_down"])

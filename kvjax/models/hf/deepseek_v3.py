@@ -572,16 +572,17 @@ SHARED_IN_GROUPED_MAX_TOKENS = 256
 
 def _moe(mp, c, h, expert_axis, model_axis, backend, token_mask=None, num_tokens=None):
     T = h.shape[0] if num_tokens is None else num_tokens
-    if (expert_axis is None and model_axis is None and T <= SHARED_IN_GROUPED_MAX_TOKENS
-            and choose_path(T, c.num_experts_per_tok, c.n_routed_experts, backend) == "grouped"):
-        shared = {"w_gate": mp["shared_gate"], "w_up": mp["shared_up"], "w_down": mp["shared_down"]}
-        return routed_ffn(h, lambda r: route(r, mp, c, backend), mp, backend=backend,
-                          token_mask=token_mask, num_tokens=num_tokens, shared=shared)
+    fused = (expert_axis is None and model_axis is None and T <= SHARED_IN_GROUPED_MAX_TOKENS
+             and choose_path(T, c.num_experts_per_tok, c.n_routed_experts, backend) == "grouped")
+    names = {"w_gate": "shared_gate", "w_up": "shared_up", "w_down": "shared_down"}
+    routed = routed_ffn(h, lambda r: route(r, mp, c, backend), mp, expert_axis=expert_axis, backend=backend,
+                        token_mask=token_mask, num_tokens=num_tokens,
+                        shared={k: mp[v] for k, v in names.items()} if fused else None)
+    if fused:  # the shared experts ran inside the routed experts' launches
+        return routed
     shared = _swiglu(h, mp["shared_gate"], mp["shared_up"], mp["shared_down"])
     if model_axis is not None:
         shared = jax.lax.psum(shared, model_axis)
-    routed = routed_ffn(h, lambda r: route(r, mp, c, backend), mp, expert_axis=expert_axis, backend=backend,
-                        token_mask=token_mask, num_tokens=num_tokens)
     return routed + shared
 
 
