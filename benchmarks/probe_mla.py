@@ -51,7 +51,11 @@ DECODE_VARIANTS = dict(
     p1024=dict(gpu_min_programs=1024), w8_p512=dict(gpu_num_warps=8, gpu_min_programs=512),
     p128=dict(gpu_min_programs=128), n64=dict(gpu_block_n=64), n64_s3=dict(gpu_block_n=64, gpu_num_stages=3),
     s3_p512=dict(gpu_num_stages=3, gpu_min_programs=512), n128_s3=dict(gpu_block_n=128, gpu_num_stages=3),
-    n32_s2=dict(gpu_block_n=32, gpu_num_stages=2))
+    n32_s2=dict(gpu_block_n=32, gpu_num_stages=2),
+    x32=dict(gpu_max_kv_splits=32), x128=dict(gpu_max_kv_splits=128),
+    x256=dict(gpu_max_kv_splits=256), n32_x128=dict(gpu_block_n=32, gpu_max_kv_splits=128),
+    n32_x256=dict(gpu_block_n=32, gpu_max_kv_splits=256),
+    n16_x256=dict(gpu_block_n=16, gpu_max_kv_splits=256))
 
 
 def decode(batch: int, ctx: int, rng, variants=(), gqa: bool = False) -> list:

@@ -90,8 +90,9 @@ class PagedAttentionConfig:
         slice of the key chunks, a second kernel combines them). None: the rule of
         ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
         at most ``gpu_max_kv_splits``, each with two chunks of the table's width.
-      gpu_max_kv_splits, gpu_min_programs: bounds of that rule (64 splits let a call of one kv
-        head at batch 1, MLA's absorbed decode, spread a long context over 64 programs).
+      gpu_max_kv_splits, gpu_min_programs: bounds of that rule (128 splits let a call of one
+        kv head at batch 1, MLA's absorbed decode, spread a long context over 128 programs:
+        16k keys in 12.0 us against 15.9 at 64 on the H200; BENCHMARKS.md's H200 notes).
       gpu_num_warps: Triton warps; None: the rule of ``_fit_registers`` (4, or 8 for MLA's
         prefill tiles).
       gpu_num_stages: software pipelining of the key loop; None: the rule of ``_stages`` (3
@@ -101,7 +102,7 @@ class PagedAttentionConfig:
     gpu_block_m: int | None = None
     gpu_block_n: int | None = None
     gpu_kv_splits: int | None = None
-    gpu_max_kv_splits: int = 64
+    gpu_max_kv_splits: int = 128
     gpu_min_programs: int = 256
     gpu_num_warps: int | None = None
     gpu_num_stages: int | None = None
@@ -315,7 +316,8 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         #          table_ref i32[R * W], q_ref [T * Hq * D], k_ref / v_ref [N * bs * Hkv * D],
         #          fp8 only: k_scale_ref / v_scale_ref f32[Hkv]
         # Outputs: out_ref [splits * lanes * Dvp]: q.dtype, or (splits > 1 or return_lse)
-        #          float32 per split, with its running max and sum m_ref / l_ref
+        #          float32 per split (a row only where its sum is > 0), with its running
+        #          max and sum m_ref / l_ref
         #          f32[splits * lanes].
         #          Key features run as one or two power-of-two blocks (_feature_segments),
         #          value features as one (Dvp): padded columns read
@@ -353,8 +355,11 @@ def _gpu(q, key_cache, value_cache, block_table, seq_lens, positions, token_row,
         lane = sp * lanes + (t * Hkv + h) * Gp + g_of_m  # distinct per tile row
 
         def write(o, m_i, l_i, mask):
+            # With split statistics a lane's output row is written only where its sum is
+            # positive: the combine reads no other (a split past the live keys writes no row).
+            o_mask = (mask & (l_i > 0)) if stats else mask
             store(out_ref.at[lane[:, None] * Dvp + vcols_p], o.astype(out_ref.dtype),
-                  mask=jnp.broadcast_to(mask[:, None], (BM, Dvp)))
+                  mask=jnp.broadcast_to(o_mask[:, None], (BM, Dvp)))
             if stats:
                 store(m_ref.at[lane], m_i, mask=mask)
                 store(l_ref.at[lane], l_i, mask=mask)
@@ -463,6 +468,9 @@ def _combine_gpu(o, m, l, *, splits, T, Hkv, G, Dvp, Dv, out_dtype, interpret):
     (0 where ``l_s`` is 0): ``out = sum_s w_s * o_s / sum_s w_s`` (0 for a lane no split saw)
     and ``lse = top + log(sum_s w_s)`` (``-inf`` there).
 
+    A split's output row is read only where its sum is positive (the kernel writes no other),
+    so a call whose live keys fill few of its splits reads few rows.
+
     Grid ``(lanes, Dvp / BD)``: program ``(lane, j)`` reads its lane's ``splits`` maxima and
     sums and a ``[splits, BD]`` tile of outputs and writes ``out [T, Hq, Dvp]`` in
     ``out_dtype`` (columns ``j * BD ...``; returned sliced to ``Dv``) and, from ``j = 0``,
@@ -491,9 +499,11 @@ def _combine_gpu(o, m, l, *, splits, T, Hkv, G, Dvp, Dv, out_dtype, interpret):
         top = jnp.max(mv)
         w = jnp.where(lv > 0, lv * jnp.exp(mv - top), 0.0)
         den = jnp.sum(w)
-        ov = load(o_ref.at[(s[:, None] * lanes + lane) * Dvp + cols[None, :]])
+        # Only the splits that saw a key wrote their rows (a sum > 0): the others are not read.
+        ov = load(o_ref.at[(s[:, None] * lanes + lane) * Dvp + cols[None, :]],
+                  mask=jnp.broadcast_to((lv > 0)[:, None], (splits, BD)), other=0.0)
         wt = w[:, None]
-        acc = jnp.sum(jnp.where(wt > 0, wt * ov, 0.0), axis=0)
+        acc = jnp.sum(wt * ov, axis=0)
         res = (acc / jnp.where(den > 0, den, 1.0)).astype(out_dtype)
         head = t * Hq + h * G + g
 

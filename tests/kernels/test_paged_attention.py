@@ -508,6 +508,42 @@ def test_two_halves_merged_equal_the_whole(backend):
     np.testing.assert_allclose(np.asarray(lse)[seen], want[seen], atol=2e-5, rtol=0)
 
 
+def test_split_combine_reads_only_the_splits_that_saw_keys():
+    """The kernel writes a split's output row only where its sum is positive, so the combine
+    reads only those rows: rows of splits with a zero sum are NaN here (unwritten memory) and
+    change nothing. Per lane: ``out = sum_s w_s o_s / sum_s w_s``, ``w_s = l_s exp(m_s - max
+    m)``; a lane no split saw gives 0 and ``lse`` -inf. Lanes of the padded group (3 heads
+    in 4) are skipped."""
+    from pallas_kernels.attention_math import MASK_VALUE
+    from pallas_kernels.paged_attention import _combine_gpu
+
+    rng = np.random.default_rng(5)
+    splits, T, Hkv, G, Dv = 4, 2, 2, 3, 24
+    Gp, Dvp = 4, 32
+    lanes = T * Hkv * Gp
+    o = rng.standard_normal((splits, lanes, Dvp)).astype(np.float32)
+    m = rng.standard_normal((splits, lanes)).astype(np.float32)
+    l = rng.uniform(0.5, 2.0, (splits, lanes)).astype(np.float32)
+    dead = rng.random((splits, lanes)) < 0.4
+    dead[:, 5] = True  # a lane no split saw
+    dead[:, 6] = False
+    l[dead], m[dead], o[dead] = 0.0, MASK_VALUE, np.nan
+    out, lse = _combine_gpu(jnp.asarray(o.reshape(-1)), jnp.asarray(m.reshape(-1)),
+                            jnp.asarray(l.reshape(-1)), splits=splits, T=T, Hkv=Hkv, G=G,
+                            Dvp=Dvp, Dv=Dv, out_dtype=jnp.float32, interpret=True)
+    w = np.where(dead, 0.0, l * np.exp(m - m.max(axis=0)))
+    den = w.sum(axis=0)
+    want = np.einsum("sl,sld->ld", w, np.where(dead[..., None], 0.0, o)) / np.where(den > 0, den, 1)[:, None]
+    with np.errstate(divide="ignore"):
+        want_lse = np.where(den > 0, m.max(axis=0) + np.log(den), -np.inf)
+    keep = (np.arange(lanes) % Gp) < G  # lane (t, h, g) -> head h * G + g
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out.reshape(-1, Dv), want[keep, :Dv], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.reshape(-1), want_lse[keep], rtol=1e-6, atol=1e-6)
+    assert (out.reshape(-1, Dv)[list(np.flatnonzero(keep)).index(5)] == 0).all()
+
+
 def test_registered_flavours_and_routing():
     assert _backend.flavors("paged_attention") == ("reference", "gpu")
     # No TPU kernel: every TPU choice runs the reference (the TPU path is JAX's RPA).
@@ -604,3 +640,10 @@ def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_m
     assert len(verified_triton_modules) == 2 and "paged_attention_combine_gpu" in text
     module = str(verified_triton_modules[0].module)
     assert module.count("tt.dot") == 3 and not COLUMN_CLAMP.search(module)
+    # batch 1 over a 32k table: the rule's most splits (128), whose combine tiles are
+    # [128 splits, 64 columns]
+    args = (SD((1, Hq, 576), jnp.bfloat16), SD((N, bs, 1, 576), jnp.bfloat16),
+            SD((1, 2048), jnp.int32), SD((1,), jnp.int32), SD((1,), jnp.int32), SD((1,), jnp.int32))
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(verified_triton_modules) == 4
+    assert "tensor<128x64xf32>" in str(verified_triton_modules[3].module)
