@@ -1,6 +1,6 @@
 """GPU check of ``moe_route``'s Pallas Triton kernel against its reference (same GPU).
 
-    PYTHONPATH=. python benchmarks/gpu_check_moe_route.py
+    PYTHONPATH=. python benchmarks/gpu_check_moe_route.py [--timings]
 
 At DeepSeek-V2-Lite's router (2048 x 64, top-6; float32 hidden states, a bf16 router, as in
 the model), DeepSeek-V3's (7168 x 256, 8 groups, top-4 groups, top-8), Nemotron-H's and a
@@ -8,8 +8,9 @@ softmax router, for 1 to 256 tokens through the kernel (``gpu_max_tokens`` 256 h
 several splits, and 8,192 tokens (the GPU flavour's fallback to the reference): the chosen
 experts equal the reference's, or (a tie to float32 rounding) have the same choice values
 within ``TIE``; the weights of the tokens that chose alike within 2e-6 of the reference's
-(times the scale); nothing non-finite. Then prints each path's device time at 1 to 256 tokens
-(informational: under ``run_gpu.sh`` other checks share the GPU; time it in a call of its own).
+(times the scale); nothing non-finite. ``--timings``: then each path's device time at 1 to 256
+tokens (informational, ~2 minutes of profiler traces; ``run_gpu.sh`` leaves them out: its
+checks share the GPU).
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ if __name__ == "__main__":
     if not on_gpu_or_allowed("moe_route's Pallas Triton kernel"):
         sys.exit(1)
     run_cases()
-    try:
-        timings()
-    except Exception as e:  # noqa: BLE001 - timings are informational
-        print(f"timings failed: {e!r}")
-    sys.exit(summary())
+    status = summary()
+    if "--timings" in sys.argv[1:]:
+        try:
+            timings()
+        except Exception as e:  # noqa: BLE001 - timings are informational
+            print(f"timings failed: {e!r}")
+    sys.exit(status)

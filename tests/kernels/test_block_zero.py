@@ -298,7 +298,7 @@ def test_gpu_kernel_lowers_for_cuda(verified_triton_modules):
     """The GPU kernel (its early exit and column loop) lowers for CUDA from this CPU and its
     Triton module passes the MLIR verifier, for a loop of several tiles and for one."""
     from pallas_kernels.block_zero import ZeroBlocksConfig
-    from tests.kernels.test_gpu_launches import lower_for_cuda
+    from tests.cuda_lowering import lower_for_cuda
 
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in ARRAY_SPECS]
     ids = jax.ShapeDtypeStruct((5,), jnp.int32)

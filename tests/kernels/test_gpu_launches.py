@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import combine_sampled_and_draft_tokens, selective_state_update
+from tests.cuda_lowering import lower_for_cuda
 
 #: Primitives that cost no launch: XLA turns them into bitcasts.
 FREE = {"reshape", "squeeze"}
@@ -43,10 +44,6 @@ def outside_ops(closed_jaxpr) -> collections.Counter:
 
     walk(closed_jaxpr.jaxpr)
     return ops
-
-
-def lower_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def assert_one_launch(fn, *args):

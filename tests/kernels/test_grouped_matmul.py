@@ -324,7 +324,7 @@ def test_more_groups_are_read_in_place(layout, gated):
 
 
 def test_more_groups_lower_for_cuda(verified_triton_modules):
-    from tests.kernels.test_gpu_launches import lower_for_cuda
+    from tests.cuda_lowering import lower_for_cuda
 
     x = jnp.zeros((2 * 16, 64), jnp.bfloat16)
     w = jnp.zeros((4, 64, 32), jnp.bfloat16)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe_route import MoERouteConfig, moe_route, select_experts
+from tests.cuda_lowering import lower_for_cuda
 from tests.kernels.test_gpu_launches import outside_ops
 
 
@@ -124,7 +125,7 @@ def test_lowers_for_cuda(T, split, kernels, verified_triton_modules):
     cfg = MoERouteConfig(gpu_split=split, gpu_max_tokens=64)
     fn = lambda x, r, b: moe_route(x, r, b, top_k=6, scoring="sigmoid", n_group=8, topk_group=4,  # noqa: E731
                                    backend="pallas_gpu", interpret=False, config=cfg)
-    jax.jit(fn).trace(x, r, b).lower(lowering_platforms=("cuda",)).as_text()
+    lower_for_cuda(fn, x, r, b)
     assert len(verified_triton_modules) == kernels
 
 

@@ -55,6 +55,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
+from tests.cuda_lowering import lower_for_cuda
 
 FP8 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
@@ -568,7 +569,7 @@ def _lower_for_cuda(T, *, Hq, Hkv, D, qdt, cdt, N=64, bs=16, R=32, W=64) -> str:
     def f(*x):
         return paged_attention(*x, k_scale=scale, v_scale=scale, backend=GPU, interpret=False)
 
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(f, *args)
 
 
 @pytest.mark.parametrize(
@@ -635,7 +636,7 @@ def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_m
         return paged_attention(q, kc, None, bt, sl, pos, row, v_head_dim=512, sm_scale=0.1,
                                backend=GPU, interpret=False)
 
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(f, *args)
     # 64 tokens of one kv head split their keys 4 ways: the attention, then the combine
     assert len(verified_triton_modules) == 2 and "paged_attention_combine_gpu" in text
     module = str(verified_triton_modules[0].module)
@@ -644,6 +645,6 @@ def test_mla_latent_shape_lowers_to_one_verified_triton_kernel(verified_triton_m
     # [128 splits, 64 columns]
     args = (SD((1, Hq, 576), jnp.bfloat16), SD((N, bs, 1, 576), jnp.bfloat16),
             SD((1, 2048), jnp.int32), SD((1,), jnp.int32), SD((1,), jnp.int32), SD((1,), jnp.int32))
-    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    lower_for_cuda(f, *args)
     assert len(verified_triton_modules) == 4
     assert "tensor<128x64xf32>" in str(verified_triton_modules[3].module)

@@ -42,8 +42,8 @@ from kvjax.models.mamba_layer import MambaSpec
 from kvjax.models.moe import MLPSpec
 from kvjax.runner.runner import Runner, RunnerConfig
 from kvjax.testing.fast_compile import DEFAULT_FUSION_OPTIONS, FAST_COMPILER_OPTIONS
+from tests.cuda_lowering import abstract_cuda
 
-CUDA = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
 HF = HybridModel(HybridConfig(
     "GraniteMoeHybridForCausalLM", vocab_size=96, d_model=32, rms_eps=1e-5,
     blocks=(Block("mamba"), Block("attn"), Block("mlp")), attn=AttnSpec(4, 2, 16),
@@ -152,9 +152,7 @@ def test_cuda_kernels_write_pools_in_place(case, verified_triton_modules):
     for bucket in runner.buckets.buckets:
         fn, args, _ = runner.jitted_step(bucket)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
-        mesh = jax.sharding.get_abstract_mesh()
-        with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=CUDA)), \
-                jax.default_matmul_precision(runner.config.matmul_precision):
+        with abstract_cuda(), jax.default_matmul_precision(runner.config.matmul_precision):
             mlir = fn.trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
         sizes = {math.prod(v.shape[1:]) for v in args[2].values()}  # one rank's pool
         assert mlir.count("__gpu$xla.gpu.triton") >= 4, (case, bucket)

@@ -14,8 +14,8 @@ import jax
 import pytest
 
 from kvjax.runner.runner import Runner, RunnerConfig
+from tests.cuda_lowering import abstract_cuda
 
-CUDA = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
 CONFIGS = {
     "plain": RunnerConfig(backend="pallas_gpu", max_num_batched_tokens=8, max_num_seqs=4),
     "spec-fp8": RunnerConfig(backend="pallas_gpu", num_speculative_tokens=1, kv_cache_dtype="fp8",
@@ -28,9 +28,7 @@ CONFIGS = {
 def _lower_for_cuda(fn, args, config) -> str:
     """StableHLO text of ``fn(*args)`` lowered for CUDA under an abstract CUDA device."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
-    mesh = jax.sharding.get_abstract_mesh()
-    with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=CUDA)), \
-            jax.default_matmul_precision(config.matmul_precision):
+    with abstract_cuda(), jax.default_matmul_precision(config.matmul_precision):
         return fn.trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
 
 
