@@ -16,6 +16,7 @@ runs decode-only exactly when no scheduled row is prefilling (:meth:`BucketSpec.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import numbers
 
@@ -83,11 +84,15 @@ class BucketSpec:
     num_speculative_tokens: int = 0
 
     def __post_init__(self):
-        ts = tuple(self.token_sizes)
-        if (not ts or any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t <= 0 for t in ts)
-                or list(ts) != sorted(set(ts))):
+        sizes = self.token_sizes
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, collections.abc.Iterable) \
+                or not (sizes := tuple(sizes)):
+            raise ValueError(f"token_sizes must be a non-empty sequence of distinct ascending positive "
+                             f"ints, got {self.token_sizes!r}")
+        ts = tuple(check_size(f"token_sizes[{i}]", t, 1) for i, t in enumerate(sizes))
+        if list(ts) != sorted(set(ts)):
             raise ValueError(f"token_sizes must be distinct ascending positive ints, got {self.token_sizes!r}")
-        object.__setattr__(self, "token_sizes", tuple(int(t) for t in ts))
+        object.__setattr__(self, "token_sizes", ts)
         object.__setattr__(self, "max_num_seqs", check_size("max_num_seqs", self.max_num_seqs, 1))
         object.__setattr__(self, "num_speculative_tokens",
                            check_size("num_speculative_tokens", self.num_speculative_tokens, 0))

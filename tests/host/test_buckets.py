@@ -35,9 +35,13 @@ def test_default_bucket_spec_refuses_a_negative_draft_count():
     (((4, 8), 0), r"max_num_seqs must be a positive int, got 0"),
     (((4, 8), 2, 0.5), r"num_speculative_tokens must be a non-negative int, got 0.5"),
     (((4, 8), 2, -1), r"num_speculative_tokens must be a non-negative int, got -1"),
-    (((True, 4), 2), r"token_sizes must be distinct ascending positive ints, got \(True, 4\)"),
-    (((4.0, 8), 2), r"token_sizes must be distinct ascending positive ints, got \(4.0, 8\)"),
-    (((), 2), r"token_sizes must be distinct ascending positive ints, got \(\)"),
+    (((True, 4), 2), r"token_sizes\[0\] must be a positive int, got True"),
+    (((4, 8.0), 2), r"token_sizes\[1\] must be a positive int, got 8.0"),
+    (((4, 0), 2), r"token_sizes\[1\] must be a positive int, got 0"),
+    (((), 2), r"token_sizes must be a non-empty sequence of distinct ascending positive ints, got \(\)"),
+    ((8, 2), r"token_sizes must be a non-empty sequence of distinct ascending positive ints, got 8"),
+    (((8, 4), 2), r"token_sizes must be distinct ascending positive ints, got \(8, 4\)"),
+    (((4, 4), 2), r"token_sizes must be distinct ascending positive ints, got \(4, 4\)"),
 ])
 def test_bucket_spec_refuses_bad_sizes(args, match):
     with pytest.raises(ValueError, match=match):
@@ -46,7 +50,7 @@ def test_bucket_spec_refuses_bad_sizes(args, match):
 
 def test_bucket_spec_takes_numpy_ints_as_plain_ints():
     spec = BucketSpec(tuple(np.array([4, 8])), np.int64(2), np.int32(1))
-    assert spec == BucketSpec((4, 8), 2, 1)
+    assert spec == BucketSpec((4, 8), 2, 1) == BucketSpec(np.array([4, 8]), 2, 1) == BucketSpec([4, 8], 2, 1)
     assert all(type(v) is int for v in (*spec.token_sizes, spec.max_num_seqs, spec.num_speculative_tokens))
 
 
