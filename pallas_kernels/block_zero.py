@@ -77,9 +77,7 @@ class ZeroBlocksConfig:
     gpu_num_warps: int | None = None
 
     def __post_init__(self):
-        v = self.gpu_max_programs
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"ZeroBlocksConfig.gpu_max_programs must be an int >= 1, got {v!r}")
+        validation.check_config_ints(self, ("gpu_max_tile_bytes", "gpu_min_tile_bytes", "gpu_tile_bytes"))
 
 
 def _uint_view(a):

@@ -23,6 +23,7 @@ what came:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -300,3 +301,31 @@ def check_slot_mapping(slot_mapping, num_tokens: int, num_blocks: int, block_siz
             f"unspecified); got slot {slot} at indices {first} and {second}"
         )
     return slot_mapping
+
+
+def static_int(name: str, value, *, power_of_two: bool = False, optional: bool = False) -> int | None:
+    """The one rule for a kernel's static size (a config field, a static argument): a Python or
+    numpy int, not a bool, >= 1 (a power of two where asked; None where ``optional``), returned
+    as a plain int. ``ValueError`` naming ``name`` otherwise: "must be a power of two" or "must
+    be an int >= 1", with "or None" where None is allowed."""
+    if value is None and optional:
+        return None
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1
+            or (power_of_two and value & (value - 1))):
+        want = "a power of two" if power_of_two else "an int >= 1"
+        raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")
+    return int(value)
+
+
+def check_config_ints(config, powers_of_two: Sequence[str] = ()) -> None:
+    """The one rule for a kernel config's sizes: each field of the frozen dataclass ``config``
+    declared ``int`` must be a Python or numpy int (not a bool) >= 1, and each declared
+    ``int | None`` that or None; the fields named in ``powers_of_two`` must be powers of two.
+    Numpy ints are stored back as plain ints. ``ValueError`` from :func:`static_int`, naming
+    ``Config.field``, otherwise. Call it from the config's ``__post_init__``."""
+    for f in dataclasses.fields(config):
+        kind = str(f.type).replace(" ", "")
+        if kind in ("int", "int|None"):
+            v = static_int(f"{type(config).__name__}.{f.name}", getattr(config, f.name),
+                           power_of_two=f.name in powers_of_two, optional=kind == "int|None")
+            object.__setattr__(config, f.name, v)

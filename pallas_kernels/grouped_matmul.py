@@ -93,14 +93,7 @@ class GroupedMatmulConfig:
     gpu_num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("gpu_block_n", "gpu_block_k", "gpu_num_warps"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
-                raise ValueError(f"{name} must be a power of two or None, got {v!r}")
-        for name in ("gpu_min_programs", "gpu_num_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        validation.check_config_ints(self, ("gpu_block_n", "gpu_block_k", "gpu_num_warps"))
 
 
 # --------------------------------------------------------------------------
@@ -395,8 +388,7 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
     choice = _backend.choose(OP_GROUPED_MATMUL, backend, interpret)
     if not isinstance(config, GroupedMatmulConfig):
         raise ValueError(f"config must be a GroupedMatmulConfig, got {config!r}")
-    if not isinstance(tile_rows, int) or isinstance(tile_rows, bool) or tile_rows < 1:
-        raise ValueError(f"tile_rows must be an int >= 1, got {tile_rows!r}")
+    tile_rows = validation.static_int("tile_rows", tile_rows)
     validation.check_rank("x", x, 2)
     validation.check_rank("w", w, 3)
     validation.check_rank("tile_group", tile_group, 1)
@@ -432,11 +424,9 @@ def _check_more(more_w, more_gate, more_groups, *, gated: bool, G: int, K: int, 
             raise ValueError(f"more_gate and more_groups need more_w, got more_gate "
                              f"{'set' if more_gate is not None else None} and more_groups={more_groups!r}")
         return 0
-    if not isinstance(more_groups, int) or isinstance(more_groups, bool) or more_groups < 1:
-        raise ValueError(f"more_groups must be an int >= 1 with more_w, got {more_groups!r}")
+    S = validation.static_int("more_groups", more_groups)
     if G == 0:
         raise ValueError(f"w must hold at least one group beside more_w, got shape [{G}, {K}, {N}]")
-    S = more_groups
     shapes = ((S, K, N), (K, S * N))
     for name, m in (("more_w", more_w), ("more_gate", more_gate if gated else None)):
         if gated and m is None:

@@ -114,6 +114,9 @@ class KVWriteConfig:
     mosaic_tokens_per_cta: int | None = None
     mosaic_fp8_in_kernel: bool = True
 
+    def __post_init__(self):
+        validation.check_config_ints(self, ("gpu_max_tile", "gpu_fp8_max_tile"))
+
 
 OP_WRITE = "kv_write"
 

@@ -47,6 +47,9 @@ class ConvConfig:
     gpu_block_dim: int = 128
     gpu_num_warps: int = 4
 
+    def __post_init__(self):
+        validation.check_config_ints(self, ("gpu_block_dim",))
+
 
 def _silu_flag(activation) -> bool:
     if activation is None or activation is False:

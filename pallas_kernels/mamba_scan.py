@@ -255,12 +255,7 @@ class ScanConfig:
     def __post_init__(self):
         if self.chunk_states not in ("associative", "sequential"):
             raise ValueError(f"chunk_states must be 'associative' or 'sequential', got {self.chunk_states!r}")
-        for name in ("gpu_heads_per_program", "gpu_block_q", "gpu_block_state", "gpu_num_warps",
-                     "gpu_num_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (name.startswith("gpu_block") and v & (v - 1)):
-                kind = "a power of two" if name.startswith("gpu_block") else "an int >= 1"
-                raise ValueError(f"{name} must be {kind}, got {v!r}")
+        validation.check_config_ints(self, ("gpu_block_q", "gpu_block_state"))
 
 
 @_backend.register(OP_SCAN, "tpu")

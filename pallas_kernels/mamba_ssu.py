@@ -571,6 +571,9 @@ class SSUConfig:
     gpu_num_warps: int = 4
     gpu_eviction: str | None = None
 
+    def __post_init__(self):
+        validation.check_config_ints(self)
+
 
 def _ssu_gpu_tile(P: int, Ns: int, cfg: SSUConfig) -> tuple[int, int]:
     """(BM, num_warps) for the GPU kernel."""

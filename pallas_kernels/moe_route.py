@@ -82,12 +82,7 @@ class MoERouteConfig:
     gpu_max_tokens: int = 4
 
     def __post_init__(self):
-        v = self.gpu_split
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1)):
-            raise ValueError(f"gpu_split must be a power of two or None, got {v!r}")
-        v = self.gpu_max_tokens
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"gpu_max_tokens must be an int >= 1, got {v!r}")
+        validation.check_config_ints(self, ("gpu_split",))
 
 
 def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renormalize=True, scale=1.0,
@@ -98,16 +93,15 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
     sum of its two best, as transformers' DeepSeek-V3 and Nemotron-H routers take it);
     ``topk_group <= n_group``; ``top_k`` at most the experts of ``topk_group`` groups;
     softmax has no groups, no renormalising choice and no scale; ``renormalize`` a bool;
-    ``scale`` a finite number. ``ValueError``
+    ``scale`` a finite number > 0 (a routed-scaling factor). ``ValueError``
     prefixed by ``where``, each parameter called ``names.get(name, name)``."""
     n = {"num_experts": "num_experts", "top_k": "top_k", "n_group": "n_group",
          "topk_group": "topk_group", **(names or {})}
     at = f"{where}: " if where else ""
     if scoring not in SCORINGS:
         raise ValueError(f"{at}scoring must be one of {SCORINGS}, got {scoring!r}")
-    for name, v in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{at}{n[name]} must be an int >= 1, got {v!r}")
+    top_k, n_group, topk_group = (validation.static_int(f"{at}{n[name]}", v) for name, v in
+                                  (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)))
     E, G = num_experts, n_group
     if top_k > E:
         raise ValueError(f"{at}{n['top_k']}={top_k} must be <= {n['num_experts']}={E}")
@@ -125,8 +119,8 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
     if not isinstance(renormalize, bool):
         raise ValueError(f"{at}renormalize must be a bool, got {renormalize!r}")
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(float(scale)):
-        raise ValueError(f"{at}scale must be a finite number, got {scale!r}")
+            or not np.isfinite(float(scale)) or scale <= 0:
+        raise ValueError(f"{at}scale must be a finite number > 0, got {scale!r}")
     if scoring == "softmax" and (not renormalize or float(scale) != 1.0):
         raise ValueError(f"{at}softmax scoring's weights are the softmax over the top_k logits: renormalize "
                          f"must be True and scale 1, got {renormalize} and {scale!r}")

@@ -78,6 +78,7 @@ REFUSED = [
     ("nemotron_h", dict(layers_block_type=["mamba", "conv"]), "layers_block_type='conv'"),
     ("nemotron_h", dict(mamba_ssm_cache_dtype="float64"), "mamba_ssm_cache_dtype"),
     ("nemotron_h", dict(n_group=3), "n_group"),
+    ("nemotron_h", dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     ("nemotron_h", dict(vocab_size=0), "vocab_size"),
     ("nemotron_h", dict(quantization_config={"quant_method": "fp8"}), "quantization_config='fp8'"),
     ("granite_nope_dense", dict(logits_scaling=0), "logits_scaling"),
