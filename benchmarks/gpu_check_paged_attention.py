@@ -117,7 +117,7 @@ def oracle(args, scales, with_lse=False):
     T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    out = np.zeros((T, Hq, D))
+    out = np.zeros((T, Hq, v.shape[-1]))
     lse = np.full((T, Hq), -np.inf)
     for t in range(T):
         b = rows[t]
@@ -214,6 +214,34 @@ def add_lse_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128):
         return "; ".join(msgs)
 
 
+def add_mla_check(name, rows, *, W=2048, lse=False):
+    """MLA's absorbed decode as the model calls it: 16 heads over one latent kv head of 512 + 64
+    features, the values its first 512 (``value_cache=None``), bf16, no pad token: at batch 1 a
+    2,048-column table (32k) takes the split rule's most splits (128), most of them past a short
+    context's keys."""
+    @case(name)
+    def run():
+        rng = np.random.default_rng(200 + len(CHECKS))
+        args, _ = make_step(rng, rows, Hq=16, Hkv=1, D=576, W=W, qdt="bfloat16", cdt="bfloat16",
+                            pad_tokens=0, extra_rows=0)
+        want_args = dict(args, value_cache=args["key_cache"][..., :512])
+        want, want_lse = oracle(want_args, {}, with_lse=True)
+        fn = jax.jit(lambda a: paged_attention(**dict(a, value_cache=None), v_head_dim=512,
+                                               return_lse=lse, backend=GPU, interpret=INTERPRET))
+        got = fn(args)
+        out, got_lse = got if lse else (got, None)
+        e_k = rel_err(out, want)
+        e_lse = (float(np.abs(np.asarray(got_lse, np.float64) - want_lse).max()) if lse else None)
+        CHECKS.append(dict(name=name, kernel_rel_err=e_k, lse_abs_err=e_lse, tol=TOL["bfloat16"]))
+        msgs = []
+        if not e_k <= TOL["bfloat16"]:
+            msgs.append(f"kernel rel err {e_k:.3g} > {TOL['bfloat16']}")
+        if lse and not e_lse <= 20 * TOL["bfloat16"]:
+            msgs.append(f"lse abs err {e_lse:.3g} > {20 * TOL['bfloat16']}")
+        print(f"    {name}: kernel {e_k:.3g}" + (f", lse {e_lse:.3g}" if lse else ""))
+        return "; ".join(msgs)
+
+
 MIXED = [(1000, 1), (37, 1), (0, 0), (200, 64), (513, 200), (16, 16), (5, 4), (999, 3),
          (50, 0)]
 for qdt, cdt in (("bfloat16", "bfloat16"), ("float32", "float32"), ("bfloat16", "fp8")):
@@ -238,6 +266,9 @@ add_lse_check("lse-mixed-fp8", MIXED, qdt="bfloat16", cdt="fp8")
 add_lse_check("lse-mixed-f32-q-fp8", MIXED, qdt="float32", cdt="fp8")
 add_lse_check("lse-decode-b8-fp8-splits", [(11 + i, 1) for i in range(8)], qdt="float32", cdt="fp8", Hq=16, Hkv=1)
 add_lse_check("lse-gqa-12-4-decode-b1-splits", [(1200, 1)], qdt="float32", cdt="float32", Hq=12, Hkv=4, W=512)
+add_mla_check("mla-decode-b1-1k-128-splits", [(1000, 1)])
+add_mla_check("mla-decode-b1-16k-128-splits", [(16000, 1)])
+add_mla_check("lse-mla-decode-b1-1k-128-splits", [(1000, 1)], lse=True)
 
 
 # --------------------------------------------------------------------------

@@ -26,6 +26,18 @@ import json
 import os
 
 
+def _union(a: dict | None, b: dict) -> dict:
+    """Two parts' matrices of one preset as one: their decode batches per context and their
+    prefill sizes joined (the other fields from ``a``, the first part)."""
+    if a is None:
+        return dict(b)
+    decode = {}
+    for ctx, batches in list(a.get("decode") or []) + list(b.get("decode") or []):
+        decode.setdefault(ctx, set()).update(batches)
+    return dict(a, decode=[[c, sorted(bs)] for c, bs in sorted(decode.items())],
+                prefill=sorted(set(a.get("prefill") or []) | set(b.get("prefill") or [])))
+
+
 def _key(r: dict) -> tuple:
     return tuple(r.get(k) for k in ("preset", "impl", "phase", "batch", "context", "max_model_len"))
 
@@ -76,12 +88,12 @@ def main(argv=None) -> int:
         if p["replaces_presets"]:
             for name, mx in (p["matrix"] or {}).items():
                 meta["matrix"][name] = mx
-    for p in parts:
-        if not p["baseline"]:
+    for p in parts:  # every part that still holds kvjax rows of a preset: the union of what they ran
+        if not p["baseline"] and not p["replaces_presets"]:
             measured = {r["preset"] for r in rows if r["source"] == p["source"] and r["impl"] == "kvjax"}
             for name, mx in (p["matrix"] or {}).items():
                 if name in measured:
-                    meta["matrix"].setdefault(name, mx)
+                    meta["matrix"][name] = _union(meta["matrix"].get(name), mx)
     for p in parts:  # prefill sizes of a --prefill-from part replace the measured presets' lists
         if p["prefill_from"]:
             for name, mx in (p["matrix"] or {}).items():

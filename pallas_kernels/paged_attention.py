@@ -42,7 +42,8 @@ TPU path being JAX's ragged paged attention, :mod:`pallas_kernels.rpa`):
   query tile that starts at token ``i`` — a run of consecutive tokens of one row
   inside one aligned window of ``block_q`` tokens, all ``G`` query heads of kv head
   ``h`` — if token ``i`` starts one, and returns otherwise (a pad token's program
-  stores its zeros). The tile's keys are ``ceil(n / block_n)`` chunks, ``n`` the
+  stores its zeros, or with split statistics only its empty max and sum, from which the
+  combine writes the zeros). The tile's keys are ``ceil(n / block_n)`` chunks, ``n`` the
   largest ``min(seq_len, pos + 1)`` of its tokens: only live blocks its tokens see,
   gathered through the block table, with an online softmax (float32 running max,
   sum and accumulator; bf16 products where q and cache are bf16 or fp8, IEEE float32
@@ -108,16 +109,8 @@ class PagedAttentionConfig:
     gpu_num_stages: int | None = None
 
     def __post_init__(self):
-        for name in ("gpu_block_m", "gpu_block_n", "gpu_num_warps", "gpu_kv_splits",
-                     "gpu_max_kv_splits"):
-            v = getattr(self, name)
-            if v is None and name in ("gpu_block_m", "gpu_block_n", "gpu_kv_splits", "gpu_num_warps"):
-                continue
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v!r}")
-        if self.gpu_num_stages is not None and (not isinstance(self.gpu_num_stages, int)
-                                                or self.gpu_num_stages < 1):
-            raise ValueError(f"gpu_num_stages must be None or an int >= 1, got {self.gpu_num_stages!r}")
+        validation.check_config_ints(self, ("gpu_block_m", "gpu_block_n", "gpu_num_warps", "gpu_kv_splits",
+                                            "gpu_max_kv_splits"))
 
 
 # --------------------------------------------------------------------------

@@ -30,7 +30,11 @@ Planted bugs each test was seen to fail on (then restored):
   by one: 3 fail; its guard on padded lanes removed: ``test_gqa_ratios``' 4-split case fails;
 * the split rule's count left unrounded (3, 5, 7 splits): ``test_split_counts_are_powers_of_two``
   fails;
-* the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails.
+* the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails;
+* the combine loading every split's output row (not only those whose sum is > 0): the
+  dead-splits test and five end-to-end split tests fail; the kernel writing no output row where
+  there are no split statistics either: 18 tests fail;
+* ``gpu_max_kv_splits`` back at 64: the MLA lowering test fails (its combine tiles).
 
 Not observable here: a tile taking in the next row's tokens (membership without the
 row check). The interpreter runs programs in grid order, so the later, right tile
@@ -424,7 +428,7 @@ def test_stages_rule():
     assert _stages(2048, 64, 576, cfg) == 2  # MLA prefill over its context
     assert _stages(64, 64, 128, cfg) == 2 and _stages(64, 64, 256, cfg) == 2  # GQA decode
     assert _stages(64, 64, 576, PagedAttentionConfig(gpu_num_stages=1)) == 1
-    with pytest.raises(ValueError, match="gpu_num_stages must be None or an int >= 1"):
+    with pytest.raises(ValueError, match="gpu_num_stages must be an int >= 1 or None"):
         PagedAttentionConfig(gpu_num_stages=0)
 
 
