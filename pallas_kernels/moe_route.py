@@ -96,7 +96,7 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
     ``scale`` a finite number > 0 (a routed-scaling factor). ``ValueError``
     prefixed by ``where``, each parameter called ``names.get(name, name)``."""
     n = {"num_experts": "num_experts", "top_k": "top_k", "n_group": "n_group",
-         "topk_group": "topk_group", **(names or {})}
+         "topk_group": "topk_group", "renormalize": "renormalize", "scale": "scale", **(names or {})}
     at = f"{where}: " if where else ""
     if scoring not in SCORINGS:
         raise ValueError(f"{at}scoring must be one of {SCORINGS}, got {scoring!r}")
@@ -117,13 +117,13 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
         raise ValueError(f"{at}softmax scoring has no expert groups: {n['n_group']} and {n['topk_group']} "
                          f"must be 1, got {G} and {topk_group}")
     if not isinstance(renormalize, bool):
-        raise ValueError(f"{at}renormalize must be a bool, got {renormalize!r}")
+        raise ValueError(f"{at}{n['renormalize']} must be a bool, got {renormalize!r}")
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)) \
             or not np.isfinite(float(scale)) or scale <= 0:
-        raise ValueError(f"{at}scale must be a finite number > 0, got {scale!r}")
+        raise ValueError(f"{at}{n['scale']} must be a finite number > 0, got {scale!r}")
     if scoring == "softmax" and (not renormalize or float(scale) != 1.0):
-        raise ValueError(f"{at}softmax scoring's weights are the softmax over the top_k logits: renormalize "
-                         f"must be True and scale 1, got {renormalize} and {scale!r}")
+        raise ValueError(f"{at}softmax scoring's weights are the softmax over the top_k logits: "
+                         f"{n['renormalize']} must be True and {n['scale']} 1, got {renormalize} and {scale!r}")
 
 
 def _check_bias(bias, scoring: str, E: int) -> None:

@@ -40,6 +40,7 @@ from kvjax.models.config import TinyHybridConfig
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels import group_tiles, grouped_matmul
 from pallas_kernels.grouped_matmul import OP_GROUPED_MATMUL, tile_rows_for
+from pallas_kernels.contract import static_int
 from pallas_kernels.moe_route import check_rule, moe_route
 
 
@@ -110,6 +111,23 @@ class MoESpec:
     gated: bool = True
     activation: str = "silu"
 
+    def __post_init__(self):
+        """Refuses a spec the model could not run as written, by field name: an unknown
+        ``routing`` (it had been run as ``sigmoid_grouped``) or ``activation``, sizes that are not
+        ints >= 1, and a routing rule its owner refuses (:func:`pallas_kernels.moe_route.check_rule`:
+        groups, ``top_k``, and for ``softmax_topk`` no ``norm_topk_prob=False`` or scale, which
+        it would have ignored)."""
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"MoESpec.routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoESpec.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not isinstance(self.gated, bool):
+            raise ValueError(f"MoESpec.gated must be a bool, got {self.gated!r}")
+        for name in ("num_experts", "top_k", "hidden", "n_group", "topk_group"):
+            object.__setattr__(self, name, static_int(f"MoESpec.{name}", getattr(self, name)))
+        check_rule(self.num_experts, where="MoESpec", **route_rule(self),
+                   names={"renormalize": "norm_topk_prob", "scale": "routed_scaling_factor"})
+
 
 def check_expert_groups(where: str, num_experts: int, n_group: int, topk_group: int, top_k: int) -> None:
     """A config's group-limited sigmoid routing (transformers' DeepSeek-V3 and Nemotron-H
@@ -121,10 +139,8 @@ def check_expert_groups(where: str, num_experts: int, n_group: int, topk_group: 
 
 def route_rule(spec: MoESpec) -> dict:
     """``spec``'s routing as the keyword arguments of :func:`pallas_kernels.moe_route`."""
-    if spec.routing == "softmax_topk":
-        return dict(top_k=spec.top_k, scoring="softmax")
-    return dict(top_k=spec.top_k, scoring="sigmoid", n_group=spec.n_group,
-                topk_group=spec.topk_group, renormalize=spec.norm_topk_prob,
+    return dict(top_k=spec.top_k, scoring="softmax" if spec.routing == "softmax_topk" else "sigmoid",
+                n_group=spec.n_group, topk_group=spec.topk_group, renormalize=spec.norm_topk_prob,
                 scale=spec.routed_scaling_factor)
 
 

@@ -563,3 +563,26 @@ def test_no_tokens_on_every_path(path):
     y = moe.apply_experts(jnp.zeros((0, D), jnp.float32), jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32),
                           _weights(43), path=path, backend="pallas_gpu" if path == "grouped" else "reference")
     assert y.shape == (0, D)
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    ((16, 3, 8), dict(routing="sigmoid"), r"MoESpec.routing must be one of \('softmax_topk', 'sigmoid_grouped'\)"),
+    ((16, 3, 8), dict(activation="gelu"), r"MoESpec.activation must be one of \('silu', 'relu2'\), got 'gelu'"),
+    ((16, 3, 8), dict(gated=1), "MoESpec.gated must be a bool, got 1"),
+    ((16, 3, 0), {}, "MoESpec.hidden must be an int >= 1, got 0"),
+    ((16, True, 8), {}, "MoESpec.top_k must be an int >= 1, got True"),
+    ((16, 17, 8), {}, "MoESpec: top_k=17 must be <= num_experts=16"),
+    ((16, 3, 8), dict(routed_scaling_factor=2.5), "norm_topk_prob must be True and routed_scaling_factor 1"),
+    ((16, 3, 8), dict(norm_topk_prob=False), "norm_topk_prob must be True and routed_scaling_factor 1"),
+    ((16, 3, 8), dict(routing="sigmoid_grouped", n_group=3), "num_experts=16 must split into n_group=3 groups"),
+    ((16, 3, 8), dict(routing="sigmoid_grouped", n_group=4, topk_group=2, routed_scaling_factor=0.0),
+     "MoESpec: routed_scaling_factor must be a finite number > 0, got 0.0"),
+    ((16, 3, 8), dict(routing="sigmoid_grouped", norm_topk_prob=None), "MoESpec: norm_topk_prob must be a bool"),
+])
+def test_a_spec_the_model_could_not_run_as_written_is_refused(args, kw, match):
+    """A routing name that is not one (it had run as sigmoid_grouped), and a softmax spec with a
+    scale or without renormalising (ignored before), among others: refused by field name."""
+    with pytest.raises(ValueError, match=match):
+        moe.MoESpec(*args, **kw)
+    assert moe.MoESpec(16, 3, 8, routing="sigmoid_grouped", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                       norm_topk_prob=False, gated=False, activation="relu2").num_experts == 16

@@ -129,10 +129,10 @@ def config_from_hf(cfg: dict) -> HybridConfig:
     shared = MLPSpec(fl.check_int(arch, cfg, "shared_intermediate_size", 1024), True, "silu")
     moe = None
     if E:
-        moe = MoESpec(E, fl.check_int(arch, cfg, "num_experts_per_tok", 2),
-                      fl.check_int(arch, cfg, "intermediate_size", 11008))
-        if moe.top_k > E:
-            raise ValueError(f"{arch}: num_experts_per_tok={moe.top_k} > num_local_experts={E}")
+        top_k = fl.check_int(arch, cfg, "num_experts_per_tok", 2)
+        if top_k > E:
+            raise ValueError(f"{arch}: num_experts_per_tok={top_k} > num_local_experts={E}")
+        moe = MoESpec(E, top_k, fl.check_int(arch, cfg, "intermediate_size", 11008))
     blocks = []
     for k in kinds:
         blocks += [Block(k, rm), Block("moe" if E else "mlp", rm)]

@@ -123,12 +123,12 @@ def config_from_hf(cfg: dict) -> HybridConfig:
         E = fl.check_int(arch, cfg, "n_routed_experts", 8)
         ng = fl.check_int(arch, cfg, "n_group", 1)
         tg = fl.check_int(arch, cfg, "topk_group", 1)
-        moe = MoESpec(E, fl.check_int(arch, cfg, "num_experts_per_tok", 2),
-                      fl.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
+        top_k = fl.check_int(arch, cfg, "num_experts_per_tok", 2)
+        check_expert_groups(f"{arch}: config.json", E, ng, tg, top_k)  # DeepSeek-V3's rule (same router)
+        moe = MoESpec(E, top_k, fl.check_int(arch, cfg, "moe_intermediate_size", 7688), routing="sigmoid_grouped",
                       n_group=ng, topk_group=tg, norm_topk_prob=fl.check_bool(arch, cfg, "norm_topk_prob", True),
                       routed_scaling_factor=fl.number(arch, cfg, "routed_scaling_factor", 1.0, positive=True),
                       gated=False, activation=act)
-        check_expert_groups(f"{arch}: config.json", E, ng, tg, moe.top_k)  # DeepSeek-V3's rule (same router)
         shared = MLPSpec(fl.check_int(arch, cfg, "moe_shared_expert_intermediate_size", 7688), False, act)
         latent = fl.field(arch, cfg, "moe_latent_size", null=None)
         if latent is not None:
