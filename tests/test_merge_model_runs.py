@@ -42,3 +42,23 @@ def test_replaced_rows_and_the_union_of_what_ran(tmp_path):
     assert doc["meta"]["matrix"]["p"] == dict(decode=[[1024, [1, 16]], [4096, [1]]], prefill=[2048, 8192],
                                               max_model_len=64)
     assert doc["meta"]["commit"] == "a, b"
+
+
+def test_prefill_from_part_adds_no_decode_batches_to_the_matrix(tmp_path):
+    """A ``--prefill-from`` part keeps its kvjax prefill rows; its decode rows become
+    ``kvjax-prefill-run``. The matrix (what the kvjax rows ran) takes its prefill sizes only:
+    its decode batch 64 has no kvjax row (before 592072d the first part's matrix was kept and
+    only its prefill list replaced; the union now joins the prefill part's decode batches)."""
+    first = _part(tmp_path / "first.json", "a", {"p": dict(decode=[[1024, [1, 16]]], prefill=[2048],
+                                                             max_model_len=64)},
+                  [("decode", 1, 1024, 10.0), ("decode", 16, 1024, 20.0), ("prefill", 1, 2048, 30.0)])
+    pre = _part(tmp_path / "pre.json", "b", {"p": dict(decode=[[1024, [64]]], prefill=[4096],
+                                                         max_model_len=64)},
+                [("decode", 64, 1024, 50.0), ("prefill", 1, 4096, 60.0)])
+    out = tmp_path / "model.json"
+    assert merge_model_runs.main([str(out), first, "--prefill-from", pre]) == 0
+    doc = json.load(open(out))
+    kv_decode = sorted(r["batch"] for r in doc["rows"] if r["impl"] == "kvjax" and r["phase"] == "decode")
+    assert kv_decode == [1, 16]
+    assert doc["meta"]["matrix"]["p"]["decode"] == [[1024, [1, 16]]]
+    assert doc["meta"]["matrix"]["p"]["prefill"] == [4096]
