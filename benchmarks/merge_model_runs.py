@@ -92,7 +92,8 @@ def main(argv=None) -> int:
         if not p["baseline"] and not p["replaces_presets"]:
             measured = {r["preset"] for r in rows if r["source"] == p["source"] and r["impl"] == "kvjax"}
             for name, mx in (p["matrix"] or {}).items():
-                if name in measured:
+                if name in measured:  # a --prefill-from part's kvjax rows are its prefill rows only
+                    mx = dict(mx, decode=[]) if p["prefill_from"] else mx
                     meta["matrix"][name] = _union(meta["matrix"].get(name), mx)
     for p in parts:  # prefill sizes of a --prefill-from part replace the measured presets' lists
         if p["prefill_from"]:
