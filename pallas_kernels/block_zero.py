@@ -210,7 +210,8 @@ def _gpu_zero(block_ids, arrays, *, r, config, interpret):
     sizes = [np.dtype(v.dtype).itemsize for v in views]
     n = block_ids.shape[0]
     tile_bytes = _gpu_zero_tile_bytes(n, max(w * s for w, s in zip(widths, sizes)), config)
-    tiles = [int(min(tile_bytes // s, pl.next_power_of_2(w))) for w, s in zip(widths, sizes)]
+    # at least one element (a tile of fewer bytes than an element: one element)
+    tiles = [int(min(max(1, tile_bytes // s), pl.next_power_of_2(w))) for w, s in zip(widths, sizes)]
     num_col_tiles = max(pl.cdiv(w, t) for w, t in zip(widths, tiles))
     P = int(max(1, min(num_col_tiles, config.gpu_max_programs // n)))  # programs per id
     per = pl.cdiv(num_col_tiles, P)  # column tiles per program

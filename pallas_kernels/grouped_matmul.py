@@ -250,8 +250,9 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
     BN, BK, warps = _blocks(NT, N, K, TM, config)
     BN, BK = _fit_shared_memory(TM, BN, BK, jnp.dtype(x.dtype).itemsize, gate is not None, config,
                                 gpu_tiling.device_shared_memory_budget())
-    if not interpret and TM < 16:
-        raise NotImplementedError(f"the GPU kernel needs tile_rows >= 16 (Triton products), got {TM}")
+    if not interpret and (TM < 16 or TM & (TM - 1)):
+        raise NotImplementedError(f"the GPU kernel needs tile_rows a power of two >= 16 (Triton blocks "
+                                  f"and products), got {TM}")
     for name, shape in (("x", x.shape), ("w", w.shape), ("the output", (NT * TM, N + BN)),
                         ("more_w", (S, K, N))):
         gpu_tiling.check_int32_offsets(name, shape)

@@ -572,7 +572,8 @@ class SSUConfig:
     gpu_eviction: str | None = None
 
     def __post_init__(self):
-        validation.check_config_ints(self)
+        # block_m (or gpu_tile_elems // pow2(dstate)) is a Triton block: a power of two
+        validation.check_config_ints(self, ("gpu_tile_elems", "gpu_block_m"))
 
 
 def _ssu_gpu_tile(P: int, Ns: int, cfg: SSUConfig) -> tuple[int, int]:

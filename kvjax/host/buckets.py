@@ -86,6 +86,7 @@ class BucketSpec:
     def __post_init__(self):
         sizes = self.token_sizes
         if isinstance(sizes, (str, bytes)) or not isinstance(sizes, collections.abc.Iterable) \
+                or getattr(sizes, "ndim", None) == 0 \
                 or not (sizes := tuple(sizes)):
             raise ValueError(f"token_sizes must be a non-empty sequence of distinct ascending positive "
                              f"ints, got {self.token_sizes!r}")
