@@ -1,10 +1,7 @@
-"""Static sizes that a constructor or argument check takes and the GPU kernel cannot run
-(adversarial review of the one static-size rule, e6a5097 / bc85f48).
-
-Each of these is taken today and fails later, far from where the value was given: at the
-CUDA lowering with Pallas' generic "size is a power of 2" error, with a ZeroDivisionError in
-the tile rule, or with numpy's TypeError. The rule's promise is a refusal that names the
-argument (or a call that runs).
+"""Static sizes a kernel cannot run are refused where they are given, by name (or the call
+runs): SSUConfig's Triton blocks, grouped_matmul's GPU ``tile_rows``, a zero-blocks tile
+narrower than an element, BucketSpec's token sizes as a 0-d array. Each had been taken and
+failed later, with Pallas' generic lowering error, a ZeroDivisionError or numpy's TypeError.
 """
 
 from __future__ import annotations
