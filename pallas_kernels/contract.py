@@ -320,12 +320,14 @@ def static_int(name: str, value, *, power_of_two: bool = False, optional: bool =
 def check_config_ints(config, powers_of_two: Sequence[str] = ()) -> None:
     """The one rule for a kernel config's sizes: each field of the frozen dataclass ``config``
     declared ``int`` must be a Python or numpy int (not a bool) >= 1, and each declared
-    ``int | None`` that or None; the fields named in ``powers_of_two`` must be powers of two.
+    ``int | None`` that or None; the fields named in ``powers_of_two``, and every
+    ``gpu_num_warps`` (Triton's warps are a power of two), must be powers of two.
     Numpy ints are stored back as plain ints. ``ValueError`` from :func:`static_int`, naming
     ``Config.field``, otherwise. Call it from the config's ``__post_init__``."""
     for f in dataclasses.fields(config):
         kind = str(f.type).replace(" ", "")
         if kind in ("int", "int|None"):
             v = static_int(f"{type(config).__name__}.{f.name}", getattr(config, f.name),
-                           power_of_two=f.name in powers_of_two, optional=kind == "int|None")
+                           power_of_two=f.name in powers_of_two or f.name == "gpu_num_warps",
+                           optional=kind == "int|None")
             object.__setattr__(config, f.name, v)

@@ -93,7 +93,7 @@ class GroupedMatmulConfig:
     gpu_num_stages: int = 3
 
     def __post_init__(self):
-        validation.check_config_ints(self, ("gpu_block_n", "gpu_block_k", "gpu_num_warps"))
+        validation.check_config_ints(self, ("gpu_block_n", "gpu_block_k"))
 
 
 # --------------------------------------------------------------------------

@@ -109,8 +109,7 @@ class PagedAttentionConfig:
     gpu_num_stages: int | None = None
 
     def __post_init__(self):
-        validation.check_config_ints(self, ("gpu_block_m", "gpu_block_n", "gpu_num_warps", "gpu_kv_splits",
-                                            "gpu_max_kv_splits"))
+        validation.check_config_ints(self, ("gpu_block_m", "gpu_block_n", "gpu_kv_splits", "gpu_max_kv_splits"))
 
 
 # --------------------------------------------------------------------------

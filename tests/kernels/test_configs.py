@@ -63,6 +63,15 @@ def test_numpy_ints_taken_as_plain_ints(cls):
         assert cfg == cls(**{f.name: int(v)}) and hash(cfg) == hash(cls(**{f.name: int(v)}))
 
 
+@pytest.mark.parametrize("cls", [c for c in CONFIGS if "gpu_num_warps" in {f.name for f in dataclasses.fields(c)}],
+                         ids=lambda c: c.__name__)
+def test_warps_are_a_power_of_two(cls):
+    """Triton refuses other warp counts ("num_warps must be a power of 2"), far from the config."""
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.gpu_num_warps must be a power of two"):
+        cls(gpu_num_warps=3)
+    assert cls(gpu_num_warps=8).gpu_num_warps == 8
+
+
 def test_powers_of_two_where_named():
     assert contract.static_int("n", 8, power_of_two=True) == 8
     with pytest.raises(ValueError, match=r"^n must be a power of two, got 12$"):

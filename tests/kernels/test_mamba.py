@@ -945,7 +945,7 @@ def test_scan_dot_dtype_and_config_errors():
         selective_scan_varlen(*a, config={"gpu_block_q": 64})
     with pytest.raises(ValueError, match=r"gpu_block_q must be a power of two, got 48"):
         ScanConfig(gpu_block_q=48)
-    with pytest.raises(ValueError, match=r"gpu_num_warps must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"gpu_num_warps must be a power of two, got 0"):
         ScanConfig(gpu_num_warps=0)
 
 
