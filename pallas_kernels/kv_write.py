@@ -90,7 +90,7 @@ class KVWriteConfig:
       gpu_fp8_max_tokens_per_program: the same bound when quantising to fp8.
       gpu_fp8_max_tile: ``gpu_max_tile`` when quantising fewer than ``gpu_min_programs``
         tokens to fp8 (decode sizes).
-      gpu_fp8_columns_per_thread: columns each thread quantises there (sets the warps):
+      gpu_fp8_columns_per_thread: columns each thread quantises there (a power of two; sets the warps):
         the correctly rounded division is a long dependent sequence, so at decode sizes a
         call's time is one thread's divisions.
       gpu_tokens_per_program, gpu_num_warps: fixed values instead of the rules.
@@ -115,7 +115,8 @@ class KVWriteConfig:
     mosaic_fp8_in_kernel: bool = True
 
     def __post_init__(self):
-        validation.check_config_ints(self, ("gpu_max_tile", "gpu_fp8_max_tile"))
+        # the fp8 decode rule's warps are a tile over 32 x gpu_fp8_columns_per_thread: a power of two
+        validation.check_config_ints(self, ("gpu_max_tile", "gpu_fp8_max_tile", "gpu_fp8_columns_per_thread"))
 
 
 OP_WRITE = "kv_write"

@@ -78,3 +78,17 @@ def test_bucket_spec_refuses_a_zero_d_array_by_name():
         BucketSpec(np.int64(16), 4)
     with pytest.raises(ValueError, match="token_sizes"):
         BucketSpec(np.array(16), 4)
+
+
+def test_kv_write_fp8_columns_per_thread_give_a_power_of_two_of_warps():
+    """The fp8 decode rule's warps are ``tile // (32 * gpu_fp8_columns_per_thread)``: 3 columns
+    gave 512 // 96 = 5 warps, which Triton refuses; the config refuses 3 by name."""
+    from pallas_kernels import gpu_tiling
+    from pallas_kernels.kv_write import KVWriteConfig
+
+    with pytest.raises(ValueError, match=r"^KVWriteConfig\.gpu_fp8_columns_per_thread must be a power of two, got 3$"):
+        KVWriteConfig(gpu_fp8_columns_per_thread=3)
+    for c in (1, 2, 4, 8):
+        for tile in (16, 64, 512, 2048):
+            w = gpu_tiling.num_warps(tile, 2, KVWriteConfig(gpu_fp8_columns_per_thread=c), fp8_decode=True)
+            assert w & (w - 1) == 0, (c, tile, w)
