@@ -291,8 +291,6 @@ def _product_terms(a, b, interpret: bool):
 @_backend.register(OP_MOE_ROUTE, "gpu")
 def _gpu(x, router, bias, *, config, interpret, **rule):
     T, K = x.shape
-    if T > config.gpu_max_tokens or K == 0:
-        return _reference(x, router, bias, config=config, interpret=interpret, **rule)
     E = router.shape[1]
     BT, BK = BLOCK_T, min(BLOCK_K, max(16, pl.next_power_of_2(K)))
     S = min(config.gpu_split or 16, -(-K // BK))
@@ -437,4 +435,8 @@ def moe_route(x, router, bias=None, *, top_k: int, scoring: str, n_group: int = 
                 renormalize=renormalize, scale=float(scale))
     if T == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
+    if choice.flavor == "gpu" and (T > config.gpu_max_tokens or d == 0):
+        # the kernel takes calls of up to gpu_max_tokens tokens with a product to compute; the
+        # rest run the reference's XLA product and top-k
+        choice = _backend.Choice("reference", False)
     return _backend.run(OP_MOE_ROUTE, choice, x, router, bias, config=config, **rule)
