@@ -88,19 +88,20 @@ def main(argv=None) -> int:
         if p["replaces_presets"]:
             for name, mx in (p["matrix"] or {}).items():
                 meta["matrix"][name] = mx
-    for p in parts:  # every part that still holds kvjax rows of a preset: the union of what they ran
-        if not p["baseline"] and not p["replaces_presets"]:
-            measured = {r["preset"] for r in rows if r["source"] == p["source"] and r["impl"] == "kvjax"}
+    def measured(p):
+        return {r["preset"] for r in rows if r["source"] == p["source"] and r["impl"] == "kvjax"}
+
+    for p in parts:  # every other part that still holds kvjax rows of a preset: the union of what they ran
+        if not (p["baseline"] or p["replaces_presets"] or p["prefill_from"]):
             for name, mx in (p["matrix"] or {}).items():
-                if name in measured:  # a --prefill-from part's kvjax rows are its prefill rows only
-                    mx = dict(mx, decode=[]) if p["prefill_from"] else mx
+                if name in measured(p):
                     meta["matrix"][name] = _union(meta["matrix"].get(name), mx)
-    for p in parts:  # prefill sizes of a --prefill-from part replace the measured presets' lists
+    for p in parts:  # a --prefill-from part's kvjax rows are its prefill rows: its sizes replace the lists
         if p["prefill_from"]:
             for name, mx in (p["matrix"] or {}).items():
-                if name in meta["matrix"] and any(r["source"] == p["source"] and r["preset"] == name
-                                                  and r["impl"] == "kvjax" for r in rows):
-                    meta["matrix"][name] = dict(meta["matrix"][name], prefill=mx["prefill"])
+                if name in measured(p):
+                    meta["matrix"][name] = dict(meta["matrix"].get(name) or dict(mx, decode=[]),
+                                                prefill=mx["prefill"])
     meta["total_wall_s"] = sum(p["total_wall_s"] or 0 for p in parts)
     meta["commit"] = ", ".join(sorted({str(p["commit"]) for p in parts}))
     with open(a.out, "w") as fh:

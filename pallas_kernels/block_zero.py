@@ -264,8 +264,7 @@ def _check(caches, block_ids, r):
     """Static checks, plus the id range check where concrete; returns the ids to use."""
     if not isinstance(caches, (list, tuple)):
         raise ValueError(f"caches must be a list or tuple of arrays, got {type(caches).__name__}")
-    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1:
-        raise ValueError(f"kernel_blocks_per_block must be an int >= 1, got {r!r}")
+    r = validation.static_int("kernel_blocks_per_block", r)
     validation.check_rank("block_ids", block_ids, 1)
     validation.check_dtype("block_ids", block_ids, (np.int32, np.int64))
     if not caches:

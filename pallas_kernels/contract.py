@@ -303,16 +303,21 @@ def check_slot_mapping(slot_mapping, num_tokens: int, num_blocks: int, block_siz
     return slot_mapping
 
 
-def static_int(name: str, value, *, power_of_two: bool = False, optional: bool = False) -> int | None:
-    """The one rule for a kernel's static size (a config field, a static argument): a Python or
-    numpy int, not a bool, >= 1 (a power of two where asked; None where ``optional``), returned
-    as a plain int. ``ValueError`` naming ``name`` otherwise: "must be a power of two" or "must
-    be an int >= 1", with "or None" where None is allowed."""
+def is_int(value) -> bool:
+    """Whether ``value`` is an int as the project takes one: a Python or numpy int, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def static_int(name: str, value, *, minimum: int = 1, power_of_two: bool = False,
+               optional: bool = False) -> int | None:
+    """The one rule for a kernel's static size (a config field, a static argument): an int
+    (:func:`is_int`) >= ``minimum`` (a power of two where asked; None where ``optional``),
+    returned as a plain int. ``ValueError`` naming ``name`` otherwise: "must be a power of two"
+    or "must be an int >= minimum", with "or None" where None is allowed."""
     if value is None and optional:
         return None
-    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1
-            or (power_of_two and value & (value - 1))):
-        want = "a power of two" if power_of_two else "an int >= 1"
+    if not is_int(value) or value < minimum or (power_of_two and (value < 1 or value & (value - 1))):
+        want = "a power of two" if power_of_two else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")
     return int(value)
 

@@ -29,7 +29,7 @@ def softplus(v):
 
 def check_int_arg(name: str, value) -> int:
     """``value`` as an int; ``ValueError`` unless it is a (non-bool) Python/numpy int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not contract.is_int(value):
         raise ValueError(f"{name} must be a Python int, got {value!r}")
     return int(value)
 

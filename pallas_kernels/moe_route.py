@@ -86,7 +86,7 @@ class MoERouteConfig:
 
 
 def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renormalize=True, scale=1.0,
-               *, where: str = "", names: dict | None = None) -> None:
+               *, where: str = "", names: dict | None = None) -> dict:
     """The routing rule's parameters (one owner; the loaders call it with their config field
     names): ``top_k``, ``n_group``, ``topk_group`` ints >= 1; ``num_experts`` split into
     ``n_group`` groups, each of at least 2 experts when there are groups (a group's score is the
@@ -94,7 +94,8 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
     ``topk_group <= n_group``; ``top_k`` at most the experts of ``topk_group`` groups;
     softmax has no groups, no renormalising choice and no scale; ``renormalize`` a bool;
     ``scale`` a finite number > 0 (a routed-scaling factor). ``ValueError``
-    prefixed by ``where``, each parameter called ``names.get(name, name)``."""
+    prefixed by ``where``, each parameter called ``names.get(name, name)``. Returns the rule as
+    :func:`moe_route`'s static keywords (plain ints, a float scale)."""
     n = {"num_experts": "num_experts", "top_k": "top_k", "n_group": "n_group",
          "topk_group": "topk_group", "renormalize": "renormalize", "scale": "scale", **(names or {})}
     at = f"{where}: " if where else ""
@@ -124,6 +125,8 @@ def check_rule(num_experts: int, top_k, scoring, n_group=1, topk_group=1, renorm
     if scoring == "softmax" and (not renormalize or float(scale) != 1.0):
         raise ValueError(f"{at}softmax scoring's weights are the softmax over the top_k logits: "
                          f"{n['renormalize']} must be True and {n['scale']} 1, got {renormalize} and {scale!r}")
+    return dict(top_k=top_k, scoring=scoring, n_group=n_group, topk_group=topk_group,
+                renormalize=renormalize, scale=float(scale))
 
 
 def _check_bias(bias, scoring: str, E: int) -> None:
@@ -429,10 +432,8 @@ def moe_route(x, router, bias=None, *, top_k: int, scoring: str, n_group: int = 
     if E == 0:
         raise ValueError("router must have at least one expert column, got shape "
                          f"{list(np.shape(router))}")
-    check_rule(E, top_k, scoring, n_group, topk_group, renormalize, scale)
+    rule = check_rule(E, top_k, scoring, n_group, topk_group, renormalize, scale)
     _check_bias(bias, scoring, E)
-    rule = dict(top_k=int(top_k), scoring=scoring, n_group=int(n_group), topk_group=int(topk_group),
-                renormalize=renormalize, scale=float(scale))
     if T == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
     if choice.flavor == "gpu" and (T > config.gpu_max_tokens or d == 0):

@@ -92,8 +92,8 @@ class PagedAttentionConfig:
         ``_kv_splits``: a power of two giving about ``gpu_min_programs`` programs,
         at most ``gpu_max_kv_splits``, each with two chunks of the table's width.
       gpu_max_kv_splits, gpu_min_programs: bounds of that rule (128 splits let a call of one
-        kv head at batch 1, MLA's absorbed decode, spread a long context over 128 programs:
-        16k keys in 12.0 us against 15.9 at 64 on the H200; BENCHMARKS.md's H200 notes).
+        kv head at batch 1, MLA's absorbed decode, spread a long context over 128 programs;
+        BENCHMARKS.md's H200 note 51).
       gpu_num_warps: Triton warps; None: the rule of ``_fit_registers`` (4, or 8 for MLA's
         prefill tiles).
       gpu_num_stages: software pipelining of the key loop; None: the rule of ``_stages`` (3

@@ -16,11 +16,10 @@ runs decode-only exactly when no scheduled row is prefilling (:meth:`BucketSpec.
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import numbers
 
 from kvjax.spec import cdiv
+from pallas_kernels.contract import is_int
 
 
 def check_size(name: str, value, minimum: int = 1, why: str = "") -> int:
@@ -28,7 +27,7 @@ def check_size(name: str, value, minimum: int = 1, why: str = "") -> int:
     not one) of at least ``minimum``; numpy ints are taken. The host's one rule for a size given by
     name: the message says "a positive int" (``minimum`` 1), "a non-negative int" (0) or "an int >=
     minimum", then ``why`` in parentheses when given."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+    if not is_int(value) or value < minimum:
         kind = {1: "a positive int", 0: "a non-negative int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{name} must be {kind}{f' ({why})' if why else ''}, got {value!r}")
     return int(value)
@@ -84,10 +83,11 @@ class BucketSpec:
     num_speculative_tokens: int = 0
 
     def __post_init__(self):
-        sizes = self.token_sizes
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, collections.abc.Iterable) \
-                or getattr(sizes, "ndim", None) == 0 \
-                or not (sizes := tuple(sizes)):
+        try:
+            sizes = () if isinstance(self.token_sizes, (str, bytes)) else tuple(self.token_sizes)
+        except TypeError:  # not iterable: an int, a 0-d array
+            sizes = ()
+        if not sizes:
             raise ValueError(f"token_sizes must be a non-empty sequence of distinct ascending positive "
                              f"ints, got {self.token_sizes!r}")
         ts = tuple(check_size(f"token_sizes[{i}]", t, 1) for i, t in enumerate(sizes))
@@ -231,7 +231,7 @@ def bucket_staging(bucket: Bucket, *, block_size: int | tuple[int, ...], num_spe
       ValueError: a size is not a positive int, ``max_new_requests > max_num_seqs``, or the
         bucket holds more rows than ``max_num_seqs``.
     """
-    if isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool):
+    if is_int(block_size):
         block_sizes = (check_size("block_size", block_size, 1),)
     elif isinstance(block_size, (tuple, list)) and block_size:
         block_sizes = tuple(check_size(f"block_size[{g}]", b, 1) for g, b in enumerate(block_size))
