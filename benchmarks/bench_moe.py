@@ -95,23 +95,43 @@ def bench_moe(rows, bw, tokens):
 
 
 SWEEP = [  # (block_n, block_k, num_warps, num_stages); None: the config's rule
-    (None, None, None, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (256, 64, 8, 3),
+    (None, None, None, None), (128, 32, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (256, 64, 8, 3),
     (128, 128, 8, 3), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3),
 ]
 # one-token to few-token steps (a tile per chosen expert, 16 rows): weight streaming, so longer
 # product steps (block_k) and narrower or wider column blocks
 SWEEP_FEW = [
-    (None, None, None, 3), (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 4, 4), (32, 512, 4, 2),
+    (None, None, None, None), (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 4, 4), (32, 512, 4, 2),
     (16, 256, 4, 3), (16, 512, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (32, 256, 2, 3),
     (32, 256, 8, 3),
 ]
 
 
-def sweep_grouped(rows, bw, tokens):
+# prefill-sized calls (thousands of tokens, tiles of 128 rows): Hopper GEMM shapes too, wider
+# column blocks and deeper pipelines (a config whose stages do not fit shared memory is a row)
+SWEEP_MANY = SWEEP + [
+    (256, 64, 8, 4), (128, 64, 8, 4), (128, 64, 4, 4), (256, 32, 8, 4), (128, 128, 8, 4),
+    (256, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 5),
+]
+
+
+def parse_configs(text: str) -> list:
+    """``"bn,bk,warps,stages;..."`` (``-`` for a rule's None) -> the sweep's config tuples."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        vals = part.split(",")
+        if len(vals) != 4:
+            raise SystemExit(f"--sweep-configs: each config is bn,bk,warps,stages, got {part!r}")
+        out.append(tuple(None if v.strip() == "-" else int(v) for v in vals))
+    return out
+
+
+def sweep_grouped(rows, bw, tokens, configs=None, products=None):
     """Each kernel config on the two products of an expert MLP at ``tokens`` tokens, laid out as
     the model lays them out (``group_tiles``; one token: a tile per chosen expert): the gated
     first layer (``silu(x @ gate) * (x @ up)``, ``[NT * TM, d] x [E, d, F]``, bf16 out) and
-    the down product (``[NT * TM, F] x [E, F, d]``, float32 out). ``kernel_us`` is the
+    the down product (``[NT * TM, F] x [E, F, d]``, float32 out; from 4,096 tokens also with
+    bf16 out, ``down_bf16``). ``kernel_us`` is the
     profiler's kernel time. Every call reads the same weights: at a few tokens the chosen
     experts' matrices (35-69 MB here) sit partly or wholly in the GPU's L2 (50 MB on an H200),
     so these figures are optimistic against a model step, where each layer reads its own."""
@@ -127,14 +147,14 @@ def sweep_grouped(rows, bw, tokens):
         TM = tile_rows_for(P, E)
         slot, tg = group_tiles(jnp.asarray(groups, jnp.int32), E, TM, rows_apart=T == 1)
         distinct = len(np.unique(groups))
-        for product in ("gated", "down"):
+        for product in products or (("gated", "down", "down_bf16") if T >= 4096 else ("gated", "down")):
             Kd = D if product == "gated" else F
             x = jnp.zeros((tg.shape[0] * TM, Kd), jnp.bfloat16).at[slot].set(
                 jnp.asarray(r.standard_normal((P, Kd)), jnp.bfloat16))
             mats = 2 if product == "gated" else 1
             floor_s = max(mats * distinct * D * F * 2 / bw, mats * 2 * P * D * F / (NOMINAL_BF16_TFLOPS * 1e12))
             ref = None
-            for bn, bk, warps, stages in (SWEEP_FEW if T <= 16 else SWEEP):
+            for bn, bk, warps, stages in configs or (SWEEP_FEW if T <= 16 else SWEEP_MANY if T >= 4096 else SWEEP):
                 cfg = GroupedMatmulConfig(gpu_block_n=bn, gpu_block_k=bk, gpu_num_warps=warps,
                                           gpu_num_stages=stages)
                 if product == "gated":
@@ -142,7 +162,9 @@ def sweep_grouped(rows, bw, tokens):
                         x, w["up"], tg, tile_rows=TM, gate=w["gate"], activation="silu",
                         out_dtype=jnp.bfloat16, config=cfg))
                 else:
-                    fn = jax.jit(lambda x, tg, cfg=cfg: grouped_matmul(x, w["down"], tg, tile_rows=TM, config=cfg))
+                    od = jnp.bfloat16 if product == "down_bf16" else jnp.float32
+                    fn = jax.jit(lambda x, tg, cfg=cfg, od=od: grouped_matmul(
+                        x, w["down"], tg, tile_rows=TM, out_dtype=od, config=cfg))
                 try:
                     s = timed(fn, x, tg)
                     dev = _device_us(fn, x, tg)
@@ -157,6 +179,7 @@ def sweep_grouped(rows, bw, tokens):
                        "tiles": int(tg.shape[0]), "config": [bn, bk, warps, stages], "device_us": s * 1e6,
                        "kernel_us": dev, "floor_us": floor_s * 1e6,
                        "floor_ratio": (dev if dev else s * 1e6) / (floor_s * 1e6),
+                       "tflops": mats * 2 * P * D * F / ((dev if dev else s * 1e6) * 1e6),
                        "max_abs_diff_vs_first": float(np.max(np.abs(out - ref)))}
                 rows.append(row)
                 log(json.dumps(row))
@@ -178,6 +201,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default="1,4,16,64,256,2048,8192")
     ap.add_argument("--sweep", default="", help="token counts for the grouped kernel's config sweep")
+    ap.add_argument("--sweep-configs", default="", help="the sweep's configs, 'bn,bk,warps,stages;...' "
+                    "('-' for the rule's None; default: the lists above)")
+    ap.add_argument("--sweep-products", default="", help="comma-separated: gated, down, down_bf16 (default: all)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -188,7 +214,8 @@ def main():
     log(json.dumps(meta))
     try:
         bench_moe(rows, bw, [int(t) for t in a.tokens.split(",") if t])
-        sweep_grouped(rows, bw, [int(t) for t in a.sweep.split(",") if t])
+        sweep_grouped(rows, bw, [int(t) for t in a.sweep.split(",") if t], parse_configs(a.sweep_configs),
+                      [p for p in a.sweep_products.split(",") if p])
     finally:
         with open(os.path.join(a.out, "bench_moe.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

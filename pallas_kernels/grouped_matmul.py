@@ -71,26 +71,30 @@ FEW_ROWS = 256
 class GroupedMatmulConfig:
     """Tuning knobs of the GPU kernel (a static argument).
 
-    Two regimes (``None`` defaults): a call of at most :data:`FEW_ROWS` rows in tiles of 16 (a
+    Three regimes (``None`` defaults): a call of at most :data:`FEW_ROWS` rows in tiles of 16 (a
     token or two's experts: a product that streams its weights) takes deeper steps, ``block_k``
     128, and halves ``block_n`` to 64 at least; a larger call takes ``block_k`` 64 and halves
-    ``block_n`` to 32 at least (measured in BENCHMARKS.md's H200 notes, item 26).
+    ``block_n`` to 32 at least (measured in BENCHMARKS.md's H200 notes, item 26); a call in tiles
+    of :data:`MAX_TILE_ROWS` rows (a prefill's experts) pipelines four stages, and its ungated
+    products start from 256 columns (H200 note 55).
 
     Attributes:
-      gpu_block_n: output columns of a program (a power of two). None: 128, halved while that
-        gives fewer than ``gpu_min_programs`` programs (to 64, or 32 beyond :data:`FEW_ROWS`).
+      gpu_block_n: output columns of a program (a power of two). None: 128 (256 for an ungated
+        product in tiles of :data:`MAX_TILE_ROWS` rows), halved while that gives fewer than
+        ``gpu_min_programs`` programs (to 64, or 32 beyond :data:`FEW_ROWS`).
       gpu_block_k: depth of one product step (a power of two). None: 128 for at most
         :data:`FEW_ROWS` tile rows, else 64 (at most ``K``'s power of two).
       gpu_min_programs: the program count under which ``gpu_block_n`` halves.
       gpu_num_warps: None: 4 for tiles of up to 64 rows, else 8.
-      gpu_num_stages: Triton's software pipelining of the ``K`` loop.
+      gpu_num_stages: Triton's software pipelining of the ``K`` loop. None: 4 for tiles of
+        :data:`MAX_TILE_ROWS` rows, else 3.
     """
 
     gpu_block_n: int | None = None
     gpu_block_k: int | None = None
     gpu_min_programs: int = 264
     gpu_num_warps: int | None = None
-    gpu_num_stages: int = 3
+    gpu_num_stages: int | None = None
 
     def __post_init__(self):
         validation.check_config_ints(self, ("gpu_block_n", "gpu_block_k"))
@@ -207,27 +211,30 @@ def _reference(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activati
 # --------------------------------------------------------------------------
 
 
-def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig) -> tuple[int, int, int]:
-    """``(block_n, block_k, num_warps)`` (see :class:`GroupedMatmulConfig`)."""
+def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig,
+            gated: bool = False) -> tuple[int, int, int, int]:
+    """``(block_n, block_k, num_warps, num_stages)`` (see :class:`GroupedMatmulConfig`)."""
     few = TM <= MIN_TILE_ROWS and NT * TM <= FEW_ROWS
+    full = TM >= MAX_TILE_ROWS
     BN = cfg.gpu_block_n
-    if BN is None:
-        BN = min(128, max(16, pl.next_power_of_2(N)))
+    if BN is None:  # a gated product holds two accumulators: 256 columns of both would spill
+        BN = min(256 if full and not gated else 128, max(16, pl.next_power_of_2(N)))
         while BN > (64 if few else 32) and NT * -(-N // BN) < cfg.gpu_min_programs:
             BN //= 2
     BK = cfg.gpu_block_k or min(128 if few else 64, max(16, pl.next_power_of_2(K)))
     warps = cfg.gpu_num_warps or (4 if TM <= 64 else 8)
-    return int(BN), int(BK), int(warps)
+    stages = cfg.gpu_num_stages or (4 if full else 3)
+    return int(BN), int(BK), int(warps), int(stages)
 
 
 def _fit_shared_memory(TM: int, BN: int, BK: int, itemsize: int, gated: bool, cfg: GroupedMatmulConfig,
-                       budget: int) -> tuple[int, int]:
+                       budget: int, stages: int = 3) -> tuple[int, int]:
     """``(block_n, block_k)``: :func:`_blocks`' sizes, ``block_k`` then ``block_n`` halved (where
     the config leaves them free, down to 16) while the chunks the ``K`` loop's pipeline holds
     (``stages - 1``, one at least: an ``x`` tile and one weight tile, two when gated) pass
     ``budget`` bytes (:func:`gpu_tiling.shared_memory_budget`). On Hopper the bf16 tiles keep
     their sizes (a gated few-rows step: 139 KiB of 192); on smaller GPUs they shrink."""
-    chunks = max(1, cfg.gpu_num_stages - 1)
+    chunks = max(1, stages - 1)
 
     def need(bn, bk):
         return chunks * (TM * bk + (2 if gated else 1) * bk * bn) * itemsize
@@ -247,9 +254,9 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
     S = more_groups if more_w is not None else 0
     side_by_side = S > 0 and more_w.ndim == 2
     NT = tile_group.shape[0]
-    BN, BK, warps = _blocks(NT, N, K, TM, config)
+    BN, BK, warps, stages = _blocks(NT, N, K, TM, config, gate is not None)
     BN, BK = _fit_shared_memory(TM, BN, BK, jnp.dtype(x.dtype).itemsize, gate is not None, config,
-                                gpu_tiling.device_shared_memory_budget())
+                                gpu_tiling.device_shared_memory_budget(), stages)
     if not interpret and (TM < 16 or TM & (TM - 1)):
         raise NotImplementedError(f"the GPU kernel needs tile_rows a power of two >= 16 (Triton blocks "
                                   f"and products), got {TM}")
@@ -339,7 +346,7 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
         out_shape=jax.ShapeDtypeStruct((NT * TM * Np,), out_dtype),
         grid=(NT, Np // BN),
         compiler_params=_backend.triton.CompilerParams(num_warps=warps,
-                                                       num_stages=config.gpu_num_stages),
+                                                       num_stages=stages),
         interpret=interpret,
         name="grouped_matmul_gpu",
     )

@@ -190,18 +190,33 @@ def test_few_rows_take_deeper_steps():
     """A call of at most FEW_ROWS rows in 16-row tiles (one token's experts: weight streaming) takes block_k
     128 and keeps block_n >= 64; a larger one the throughput tiling (block_k 64, block_n >= 32).
     The shapes are DeepSeek-V2-Lite's expert products (d 2048, F 1408): one token's 6 tiles of
-    16 rows, then 16 tokens' 66 tiles."""
+    16 rows, then 16 tokens' 66 tiles. Both pipeline three stages."""
     from pallas_kernels.grouped_matmul import FEW_ROWS, _blocks
 
     cfg = GroupedMatmulConfig()
     assert 6 * 16 <= FEW_ROWS < 66 * 16
-    assert _blocks(6, 1408, 2048, 16, cfg) == (64, 128, 4)  # gated first product
-    assert _blocks(6, 2048, 1408, 16, cfg) == (64, 128, 4)  # down
-    assert _blocks(66, 1408, 2048, 16, cfg) == (128, 64, 4)
-    assert _blocks(17, 1408, 2048, 16, cfg) == (64, 64, 4)  # 272 rows: not few
-    assert _blocks(2, 4096, 2048, 128, cfg) == (32, 64, 8)  # 256 rows in 128-row tiles: not few
-    assert _blocks(6, 1408, 2048, 16, GroupedMatmulConfig(gpu_block_n=32, gpu_block_k=64)) == (32, 64, 4)
-    assert _blocks(1, 40, 24, 16, cfg) == (64, 32, 4)  # at most K's and N's powers of two
+    assert _blocks(6, 1408, 2048, 16, cfg, True) == (64, 128, 4, 3)  # gated first product
+    assert _blocks(6, 2048, 1408, 16, cfg) == (64, 128, 4, 3)  # down
+    assert _blocks(66, 1408, 2048, 16, cfg, True) == (128, 64, 4, 3)
+    assert _blocks(17, 1408, 2048, 16, cfg, True) == (64, 64, 4, 3)  # 272 rows: not few
+    assert _blocks(6, 1408, 2048, 16, GroupedMatmulConfig(gpu_block_n=32, gpu_block_k=64)) == (32, 64, 4, 3)
+    assert _blocks(1, 40, 24, 16, cfg) == (64, 32, 4, 3)  # at most K's and N's powers of two
+    assert _blocks(66, 2048, 1408, 64, cfg) == (128, 64, 4, 3)  # batch 256's down: 64-row tiles
+
+
+def test_prefill_tiles_pipeline_deeper():
+    """Tiles of MAX_TILE_ROWS rows (a prefill's experts) pipeline four stages; their ungated
+    products (down) start from 256 columns, the gated ones (two accumulators) from 128; both halve
+    to keep ``gpu_min_programs`` programs. A config's fields win. DeepSeek-V2-Lite's 8k-token
+    prefill: ~448 tiles."""
+    from pallas_kernels.grouped_matmul import MAX_TILE_ROWS, _blocks
+
+    cfg = GroupedMatmulConfig()
+    assert MAX_TILE_ROWS == 128
+    assert _blocks(448, 2048, 1408, 128, cfg) == (256, 64, 8, 4)  # down
+    assert _blocks(448, 1408, 2048, 128, cfg, True) == (128, 64, 8, 4)  # gated first product
+    assert _blocks(2, 4096, 2048, 128, cfg) == (32, 64, 8, 4)  # 256 rows: too few programs for wide blocks
+    assert _blocks(448, 2048, 1408, 128, GroupedMatmulConfig(gpu_block_n=128, gpu_num_stages=3)) == (128, 64, 8, 3)
 
 
 def test_tiles_fit_shared_memory():
@@ -215,6 +230,9 @@ def test_tiles_fit_shared_memory():
     assert fit(16, 64, 128, 2, True, cfg, hopper) == (64, 128)  # DeepSeek's one-token gated step
     assert fit(16, 128, 128, 2, True, cfg, hopper) == (128, 128)  # 139 KiB
     assert fit(128, 128, 64, 2, True, cfg, hopper) == (128, 64)  # prefill tiles
+    assert fit(128, 128, 64, 2, True, cfg, hopper, 4) == (128, 64)  # ... in four stages: 144 KiB
+    assert fit(128, 256, 64, 2, False, cfg, hopper, 4) == (256, 64)  # their down product: 144 KiB
+    assert fit(128, 256, 64, 2, False, cfg, a100, 4) == (256, 32)
     assert fit(16, 128, 128, 4, True, cfg, hopper) == (128, 64)  # float32: 278 -> 147 KiB
     assert fit(16, 128, 128, 2, True, cfg, a100) == (128, 128)  # 136 KiB of 138
     assert fit(16, 128, 128, 2, True, cfg, l4) == (128, 64)
