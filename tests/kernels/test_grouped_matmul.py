@@ -19,7 +19,9 @@ Planted bugs each test was seen to fail on (then restored):
 * ``group_tiles``' per-group sums left in the default integer type (int64 under x64):
   ``test_group_tiles_under_x64`` fails (the int32 scatter warns);
 * the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails;
-* the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails.
+* the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails;
+* the ragged ``K`` mask 8 columns too wide, or the gated prefill product given 256 columns:
+  ``test_prefill_tiles_match_numpy_exactly`` fails.
 """
 
 from __future__ import annotations
@@ -243,6 +245,29 @@ def test_tiles_fit_shared_memory():
         for budget in (hopper, a100, l4):
             bn, bk = fit(TM, BN, BK, size, gated, cfg, budget)
             assert bn >= 16 and bk >= 16 and 2 * (TM * bk + (2 if gated else 1) * bk * bn) * size <= budget
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_prefill_tiles_match_numpy_exactly(dtype):
+    """The prefill regime's tiling (128-row tiles, four stages, 256 columns ungated and 128 gated,
+    here with ``gpu_min_programs=1`` so that a small call takes it) over a ragged ``K`` (72 against
+    ``block_k`` 64) and a ragged ``N`` (300 against 256): the product equals numpy's, the gated
+    form the reference's, bitwise."""
+    P, G, K, N, TM = 40, 3, 72, 300, 128
+    x, w, tg, want, *_ = _case(7, P, G, K, N, TM, dtype)
+    cfg = GroupedMatmulConfig(gpu_min_programs=1)
+    from pallas_kernels.grouped_matmul import _blocks
+
+    assert _blocks(tg.shape[0], N, K, TM, cfg)[::3] == (256, 4)
+    assert _blocks(tg.shape[0], N, K, TM, cfg, True)[::3] == (128, 4)
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(tg, jnp.int32))
+    out = grouped_matmul(*args, tile_rows=TM, backend="pallas_gpu", config=cfg)
+    assert_bitwise(np.asarray(out), want, "ungated, 256 columns")
+    gate = jnp.asarray(np.where(np.isnan(np.asarray(w, np.float32)), np.nan,
+                                np.random.default_rng(1).integers(-3, 4, size=w.shape)).astype(dtype))
+    got, ref = (grouped_matmul(*args, tile_rows=TM, gate=gate, activation="silu", backend=b, config=cfg)
+                for b in ("pallas_gpu", "reference"))
+    assert_bitwise(np.asarray(got), np.asarray(ref), "gated, 128 columns")
 
 
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
