@@ -4,8 +4,8 @@
     PYTHONPATH=. python benchmarks/probe_decode_step.py loop --preset granite-4.0-h-micro --batch 16,64 --out DIR
     PYTHONPATH=. python benchmarks/probe_decode_step.py gap --preset granite-4.0-h-micro --batch 1 --out DIR
 
-``timeline``: the decode step of ``--batch`` requests (context ``--context``) traced over three
-calls; writes the middle call's kernels in launch order (name, XLA op, duration, idle time before
+``timeline``: the decode step of ``--batch`` requests (context ``--context``), or with ``--prefill N``
+one request's prefill of ``N`` tokens, traced over three calls; writes the middle call's kernels in launch order (name, XLA op, duration, idle time before
 it) to ``timeline-<preset>-b<batch>.tsv``, the step's optimized HLO to ``hlo-<preset>-b<batch>.txt``,
 and a summary by kernel family to ``timeline.json``.
 
@@ -75,11 +75,14 @@ def timeline(a, log) -> dict:
     from bench_model import Bench
 
     out = {}
-    for b in [int(x) for x in a.batch.split(",")]:
-        bench = Bench(a.preset, {"decode": [(a.context, (b,))], "prefill": (), "max_model_len": 32768})
+    for b in [int(x) for x in a.batch.split(",")] if not a.prefill else [1]:
+        if a.prefill:  # one request's prefill of that many tokens instead of a decode step
+            bench = Bench(a.preset, {"decode": [], "prefill": (a.prefill,), "max_model_len": 32768})
+        else:
+            bench = Bench(a.preset, {"decode": [(a.context, (b,))], "prefill": (), "max_model_len": 32768})
         bench.compile_all()
         r = bench.runner
-        plan = bench.fabricate_decode(b, a.context)
+        plan = bench.fabricate_prefill(a.prefill) if a.prefill else bench.fabricate_decode(b, a.context)
         prepared = r.prepare(plan)
         r.launch(prepared).fetch()
         buf = r.put_inputs(prepared)
@@ -88,7 +91,7 @@ def timeline(a, log) -> dict:
             return r._enqueue(prepared.bucket, buf)[0]
 
         exe, _ = r.executables[prepared.bucket]
-        tag = f"{a.preset}-b{b}"
+        tag = f"{a.preset}-prefill{a.prefill}" if a.prefill else f"{a.preset}-b{b}"
         with open(os.path.join(a.out, f"hlo-{tag}.txt"), "w") as f:
             f.write(exe.as_text())
         tr = trace_device(call, 3)
@@ -465,6 +468,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="granite-4.0-h-micro")
     ap.add_argument("--batch", default="1")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prefill", type=int, default=0, help="timeline: one request's prefill of this many "
+                    "tokens in place of the decode batches")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--loop", type=int, default=8, help="gap: steps in the looped executable (0: none)")
     ap.add_argument("--bucket-tokens", type=int, default=0, help="gap: the decode buckets' token count")

@@ -3,8 +3,10 @@
 ``grouped_matmul(x, w, tile_group, tile_rows=TM)``: ``x [NT * TM, K]`` is ``NT`` tiles of ``TM``
 rows; tile ``i`` is multiplied by ``w[tile_group[i]]`` (``w [G, K, N]``), so that
 ``out[i * TM:(i + 1) * TM] = x[i * TM:(i + 1) * TM] @ w[tile_group[i]]``, float32 ``[NT * TM, N]``.
-A tile whose group is outside ``[0, G)`` (``[0, G + S)`` with ``S`` more groups, ``more_w``) reads
-nothing and gives 0. With ``gate`` (``[G, K, N]``,
+With ``x_rows`` (int32 ``[NT * TM]``), tile row ``r`` is ``x[x_rows[r]]`` of any ``x [M, K]``
+(a zero row where ``x_rows[r]`` is outside ``[0, M)``): the rows are read where they are, with no
+``[NT * TM, K]`` copy in the tile layout. A tile whose group is outside ``[0, G)`` (``[0, G + S)``
+with ``S`` more groups, ``more_w``) reads nothing and gives 0. With ``gate`` (``[G, K, N]``,
 same dtype) and ``activation``, the output is ``act(x @ gate[g]) * (x @ w[g])`` instead: a gated
 (SwiGLU-style) expert's first layer in one pass over ``x`` and one launch. This is the product of a
 mixture of experts with the (token, expert) pairs sorted by expert: every expert's weights
@@ -23,11 +25,13 @@ Contract (every implementation):
 Implementations (:mod:`pallas_kernels.backend`; a TPU choice runs the reference):
 
 * reference (jnp): ``einsum("imk,ikn->imn")`` over the weights gathered per tile (a copy of
-  ``NT`` matrices: fine on a CPU, the reason for the kernel on a GPU).
+  ``NT`` matrices: fine on a CPU, the reason for the kernel on a GPU), and the rows gathered by
+  ``x_rows``.
 * GPU (Pallas Triton): grid ``(NT, cdiv(N, block_n))``. Program ``(i, j)`` reads its tile's
   group, then accumulates ``block_k``-deep products of the tile's rows with columns
   ``[j * block_n, (j + 1) * block_n)`` of that group's matrix, read in place through
-  ``w``'s flat view (a group of ``more_w``, through its flat view in either layout). An unused
+  ``w``'s flat view (a group of ``more_w``, through its flat view in either layout); with
+  ``x_rows`` it first reads the tile's row numbers and loads those rows of ``x``. An unused
   tile stores zeros.
 """
 
@@ -183,9 +187,12 @@ def _as_stack(m, more_groups: int):
 
 
 @_backend.register(OP_GROUPED_MATMUL, "reference")
-def _reference(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, out_dtype,
-               more_groups, config, interpret):
+def _reference(x, w, tile_group, gate, more_w, more_gate, x_rows, *, tile_rows, activation, out_dtype,
+                more_groups, config, interpret):
     del config, interpret
+    if x_rows is not None:  # a row outside [0, M) reads as zeros
+        M = x.shape[0]
+        x = jnp.take(x, jnp.where((x_rows >= 0) & (x_rows < M), x_rows, M), axis=0, mode="fill", fill_value=0)
     if more_w is not None:
         w = jnp.concatenate([w, _as_stack(more_w, more_groups)])
         if gate is not None:
@@ -247,8 +254,8 @@ def _fit_shared_memory(TM: int, BN: int, BK: int, itemsize: int, gated: bool, cf
 
 
 @_backend.register(OP_GROUPED_MATMUL, "gpu")
-def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, out_dtype, more_groups,
-         config, interpret):
+def _gpu(x, w, tile_group, gate, more_w, more_gate, x_rows, *, tile_rows, activation, out_dtype,
+         more_groups, config, interpret):
     TM = tile_rows
     G, K, N = w.shape
     S = more_groups if more_w is not None else 0
@@ -260,6 +267,8 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
     if not interpret and (TM < 16 or TM & (TM - 1)):
         raise NotImplementedError(f"the GPU kernel needs tile_rows a power of two >= 16 (Triton blocks "
                                   f"and products), got {TM}")
+    M = x.shape[0]
+    in_place = x_rows is not None
     for name, shape in (("x", x.shape), ("w", w.shape), ("the output", (NT * TM, N + BN)),
                         ("more_w", (S, K, N))):
         gpu_tiling.check_int32_offsets(name, shape)
@@ -273,9 +282,11 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
     gated = gate is not None
 
     def kernel(group_ref, x_ref, w_ref, *refs):
-        # group_ref i32[NT], x_ref [NT * TM * K], w_ref (and gated: gate_ref) [G * K * N],
-        # with more groups more_ref (and more_gate_ref) [S * K * N], o_ref out_dtype[NT * TM * Np].
+        # group_ref i32[NT], x_ref [NT * TM * K] (with x_rows: [M * K]), w_ref (and gated: gate_ref)
+        # [G * K * N], with more groups more_ref (and more_gate_ref) [S * K * N], with x_rows
+        # rows_ref i32[NT * TM], o_ref out_dtype[NT * TM * Np].
         refs = list(refs)
+        rows_ref = refs.pop(-2) if in_place else None
         gate_ref = refs.pop(0) if gated else None
         more_ref = refs.pop(0) if S else None
         more_gate_ref = refs.pop(0) if S and gated else None
@@ -284,6 +295,12 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
         g = group_ref[i]
         rows = i * TM + jnp.arange(TM, dtype=jnp.int32)
         cols = j * BN + jnp.arange(BN, dtype=jnp.int32)
+        if in_place:  # the tile's rows of x: a row number outside [0, M) reads zeros
+            src = load(rows_ref.at[rows])
+            row_ok = (src >= 0) & (src < M)
+            src = jnp.where(row_ok, src, 0)
+        else:
+            src, row_ok = rows, None
         # The output is Np = cdiv(N, BN) * BN wide: every lane stores to its own address
         # (interpret mode writes masked lanes back), the padding columns are sliced off.
         out_at = o_ref.at[rows[:, None] * Np + cols[None, :]]
@@ -297,14 +314,17 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
             def step(kb, accs):
                 kk = kb * BK + jnp.arange(BK, dtype=jnp.int32)
                 if k_even:
-                    a = load(x_ref.at[rows[:, None] * K + kk[None, :]])
+                    a_mask = None if row_ok is None else jnp.broadcast_to(row_ok[:, None], (TM, BK))
                     b_mask = None if n_even else jnp.broadcast_to(col_ok[None, :], (BK, BN))
                 else:
                     k_ok = kk < K
                     kk = jnp.minimum(kk, K - 1)
-                    a = load(x_ref.at[rows[:, None] * K + kk[None, :]],
-                             mask=jnp.broadcast_to(k_ok[None, :], (TM, BK)), other=0)
+                    a_mask = jnp.broadcast_to(k_ok[None, :], (TM, BK))
+                    if row_ok is not None:
+                        a_mask = a_mask & row_ok[:, None]
                     b_mask = k_ok[:, None] & col_ok[None, :]
+                a_at = x_ref.at[src[:, None] * K + kk[None, :]]
+                a = load(a_at) if a_mask is None else load(a_at, mask=a_mask, other=0)
                 if interpret:
                     a = a.astype(jnp.float32)
                 out = []
@@ -353,6 +373,8 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
     mats = (w.reshape(-1),) + ((gate.reshape(-1),) if gated else ())
     if S:
         mats += (more_w.reshape(-1),) + ((more_gate.reshape(-1),) if gated else ())
+    if in_place:
+        mats += (x_rows,)
     out = call(tile_group, x.reshape(-1), *mats).reshape(NT * TM, Np)
     return out if n_even else out[:, :N]
 
@@ -364,12 +386,12 @@ def _gpu(x, w, tile_group, gate, more_w, more_gate, *, tile_rows, activation, ou
 
 def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: str | None = None,
                    out_dtype=jnp.float32, more_w=None, more_gate=None, more_groups: int = 0,
-                   backend: str = "auto", interpret: bool | None = None,
+                   x_rows=None, backend: str = "auto", interpret: bool | None = None,
                    config: GroupedMatmulConfig = GroupedMatmulConfig()):
     """Each ``tile_rows``-row tile of ``x`` times its group's matrix (see the module docstring).
 
     Args:
-      x: ``[NT * tile_rows, K]``, float32, bfloat16 or float16.
+      x: ``[NT * tile_rows, K]``, float32, bfloat16 or float16; with ``x_rows``, ``[M, K]``.
       w: ``[G, K, N]``, ``x``'s dtype.
       tile_group: int32 ``[NT]``: tile ``i``'s group; outside ``[0, G + more_groups)``: an unused
         tile.
@@ -383,6 +405,8 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
         ``[S, K, N]`` (a stack like ``w``), or ``[K, S * N]`` side by side (group ``G + s`` is
         columns ``s * N .. (s + 1) * N``: a dense layer's matrix read as ``S`` experts in
         place). The kernel reads them where they are; the reference concatenates.
+      x_rows: optional int32 ``[NT * tile_rows]``: tile row ``r`` is ``x[x_rows[r]]``, zeros where
+        ``x_rows[r]`` is outside ``[0, M)`` (the tile layout's padding rows; no value is refused).
       backend, interpret: see :mod:`pallas_kernels.backend` (TPU: the reference).
       config: :class:`GroupedMatmulConfig` (static).
 
@@ -404,7 +428,13 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
     validation.check_dtype("w", w, np.dtype(x.dtype))
     validation.check_dtype("tile_group", tile_group, np.int32)
     NT = int(np.shape(tile_group)[0])
-    validation.check_shape("x", x, (NT * tile_rows, np.shape(w)[1]))
+    if x_rows is None:
+        validation.check_shape("x", x, (NT * tile_rows, np.shape(w)[1]))
+    else:
+        validation.check_rank("x_rows", x_rows, 1)
+        validation.check_dtype("x_rows", x_rows, np.int32)
+        validation.check_shape("x_rows", x_rows, (NT * tile_rows,))
+        validation.check_shape("x", x, (np.shape(x)[0], np.shape(w)[1]))
     if gate is None:
         if activation is not None:
             raise ValueError(f"activation is for the gated form (gate=...), got {activation!r} without a gate")
@@ -420,7 +450,9 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
     S = _check_more(more_w, more_gate, more_groups, gated=gate is not None, G=G, K=K, N=N, dtype=w.dtype)
     if NT == 0 or N == 0 or G == 0 or K == 0:
         return jnp.zeros((NT * tile_rows, N), out_dtype)
-    return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, gate, more_w, more_gate,
+    if x_rows is not None and np.shape(x)[0] == 0:  # no row to read: every tile row is zeros
+        x, x_rows = jnp.zeros((1, K), x.dtype), jnp.full_like(x_rows, -1)
+    return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, gate, more_w, more_gate, x_rows,
                         tile_rows=tile_rows, activation=activation, out_dtype=out_dtype,
                         more_groups=S, config=config)
 

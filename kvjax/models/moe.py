@@ -208,8 +208,11 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
     slot, tile_group = group_tiles(jnp.where(valid, local, El + S).reshape(P), El + S, TM,
                                    rows_apart=T == 1 and P <= El + S)
     rows = tile_group.shape[0] * TM
-    x = jnp.zeros((rows, d), up_w.dtype).at[slot].set(
-        jnp.repeat(h.astype(up_w.dtype), k, axis=0), mode="drop", unique_indices=True)
+    # the first product reads each tile row's token from h in place: row slot[t * k + j] is token
+    # t, the layout's padding rows (-1) read zeros; no [rows, d] copy of the tokens, nor its zeros
+    src = jnp.full((rows,), -1, jnp.int32).at[slot].set(
+        jnp.arange(P, dtype=jnp.int32) // k, mode="drop", unique_indices=True)
+    x = h.astype(up_w.dtype)
 
     def product(a, w, more=None, more_gate=None, **gating):
         extra = {} if not S else dict(more_w=more, more_gate=more_gate, more_groups=S)
@@ -218,9 +221,9 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
 
     sg, su, sd = shared if S else (None, None, None)
     if gated:  # act(x @ gate) * (x @ up) in one kernel, rounded once to the weights' dtype
-        a = product(x, up_w, su, sg, gate=gate_w, activation=act, out_dtype=up_w.dtype)
+        a = product(x, up_w, su, sg, gate=gate_w, activation=act, out_dtype=up_w.dtype, x_rows=src)
     else:
-        a = activation(product(x, up_w, su), act)
+        a = activation(product(x, up_w, su, x_rows=src), act)
     y = product(a, down_w, None if sd is None else sd.reshape(S, F, d))  # [rows, d]; padding rows 0
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, d)
 

@@ -21,7 +21,9 @@ Planted bugs each test was seen to fail on (then restored):
 * the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails;
 * the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails;
 * the ragged ``K`` mask 8 columns too wide, or the gated prefill product given 256 columns:
-  ``test_prefill_tiles_match_numpy_exactly`` fails.
+  ``test_prefill_tiles_match_numpy_exactly`` fails;
+* the kernel's ``x_rows`` row mask dropped (a row outside ``[0, M)`` read as row 0), or the
+  reference taking negative ``x_rows`` from the end: ``test_rows_read_in_place`` fails.
 """
 
 from __future__ import annotations
@@ -313,8 +315,50 @@ def test_pairs_come_back_through_the_slots():
         assert_bitwise(y[p], rows[p] @ w[g] if 0 <= g < G else np.zeros(N, np.float32), p)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("P,G,K,N,TM", [CASES[0], CASES[1], (40, 3, 72, 300, 128)])
+def test_rows_read_in_place(P, G, K, N, TM, dtype):
+    """``x_rows``: tile row ``r`` is ``x[x_rows[r]]`` of a ``[M, K]`` input, zeros outside ``[0, M)``
+    (-1, M, and a large and a negative number): bitwise the product of the rows laid out as tiles,
+    ungated and gated, on both backends (the 128-row case in the prefill tiling). ``x`` holds a
+    NaN row no tile names: reading an unnamed row shows."""
+    x, w, tg, want, slot, rows, groups = _case(11, P, G, K, N, TM, dtype)
+    r = np.random.default_rng(5)
+    M = 13
+    src = r.integers(0, M, size=P)
+    table = np.asarray(r.integers(-3, 4, size=(M + 1, K)), np.float32)
+    table[M] = np.nan  # row M: named by no tile row
+    NT = tg.shape[0]
+    x_rows = np.full(NT * TM, -1, np.int32)
+    ok = slot < NT * TM
+    x_rows[slot[ok]] = src[ok]
+    pad = np.flatnonzero(x_rows < 0)
+    x_rows[pad[1::4]] = M + 1  # past the end
+    x_rows[pad[2::4]] = 2**30
+    x_rows[pad[3::4]] = -7
+    tiles = np.zeros((NT * TM, K), np.float32)
+    tiles[slot[ok]] = table[src[ok]]
+    tiles[np.repeat(tg >= G, TM)] = np.nan  # unused tiles must not be read either way
+    args = (jnp.asarray(w), jnp.asarray(tg, jnp.int32))
+    cfg = GroupedMatmulConfig(gpu_min_programs=1)
+    gate = jnp.asarray(np.nan_to_num(np.asarray(w, np.float32), nan=2.0).astype(dtype))
+    for backend in ("reference", "pallas_gpu"):
+        for gating in ({}, dict(gate=gate, activation="silu")):
+            got = grouped_matmul(jnp.asarray(table.astype(dtype)), *args, tile_rows=TM, x_rows=jnp.asarray(x_rows),
+                                 backend=backend, config=cfg, **gating)
+            want = grouped_matmul(jnp.asarray(tiles.astype(dtype)), *args, tile_rows=TM, backend="reference",
+                                  **gating)
+            assert_bitwise(np.asarray(got), np.asarray(want), f"{backend} {sorted(gating)}")
+    empty = grouped_matmul(jnp.zeros((0, K), dtype), *args, tile_rows=TM, x_rows=jnp.asarray(x_rows),
+                           backend="pallas_gpu")
+    assert not np.any(np.asarray(empty))
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(x=np.ones((3, 2), np.float32)), "x must have shape"),
+    (dict(x_rows=np.zeros((2,), np.int64)), "x_rows must have dtype"),
+    (dict(x_rows=np.zeros((3,), np.int32)), "x_rows must have shape"),
+    (dict(x_rows=np.zeros((2,), np.int32), x=np.ones((5, 3), np.float32)), "x must have shape"),
     (dict(w=np.ones((1, 2, 3), BF16)), "w must have dtype"),
     (dict(tile_group=np.array([0], np.int64)), "tile_group must have dtype"),
     (dict(tile_rows=0), "tile_rows must be an int >= 1"),
@@ -376,6 +420,23 @@ def test_more_groups_lower_for_cuda(verified_triton_modules):
                                         activation="silu", more_w=s, more_gate=s, more_groups=2,
                                         backend="pallas_gpu", interpret=False)
     lower_for_cuda(fn, x, w, side)
+    assert len(verified_triton_modules) == 1
+
+
+@pytest.mark.parametrize("TM,K,gated", [(16, 64, True), (128, 72, False)])
+def test_rows_in_place_lower_for_cuda(verified_triton_modules, TM, K, gated):
+    """The row-gathering kernel lowers for CUDA: a decode tile (gated, shared groups) and a prefill
+    tile (ungated, 256 columns, four stages, ragged ``K``)."""
+    from tests.cuda_lowering import lower_for_cuda
+
+    x = jnp.zeros((5, K), jnp.bfloat16)
+    w = jnp.zeros((4, K, 512), jnp.bfloat16)
+    rows = jnp.zeros((2 * TM,), jnp.int32)
+    cfg = GroupedMatmulConfig(gpu_min_programs=1)
+    gating = dict(gate=w, activation="silu") if gated else {}
+    fn = lambda x, w, r: grouped_matmul(x, w, np.array([1, 5], np.int32), tile_rows=TM, x_rows=r,  # noqa: E731
+                                        backend="pallas_gpu", interpret=False, config=cfg, **gating)
+    lower_for_cuda(fn, x, w, rows)
     assert len(verified_triton_modules) == 1
 
 
