@@ -6,7 +6,8 @@ rows; tile ``i`` is multiplied by ``w[tile_group[i]]`` (``w [G, K, N]``), so tha
 With ``x_rows`` (int32 ``[NT * TM]``), tile row ``r`` is ``x[x_rows[r]]`` of any ``x [M, K]``
 (a zero row where ``x_rows[r]`` is outside ``[0, M)``): the rows are read where they are, with no
 ``[NT * TM, K]`` copy in the tile layout. A tile whose group is outside ``[0, G)`` (``[0, G + S)``
-with ``S`` more groups, ``more_w``) reads nothing and gives 0. With ``gate`` (``[G, K, N]``,
+with ``S`` more groups, ``more_w``) reads no weight and no row of ``x`` (with ``x_rows``, only its
+row numbers), and gives 0. With ``gate`` (``[G, K, N]``,
 same dtype) and ``activation``, the output is ``act(x @ gate[g]) * (x @ w[g])`` instead: a gated
 (SwiGLU-style) expert's first layer in one pass over ``x`` and one launch. This is the product of a
 mixture of experts with the (token, expert) pairs sorted by expert: every expert's weights
@@ -237,14 +238,16 @@ def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig,
 def _fit_shared_memory(TM: int, BN: int, BK: int, itemsize: int, gated: bool, cfg: GroupedMatmulConfig,
                        budget: int, stages: int = 3) -> tuple[int, int]:
     """``(block_n, block_k)``: :func:`_blocks`' sizes, ``block_k`` then ``block_n`` halved (where
-    the config leaves them free, down to 16) while the chunks the ``K`` loop's pipeline holds
-    (``stages - 1``, one at least: an ``x`` tile and one weight tile, two when gated) pass
-    ``budget`` bytes (:func:`gpu_tiling.shared_memory_budget`). On Hopper the bf16 tiles keep
-    their sizes (a gated few-rows step: 139 KiB of 192); on smaller GPUs they shrink."""
-    chunks = max(1, stages - 1)
+    the config leaves them free, down to 16) while the ``K`` loop's pipeline buffers pass
+    ``budget`` bytes (:func:`gpu_tiling.shared_memory_budget`): ``stages`` chunks of an ``x``
+    tile and one weight tile (two when gated), what Triton asks for (an H200 refused gated
+    128-row tiles with ``block_k`` 128 at 294,912 bytes for 3 stages and 393,216 for 4: 3 and 4
+    chunks of 98,304). On Hopper the bf16 tiles the models take keep their sizes (a prefill's
+    128-row tiles in four stages: 192 KiB of 192; a gated few-rows step: 108 KiB); float32 tiles
+    and smaller GPUs' shrink."""
 
     def need(bn, bk):
-        return chunks * (TM * bk + (2 if gated else 1) * bk * bn) * itemsize
+        return stages * (TM * bk + (2 if gated else 1) * bk * bn) * itemsize
 
     while cfg.gpu_block_k is None and BK > 16 and need(BN, BK) > budget:
         BK //= 2

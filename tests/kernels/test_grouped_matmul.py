@@ -224,29 +224,41 @@ def test_prefill_tiles_pipeline_deeper():
 
 
 def test_tiles_fit_shared_memory():
-    """Hopper's bf16 tiles keep :func:`_blocks`' sizes; float32 tiles and smaller GPUs (an A100:
-    138 KiB, an L4: 84 KiB) get shallower steps (then narrower columns); a config's sizes are kept."""
+    """Hopper's bf16 tiles of the models' calls keep :func:`_blocks`' sizes; float32 tiles and
+    smaller GPUs (an A100: 138 KiB, an L4: 84 KiB) get shallower steps (then narrower columns); a
+    config's sizes are kept. The rule counts every pipeline stage's buffers: the four 8k-token
+    tilings Triton refused on an H200 for shared memory (``-moe-sweep-8k-gated.log``) each
+    need more than Hopper's budget."""
     from pallas_kernels import gpu_tiling
     from pallas_kernels.grouped_matmul import _fit_shared_memory as fit
 
     cfg = GroupedMatmulConfig()
     hopper, a100, l4 = (gpu_tiling.shared_memory_budget(c) for c in (None, (8, 0), (8, 9)))
-    assert fit(16, 64, 128, 2, True, cfg, hopper) == (64, 128)  # DeepSeek's one-token gated step
-    assert fit(16, 128, 128, 2, True, cfg, hopper) == (128, 128)  # 139 KiB
-    assert fit(128, 128, 64, 2, True, cfg, hopper) == (128, 64)  # prefill tiles
-    assert fit(128, 128, 64, 2, True, cfg, hopper, 4) == (128, 64)  # ... in four stages: 144 KiB
-    assert fit(128, 256, 64, 2, False, cfg, hopper, 4) == (256, 64)  # their down product: 144 KiB
+    assert fit(16, 64, 128, 2, True, cfg, hopper) == (64, 128)  # DeepSeek's one-token gated step: 108 KiB
+    assert fit(16, 128, 64, 2, True, cfg, hopper) == (128, 64)  # 16 tokens' steps
+    assert fit(64, 128, 64, 2, True, cfg, hopper) == (128, 64)  # batch 256's 64-row tiles: 120 KiB
+    assert fit(128, 128, 64, 2, True, cfg, hopper, 4) == (128, 64)  # prefill tiles, four stages: 192 KiB
+    assert fit(128, 256, 64, 2, False, cfg, hopper, 4) == (256, 64)  # their down product: 192 KiB
+    assert fit(16, 128, 128, 2, True, cfg, hopper) == (128, 64)  # 204 KiB in three stages
+    assert fit(64, 128, 64, 4, True, cfg, hopper) == (128, 32)  # float32: 240 KiB would not fit Hopper's 227
+    assert fit(16, 64, 128, 2, True, cfg, a100) == (64, 128)
+    assert fit(16, 64, 128, 2, True, cfg, l4) == (64, 64)
+    assert fit(128, 128, 64, 2, True, cfg, a100, 4) == (128, 32)
     assert fit(128, 256, 64, 2, False, cfg, a100, 4) == (256, 32)
-    assert fit(16, 128, 128, 4, True, cfg, hopper) == (128, 64)  # float32: 278 -> 147 KiB
-    assert fit(16, 128, 128, 2, True, cfg, a100) == (128, 128)  # 136 KiB of 138
-    assert fit(16, 128, 128, 2, True, cfg, l4) == (128, 64)
-    assert fit(128, 128, 64, 4, True, cfg, a100) == (128, 32)
     assert fit(128, 128, 64, 4, True, cfg, l4) == (128, 16)
     assert fit(16, 128, 128, 2, True, GroupedMatmulConfig(gpu_block_k=128, gpu_block_n=128), l4) == (128, 128)
-    for TM, BN, BK, size, gated in [(16, 128, 128, 2, True), (128, 128, 64, 4, True), (64, 64, 128, 4, False)]:
+    need = lambda TM, BN, BK, stages: stages * (TM * BK + 2 * BK * BN) * 2  # noqa: E731 - bf16, gated
+    refused = [((128, 128, 128, 3), 294912), ((128, 64, 128, 4), 262144), ((128, 32, 256, 3), 294912),
+               ((128, 128, 128, 4), 393216)]  # (TM, BN, BK, stages): the bytes Triton asked for
+    for (TM, BN, BK, stages), asked in refused:
+        assert need(TM, BN, BK, stages) == asked > hopper
+        bn, bk = fit(TM, BN, BK, 2, True, cfg, hopper, stages)
+        assert need(TM, bn, bk, stages) <= hopper
+    for TM, BN, BK, size, gated, stages in [(16, 128, 128, 2, True, 3), (128, 128, 64, 4, True, 4),
+                                            (64, 64, 128, 4, False, 3), (128, 256, 64, 2, False, 4)]:
         for budget in (hopper, a100, l4):
-            bn, bk = fit(TM, BN, BK, size, gated, cfg, budget)
-            assert bn >= 16 and bk >= 16 and 2 * (TM * bk + (2 if gated else 1) * bk * bn) * size <= budget
+            bn, bk = fit(TM, BN, BK, size, gated, cfg, budget, stages)
+            assert bn >= 16 and bk >= 16 and stages * (TM * bk + (2 if gated else 1) * bk * bn) * size <= budget
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
@@ -423,21 +435,56 @@ def test_more_groups_lower_for_cuda(verified_triton_modules):
     assert len(verified_triton_modules) == 1
 
 
-@pytest.mark.parametrize("TM,K,gated", [(16, 64, True), (128, 72, False)])
-def test_rows_in_place_lower_for_cuda(verified_triton_modules, TM, K, gated):
-    """The row-gathering kernel lowers for CUDA: a decode tile (gated, shared groups) and a prefill
-    tile (ungated, 256 columns, four stages, ragged ``K``)."""
+@pytest.mark.parametrize("TM,K,gated,stages,col_blocks", [(16, 64, True, 3, 8), (128, 72, False, 4, 2)])
+def test_rows_in_place_lower_for_cuda(verified_triton_modules, TM, K, gated, stages, col_blocks):
+    """The row-gathering kernel lowers for CUDA with the rule's pipeline and columns: a decode tile
+    (gated, two shared groups side by side; 64 columns a program, three stages) and a prefill tile
+    (ungated, ragged ``K``: 256 columns, four stages)."""
+    import re
+
     from tests.cuda_lowering import lower_for_cuda
 
     x = jnp.zeros((5, K), jnp.bfloat16)
     w = jnp.zeros((4, K, 512), jnp.bfloat16)
+    side = jnp.zeros((K, 2 * 512), jnp.bfloat16)
     rows = jnp.zeros((2 * TM,), jnp.int32)
-    cfg = GroupedMatmulConfig(gpu_min_programs=1)
-    gating = dict(gate=w, activation="silu") if gated else {}
+    cfg = GroupedMatmulConfig(gpu_min_programs=1 if TM == 128 else 264)
+    extra = dict(gate=w, activation="silu", more_w=side, more_gate=side, more_groups=2) if gated else {}
     fn = lambda x, w, r: grouped_matmul(x, w, np.array([1, 5], np.int32), tile_rows=TM, x_rows=r,  # noqa: E731
-                                        backend="pallas_gpu", interpret=False, config=cfg, **gating)
-    lower_for_cuda(fn, x, w, rows)
+                                        backend="pallas_gpu", interpret=False, config=cfg, **extra)
+    text = lower_for_cuda(fn, x, w, rows)
     assert len(verified_triton_modules) == 1
+    assert re.findall(r"num_stages = (\d+)", text) == [str(stages)]
+    assert re.findall(r"grid_y = (\d+)", text) == [str(col_blocks)]
+
+
+@pytest.mark.parametrize("layout", ["stack", "side"])
+def test_rows_in_place_with_more_groups(layout):
+    """``x_rows`` with two more groups read in place (gated): bitwise the rows laid out as tiles."""
+    P, G, S, K, N, TM = 30, 3, 2, 40, 24, 16
+    r = np.random.default_rng(9)
+    groups = r.integers(-1, G + S + 1, size=P)
+    slot, tg = _layout(groups, G + S, TM)
+    NT = tg.shape[0]
+    M = 7
+    table = r.integers(-3, 4, size=(M, K)).astype(np.float32)
+    src = r.integers(0, M, size=P)
+    x_rows = np.full(NT * TM, -1, np.int32)
+    ok = slot < NT * TM
+    x_rows[slot[ok]] = src[ok]
+    tiles = np.zeros((NT * TM, K), np.float32)
+    tiles[slot[ok]] = table[src[ok]]
+    w, gate = (r.integers(-3, 4, size=(G, K, N)).astype(np.float32) for _ in range(2))
+    mw, mg = (r.integers(-3, 4, size=(S, K, N)).astype(np.float32) for _ in range(2))
+    if layout == "side":
+        mw, mg = (m.transpose(1, 0, 2).reshape(K, S * N) for m in (mw, mg))
+    kw = dict(tile_rows=TM, gate=jnp.asarray(gate), activation="silu", more_w=jnp.asarray(mw),
+              more_gate=jnp.asarray(mg), more_groups=S)
+    want = grouped_matmul(jnp.asarray(tiles), jnp.asarray(w), jnp.asarray(tg), backend="reference", **kw)
+    for backend in ("reference", "pallas_gpu"):
+        got = grouped_matmul(jnp.asarray(table), jnp.asarray(w), jnp.asarray(tg), x_rows=jnp.asarray(x_rows),
+                             backend=backend, **kw)
+        assert_bitwise(np.asarray(got), np.asarray(want), backend)
 
 
 @pytest.mark.parametrize("bad, match", [
