@@ -236,7 +236,7 @@ def _blocks(NT: int, N: int, K: int, TM: int, cfg: GroupedMatmulConfig,
 
 
 def _fit_shared_memory(TM: int, BN: int, BK: int, itemsize: int, gated: bool, cfg: GroupedMatmulConfig,
-                       budget: int, stages: int = 3) -> tuple[int, int]:
+                       budget: int, stages: int) -> tuple[int, int]:
     """``(block_n, block_k)``: :func:`_blocks`' sizes, ``block_k`` then ``block_n`` halved (where
     the config leaves them free, down to 16) while the ``K`` loop's pipeline buffers pass
     ``budget`` bytes (:func:`gpu_tiling.shared_memory_budget`): ``stages`` chunks of an ``x``
@@ -451,10 +451,8 @@ def grouped_matmul(x, w, tile_group, *, tile_rows: int, gate=None, activation: s
     out_dtype = jnp.dtype(out_dtype)
     G, K, N = np.shape(w)
     S = _check_more(more_w, more_gate, more_groups, gated=gate is not None, G=G, K=K, N=N, dtype=w.dtype)
-    if NT == 0 or N == 0 or G == 0 or K == 0:
+    if NT == 0 or N == 0 or G == 0 or K == 0 or np.shape(x)[0] == 0:  # (x_rows into no row: all zeros)
         return jnp.zeros((NT * tile_rows, N), out_dtype)
-    if x_rows is not None and np.shape(x)[0] == 0:  # no row to read: every tile row is zeros
-        x, x_rows = jnp.zeros((1, K), x.dtype), jnp.full_like(x_rows, -1)
     return _backend.run(OP_GROUPED_MATMUL, choice, x, w, tile_group, gate, more_w, more_gate, x_rows,
                         tile_rows=tile_rows, activation=activation, out_dtype=out_dtype,
                         more_groups=S, config=config)

@@ -212,7 +212,6 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
     # t, the layout's padding rows (-1) read zeros; no [rows, d] copy of the tokens, nor its zeros
     src = jnp.full((rows,), -1, jnp.int32).at[slot].set(
         jnp.arange(P, dtype=jnp.int32) // k, mode="drop", unique_indices=True)
-    x = h.astype(up_w.dtype)
 
     def product(a, w, more=None, more_gate=None, **gating):
         extra = {} if not S else dict(more_w=more, more_gate=more_gate, more_groups=S)
@@ -221,9 +220,9 @@ def _grouped_mlp(h, local, valid, up_w, gate_w, down_w, gated: bool, act: str, b
 
     sg, su, sd = shared if S else (None, None, None)
     if gated:  # act(x @ gate) * (x @ up) in one kernel, rounded once to the weights' dtype
-        a = product(x, up_w, su, sg, gate=gate_w, activation=act, out_dtype=up_w.dtype, x_rows=src)
+        a = product(h, up_w, su, sg, gate=gate_w, activation=act, out_dtype=up_w.dtype, x_rows=src)
     else:
-        a = activation(product(x, up_w, su, x_rows=src), act)
+        a = activation(product(h, up_w, su, x_rows=src), act)
     y = product(a, down_w, None if sd is None else sd.reshape(S, F, d))  # [rows, d]; padding rows 0
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, d)
 

@@ -234,19 +234,19 @@ def test_tiles_fit_shared_memory():
 
     cfg = GroupedMatmulConfig()
     hopper, a100, l4 = (gpu_tiling.shared_memory_budget(c) for c in (None, (8, 0), (8, 9)))
-    assert fit(16, 64, 128, 2, True, cfg, hopper) == (64, 128)  # DeepSeek's one-token gated step: 108 KiB
-    assert fit(16, 128, 64, 2, True, cfg, hopper) == (128, 64)  # 16 tokens' steps
-    assert fit(64, 128, 64, 2, True, cfg, hopper) == (128, 64)  # batch 256's 64-row tiles: 120 KiB
+    assert fit(16, 64, 128, 2, True, cfg, hopper, 3) == (64, 128)  # DeepSeek's one-token gated step: 108 KiB
+    assert fit(16, 128, 64, 2, True, cfg, hopper, 3) == (128, 64)  # 16 tokens' steps
+    assert fit(64, 128, 64, 2, True, cfg, hopper, 3) == (128, 64)  # batch 256's 64-row tiles: 120 KiB
     assert fit(128, 128, 64, 2, True, cfg, hopper, 4) == (128, 64)  # prefill tiles, four stages: 192 KiB
     assert fit(128, 256, 64, 2, False, cfg, hopper, 4) == (256, 64)  # their down product: 192 KiB
-    assert fit(16, 128, 128, 2, True, cfg, hopper) == (128, 64)  # 204 KiB in three stages
-    assert fit(64, 128, 64, 4, True, cfg, hopper) == (128, 32)  # float32: 240 KiB would not fit Hopper's 227
-    assert fit(16, 64, 128, 2, True, cfg, a100) == (64, 128)
-    assert fit(16, 64, 128, 2, True, cfg, l4) == (64, 64)
+    assert fit(16, 128, 128, 2, True, cfg, hopper, 3) == (128, 64)  # 204 KiB in three stages
+    assert fit(64, 128, 64, 4, True, cfg, hopper, 3) == (128, 32)  # float32: 240 KiB would not fit Hopper's 227
+    assert fit(16, 64, 128, 2, True, cfg, a100, 3) == (64, 128)
+    assert fit(16, 64, 128, 2, True, cfg, l4, 3) == (64, 64)
     assert fit(128, 128, 64, 2, True, cfg, a100, 4) == (128, 32)
     assert fit(128, 256, 64, 2, False, cfg, a100, 4) == (256, 32)
-    assert fit(128, 128, 64, 4, True, cfg, l4) == (128, 16)
-    assert fit(16, 128, 128, 2, True, GroupedMatmulConfig(gpu_block_k=128, gpu_block_n=128), l4) == (128, 128)
+    assert fit(128, 128, 64, 4, True, cfg, l4, 3) == (128, 16)
+    assert fit(16, 128, 128, 2, True, GroupedMatmulConfig(gpu_block_k=128, gpu_block_n=128), l4, 3) == (128, 128)
     need = lambda TM, BN, BK, stages: stages * (TM * BK + 2 * BK * BN) * 2  # noqa: E731 - bf16, gated
     refused = [((128, 128, 128, 3), 294912), ((128, 64, 128, 4), 262144), ((128, 32, 256, 3), 294912),
                ((128, 128, 128, 4), 393216)]  # (TM, BN, BK, stages): the bytes Triton asked for
@@ -334,7 +334,7 @@ def test_rows_read_in_place(P, G, K, N, TM, dtype):
     (-1, M, and a large and a negative number): bitwise the product of the rows laid out as tiles,
     ungated and gated, on both backends (the 128-row case in the prefill tiling). ``x`` holds a
     NaN row no tile names: reading an unnamed row shows."""
-    x, w, tg, want, slot, rows, groups = _case(11, P, G, K, N, TM, dtype)
+    _, w, tg, _, slot, *_ = _case(11, P, G, K, N, TM, dtype)
     r = np.random.default_rng(5)
     M = 13
     src = r.integers(0, M, size=P)
