@@ -286,13 +286,14 @@ def _real_rows(requests: RequestState, sched: ScheduledBatch, T: int, L: int):
     the bucket (a row past ``T`` tokens or ``L`` logits, and every row after it, is
     padding). A scheduled row with 0 tokens is padding: it computes nothing and has no
     logits. So is a row that breaks a rule of :func:`_row_faults` (a repeated request row, a
-    query past ``max_model_len`` or past a prefill's tokens, drafts off a decode window).
+    query past ``max_model_len`` or past a prefill's tokens, negative drafts, drafts off a
+    decode window).
     Concrete schedules that break these rules are rejected before (:func:`validate_schedule`);
     under ``jit`` this is the mask.
     """
     q = jnp.asarray(sched.num_scheduled_tokens, jnp.int32)
     d = jnp.asarray(sched.num_draft_tokens, jnp.int32)
-    valid = is_real_row(sched.idx_mapping, requests.max_num_reqs) & (q > 0) & (d >= 0)
+    valid = is_real_row(sched.idx_mapping, requests.max_num_reqs) & (q > 0)
     valid &= ~jnp.any(jnp.stack(list(_row_faults(requests, sched.idx_mapping, q, d).values())), axis=0)
     q = jnp.where(valid, q, 0)
     nlog = jnp.where(valid, 1 + d, 0)
@@ -333,8 +334,8 @@ def validate_schedule(
     row with 0 tokens is padding, see :func:`_real_rows`: it reads and writes nothing, so it
     may name any row); query lengths non-negative and summing to at most ``T``; logits at
     most ``L``; positions within ``max_model_len``; a prefill row's query within its remaining
-    ``prefill_len`` tokens; a row with drafts must be a decode row whose query is exactly
-    ``1 + num_draft`` tokens, with ``num_draft <= num_speculative_tokens``.
+    ``prefill_len`` tokens; drafts non-negative; a row with drafts must be a decode row whose
+    query is exactly ``1 + num_draft`` tokens, with ``num_draft <= num_speculative_tokens``.
     """
     idx = sched.idx_mapping
     validation.check_rank("idx_mapping", idx, 1)
@@ -356,8 +357,8 @@ def validate_schedule(
     if i is None or q is None or d is None:
         return
     live = is_real_row(i, requests.max_num_reqs)
-    if (q[live] < 0).any() or (d[live] < 0).any():
-        raise ValueError("num_scheduled_tokens and num_draft_tokens must be non-negative")
+    if (q[live] < 0).any():
+        raise ValueError(f"num_scheduled_tokens must be non-negative, got {q.tolist()}")
     total = int(q[live].sum())
     if total > num_tokens_padded:
         raise ValueError(
@@ -385,6 +386,7 @@ def validate_schedule(
                             f"row {b} names request row {row}, as an earlier one does, got {i.tolist()}",
             "past_max_model_len": f"batch row {b} (request row {row}) would reach position {nc + qb - 1}, "
                                   f"past max_model_len={requests.max_model_len}",
+            "negative_drafts": f"num_draft_tokens[{b}] must be non-negative, got {db}",
             "too_many_drafts": f"num_draft_tokens[{b}]={db} exceeds num_speculative_tokens="
                                f"{requests.num_speculative_tokens}",
             "drafts_off_a_decode_window": f"batch row {b} has {db} drafts, so it must be a decode row "
@@ -421,6 +423,7 @@ def _row_faults(requests: RequestState, idx, q, d, *, xp=jnp) -> dict:
     return {name: real & bad for name, bad in {
         "repeated_row": repeated,
         "past_max_model_len": nc + q > requests.max_model_len,
+        "negative_drafts": d < 0,
         "too_many_drafts": d > requests.num_speculative_tokens,
         "drafts_off_a_decode_window": (d > 0) & (~decode | (q != 1 + d)),
         "chunk_past_the_prompt": ~decode & (nc + q > pl),
