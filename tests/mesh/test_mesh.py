@@ -7,6 +7,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -171,18 +172,27 @@ def _two_processes(tmp_path, extra=((), ())):
         port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS)
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2", "--coordinator", f"localhost:{port}",
-         "--num-processes", "2", "--process-id", str(i), *CLI_SIZES, *extra[i],
-         "--json", str(tmp_path / "report.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(2)]
+    # Each process writes to its own files, not a pipe: one blocked on a full pipe while the other
+    # waits for it in a collective would stall both until the deadline.
+    logs = [(tmp_path / f"out.{i}", tmp_path / f"err.{i}") for i in range(2)]
+    procs = []
     try:
-        outs = [p.communicate(timeout=600) for p in procs]
+        for i, (out, err) in enumerate(logs):
+            with open(out, "w") as fo, open(err, "w") as fe:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvjax", "demo", "--mesh", "data=2", "--coordinator",
+                     f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), *CLI_SIZES,
+                     *extra[i], "--json", str(tmp_path / "report.json")],
+                    stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=env, cwd=ROOT))
+        deadline = time.monotonic() + 600  # both processes, together
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return procs, outs
+                p.wait()
+    return procs, [(out.read_text(), err.read_text()) for out, err in logs]
 
 
 def test_two_processes_through_jax_distributed(worker_results, tmp_path):
