@@ -184,60 +184,44 @@ def add_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128, config=PagedAttentio
         return "; ".join(msgs)
 
 
-def add_lse_check(name, rows, *, qdt, cdt, Hq=16, Hkv=4, W=128):
-    """``return_lse=True``: the float32 output against the oracle and each head's log-sum-exp
-    against the float64 one (absolute error; -inf exactly where the token sees nothing)."""
+def add_oracle_check(name, rows, *, qdt="bfloat16", cdt="bfloat16", Hq=16, Hkv=4, W=128, mla=False,
+                  lse=True):
+    """The kernel's output against the oracle and, with ``lse`` (``return_lse=True``, a float32
+    output), each head's log-sum-exp against the float64 one (absolute error; -inf exactly where
+    the token sees nothing). ``mla``: MLA's absorbed decode as the model calls it, ``Hq`` heads
+    over one latent kv head of 512 + 64 features, the values its first 512
+    (``value_cache=None``), no pad token: at batch 1 a 2,048-column table (32k) takes the split
+    rule's most splits (128), most of them past a short context's keys."""
     @case(name)
     def run():
-        rng = np.random.default_rng(100 + len(CHECKS))
-        args, scales = make_step(rng, rows, Hq=Hq, Hkv=Hkv, D=128, W=W, qdt=qdt, cdt=cdt)
-        fn = jax.jit(lambda a: paged_attention(**a, **scales, return_lse=True, backend=GPU,
-                                               interpret=INTERPRET))
-        out, lse = fn(args)
-        want, want_lse = oracle(args, scales, with_lse=True)
+        rng = np.random.default_rng((200 if mla else 100) + len(CHECKS))
+        if mla:
+            args, scales = make_step(rng, rows, Hq=Hq, Hkv=1, D=576, W=W, qdt=qdt, cdt=cdt,
+                                     pad_tokens=0, extra_rows=0)
+            want_args = dict(args, value_cache=args["key_cache"][..., :512])
+            latent = dict(value_cache=None, v_head_dim=512)
+        else:
+            args, scales = make_step(rng, rows, Hq=Hq, Hkv=Hkv, D=128, W=W, qdt=qdt, cdt=cdt)
+            want_args, latent = args, {}
+        fn = jax.jit(lambda a: paged_attention(**dict(a, **latent), **scales, return_lse=lse,
+                                               backend=GPU, interpret=INTERPRET))
+        out, got_lse = fn(args) if lse else (fn(args), None)
+        want, want_lse = oracle(want_args, scales, with_lse=True)
         tol = TOL["fp8" if cdt == "fp8" else qdt]
         e_k = rel_err(out, want)
-        lse = np.asarray(lse, np.float64)
-        seen = np.isfinite(want_lse)
-        e_lse = float(np.abs(lse[seen] - want_lse[seen]).max()) if seen.any() else 0.0
+        msgs = [] if e_k <= tol else [f"kernel rel err {e_k:.3g} > {tol}"]
+        e_lse = None
+        if lse:
+            got_lse = np.asarray(got_lse, np.float64)
+            seen = np.isfinite(want_lse)
+            e_lse = float(np.abs(got_lse[seen] - want_lse[seen]).max()) if seen.any() else 0.0
+            if out.dtype != jnp.float32:
+                msgs.append(f"output dtype {out.dtype}, not float32")
+            if not e_lse <= 20 * tol:
+                msgs.append(f"lse abs err {e_lse:.3g} > {20 * tol}")
+            if not np.array_equal(np.isneginf(got_lse), ~seen):
+                msgs.append("lse is not -inf exactly where the token sees nothing")
         CHECKS.append(dict(name=name, kernel_rel_err=e_k, lse_abs_err=e_lse, tol=tol))
-        msgs = []
-        if out.dtype != jnp.float32:
-            msgs.append(f"output dtype {out.dtype}, not float32")
-        if not e_k <= tol:
-            msgs.append(f"kernel rel err {e_k:.3g} > {tol}")
-        if not e_lse <= 20 * tol:
-            msgs.append(f"lse abs err {e_lse:.3g} > {20 * tol}")
-        if not np.array_equal(np.isneginf(lse), ~seen):
-            msgs.append("lse is not -inf exactly where the token sees nothing")
-        print(f"    {name}: kernel {e_k:.3g}, lse {e_lse:.3g}")
-        return "; ".join(msgs)
-
-
-def add_mla_check(name, rows, *, W=2048, lse=False):
-    """MLA's absorbed decode as the model calls it: 16 heads over one latent kv head of 512 + 64
-    features, the values its first 512 (``value_cache=None``), bf16, no pad token: at batch 1 a
-    2,048-column table (32k) takes the split rule's most splits (128), most of them past a short
-    context's keys."""
-    @case(name)
-    def run():
-        rng = np.random.default_rng(200 + len(CHECKS))
-        args, _ = make_step(rng, rows, Hq=16, Hkv=1, D=576, W=W, qdt="bfloat16", cdt="bfloat16",
-                            pad_tokens=0, extra_rows=0)
-        want_args = dict(args, value_cache=args["key_cache"][..., :512])
-        want, want_lse = oracle(want_args, {}, with_lse=True)
-        fn = jax.jit(lambda a: paged_attention(**dict(a, value_cache=None), v_head_dim=512,
-                                               return_lse=lse, backend=GPU, interpret=INTERPRET))
-        got = fn(args)
-        out, got_lse = got if lse else (got, None)
-        e_k = rel_err(out, want)
-        e_lse = (float(np.abs(np.asarray(got_lse, np.float64) - want_lse).max()) if lse else None)
-        CHECKS.append(dict(name=name, kernel_rel_err=e_k, lse_abs_err=e_lse, tol=TOL["bfloat16"]))
-        msgs = []
-        if not e_k <= TOL["bfloat16"]:
-            msgs.append(f"kernel rel err {e_k:.3g} > {TOL['bfloat16']}")
-        if lse and not e_lse <= 20 * TOL["bfloat16"]:
-            msgs.append(f"lse abs err {e_lse:.3g} > {20 * TOL['bfloat16']}")
         print(f"    {name}: kernel {e_k:.3g}" + (f", lse {e_lse:.3g}" if lse else ""))
         return "; ".join(msgs)
 
@@ -259,16 +243,16 @@ add_check("gqa-16-1-decode", [(700, 1), (33, 2)], qdt="bfloat16", cdt="bfloat16"
 add_check("gqa-12-4-decode-b1-splits", [(1200, 1)], qdt="bfloat16", cdt="bfloat16", Hq=12, Hkv=4, W=512)
 # a 384-key table: the split rule's count rounded down to a power of two (the combine's blocks)
 add_check("decode-b1-short-table-splits", [(300, 1)], qdt="bfloat16", cdt="bfloat16", W=24)
-add_lse_check("lse-mixed-bf16", MIXED, qdt="bfloat16", cdt="bfloat16")
-add_lse_check("lse-mixed-f32", MIXED, qdt="float32", cdt="float32")
-add_lse_check("lse-decode-b1-splits", [(1500, 1)], qdt="bfloat16", cdt="bfloat16", W=512)
-add_lse_check("lse-mixed-fp8", MIXED, qdt="bfloat16", cdt="fp8")
-add_lse_check("lse-mixed-f32-q-fp8", MIXED, qdt="float32", cdt="fp8")
-add_lse_check("lse-decode-b8-fp8-splits", [(11 + i, 1) for i in range(8)], qdt="float32", cdt="fp8", Hq=16, Hkv=1)
-add_lse_check("lse-gqa-12-4-decode-b1-splits", [(1200, 1)], qdt="float32", cdt="float32", Hq=12, Hkv=4, W=512)
-add_mla_check("mla-decode-b1-1k-128-splits", [(1000, 1)])
-add_mla_check("mla-decode-b1-16k-128-splits", [(16000, 1)])
-add_mla_check("lse-mla-decode-b1-1k-128-splits", [(1000, 1)], lse=True)
+add_oracle_check("lse-mixed-bf16", MIXED, qdt="bfloat16", cdt="bfloat16")
+add_oracle_check("lse-mixed-f32", MIXED, qdt="float32", cdt="float32")
+add_oracle_check("lse-decode-b1-splits", [(1500, 1)], qdt="bfloat16", cdt="bfloat16", W=512)
+add_oracle_check("lse-mixed-fp8", MIXED, qdt="bfloat16", cdt="fp8")
+add_oracle_check("lse-mixed-f32-q-fp8", MIXED, qdt="float32", cdt="fp8")
+add_oracle_check("lse-decode-b8-fp8-splits", [(11 + i, 1) for i in range(8)], qdt="float32", cdt="fp8", Hq=16, Hkv=1)
+add_oracle_check("lse-gqa-12-4-decode-b1-splits", [(1200, 1)], qdt="float32", cdt="float32", Hq=12, Hkv=4, W=512)
+add_oracle_check("mla-decode-b1-1k-128-splits", [(1000, 1)], W=2048, mla=True, lse=False)
+add_oracle_check("mla-decode-b1-16k-128-splits", [(16000, 1)], W=2048, mla=True, lse=False)
+add_oracle_check("lse-mla-decode-b1-1k-128-splits", [(1000, 1)], W=2048, mla=True)
 
 
 # --------------------------------------------------------------------------
