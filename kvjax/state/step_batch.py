@@ -357,8 +357,8 @@ def validate_schedule(
     if i is None or q is None or d is None:
         return
     live = is_real_row(i, requests.max_num_reqs)
-    if (q[live] < 0).any():
-        raise ValueError(f"num_scheduled_tokens must be non-negative, got {q.tolist()}")
+    for b in np.flatnonzero(live & (q < 0))[:1]:
+        raise ValueError(f"num_scheduled_tokens[{b}] must be non-negative, got {int(q[b])}")
     total = int(q[live].sum())
     if total > num_tokens_padded:
         raise ValueError(

@@ -301,7 +301,7 @@ def test_rows_breaking_the_schedule_rules_are_padding_under_jit():
     assert real_rows(rs, [0], [3], [-1]) == ([-1, -1, -1], 0)         # negative drafts
     with pytest.raises(ValueError, match=r"num_draft_tokens\[0\] must be non-negative, got -1"):
         build_step_batch(rs, tb, ScheduledBatch.from_lists([0], [3], [-1], pad_to=3), num_tokens_padded=8)
-    with pytest.raises(ValueError, match=r"num_scheduled_tokens must be non-negative, got \[-2, 0, 0\]"):
+    with pytest.raises(ValueError, match=r"num_scheduled_tokens\[0\] must be non-negative, got -2"):
         build_step_batch(rs, tb, ScheduledBatch.from_lists([0], [-2], pad_to=3), num_tokens_padded=8)
     full = RequestState.create(4, 16).add_request(0, list(range(1, 17)), num_computed_tokens=16)
     assert real_rows(full, [0], [1]) == ([-1, -1, -1], 0)             # position 16 of max_model_len 16
