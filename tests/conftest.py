@@ -11,6 +11,14 @@ from kvjax.testing.fast_compile import with_fast_xla_flags  # noqa: E402
 # against oracles either way. Read when JAX creates its CPU client, after this.
 os.environ["XLA_FLAGS"] = with_fast_xla_flags(os.environ.get("XLA_FLAGS"))
 
+import jax  # noqa: E402
+
+# CPU programs run inline, not dispatched to a thread: XLA:CPU's asynchronous dispatch can hang
+# a program that calls back into Python (jax-ml/jax#25861, open), and the suite calls back a
+# lot: the Pallas TPU interpreter's every memory access, and jax.debug.callback counters. Read
+# when JAX creates its CPU client, after this; processes the suite starts keep JAX's default.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 from kvjax.testing import vllm as _vllm_oracle  # noqa: E402
 
 # Before any test imports transformers (which imports Triton): the vLLM oracle's Triton
