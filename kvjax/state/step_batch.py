@@ -357,7 +357,9 @@ def validate_schedule(
     if i is None or q is None or d is None:
         return
     live = is_real_row(i, requests.max_num_reqs)
-    for b in np.flatnonzero(live & (q < 0))[:1]:
+    negative = np.flatnonzero(live & (q < 0))
+    if negative.size:
+        b = int(negative[0])
         raise ValueError(f"num_scheduled_tokens[{b}] must be non-negative, got {int(q[b])}")
     total = int(q[live].sum())
     if total > num_tokens_padded:
