@@ -12,6 +12,11 @@ Which attention a new prefill path should call, measured, not assumed: the paged
 * ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention(is_causal=True)`` on dense ``[1, S, H, D]``
   arrays (the values zero-padded to the keys' width where an implementation needs equal
   widths: marked ``v_padded``, its FLOPs still counted at the true width);
+* ``cudnn+seqlens``: as ``cudnn`` with both sequence lengths given (cuDNN's padding-causal
+  mask), as a step whose bucket holds more tokens than the prefill passes them;
+* ``cudnn-direct`` / ``cudnn-direct+seqlens``: JAX's own cuDNN entry point
+  (``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``), which takes values
+  narrower than the keys (cuDNN >= 9.10 on Hopper): no padding;
 * ``mosaic``: ``jax.experimental.pallas.ops.gpu.attention_mgpu`` (Hopper, warpgroup MMA), the
   same padding, ``q`` pre-scaled (the kernel applies no score scale).
 
@@ -86,22 +91,37 @@ def main(argv=None) -> int:
 
         variants = [("paged", paged, (kc, vc, qs, tables), False)]
 
-        def dense(impl, pad):
+        def dense(impl, pad, seqlens=False):
             def fn(qs, ks, vs):
                 out = []
+                kw = {"query_seq_lengths": seq, "key_value_seq_lengths": seq} if seqlens else {}
                 for q, k, v in zip(qs, ks, vs):
                     if pad:
                         v = jnp.pad(v, ((0, 0), (0, 0), (0, Dk - Dv)))
                     o = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                                     implementation=impl)[0]
+                                                     implementation=impl, **kw)[0]
                     out.append(o[..., :Dv])
                 return out
+            return fn
+
+        def cudnn_mla(seqlens):  # JAX's cuDNN entry point itself: values narrower than keys
+            from jax._src.cudnn import fused_attention_stablehlo as fa
+
+            def fn(qs, ks, vs):
+                kw = ({"q_seqlen": seq, "kv_seqlen": seq, "mask_type": fa.MaskType.PADDING_CAUSAL}
+                      if seqlens else {"mask_type": fa.MaskType.CAUSAL})
+                return [fa.dot_product_attention(q[None], k[None], v[None], scale=Dk ** -0.5, **kw)[0]
+                        for q, k, v in zip(qs, ks, vs)]
             return fn
 
         for impl in ("xla", "cudnn"):
             variants.append((impl, dense(impl, False), (qs, ks, vs), False))
             if Dk != Dv:
                 variants.append((impl, dense(impl, True), (qs, ks, vs), True))
+        pad = Dk != Dv
+        variants.append(("cudnn+seqlens", dense("cudnn", pad, seqlens=True), (qs, ks, vs), pad))
+        variants.append(("cudnn-direct", cudnn_mla(False), (qs, ks, vs), False))
+        variants.append(("cudnn-direct+seqlens", cudnn_mla(True), (qs, ks, vs), False))
 
         try:
             from jax.experimental.pallas.ops.gpu import attention_mgpu as mg

@@ -293,7 +293,7 @@ def attention_mixer(
                 scale = spec.sm_scale if spec.sm_scale is not None else 1.0 / float(np.sqrt(D))
                 # pad tokens' keys and values zeroed: a masked key's 0 weight times a NaN is NaN
                 kz, vz = (jnp.where(real, a, jnp.zeros((), a.dtype)) for a in (k, v))
-                o = dense_causal_attention(q, kz, vz, jnp.sum(ctx.query_len), scale, implementation=impl)
+                o = dense_causal_attention(q, kz, vz, scale, implementation=impl)
                 return jnp.where(real, o, 0.0)
 
             try:
@@ -348,21 +348,37 @@ def one_fresh_prefill(query_len: jax.Array, seq_lens: jax.Array) -> jax.Array:
     return (jnp.sum(active) == 1) & ~jnp.any(active & (seq_lens > query_len))
 
 
-def dense_causal_attention(q, k, v, length, softmax_scale: float, *, implementation: str) -> jax.Array:
+def dense_causal_attention(q, k, v, softmax_scale: float, *, implementation: str) -> jax.Array:
     """One sequence's causal self-attention -> float32 ``[T, Hq, Dv]``: ``q [T, Hq, D]``,
     ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` (one dtype; ``Hq`` a multiple of ``Hkv``: query head
-    ``h`` reads key head ``h // (Hq / Hkv)``), token ``i < length[0]`` sees keys ``j <= i``;
-    rows from ``length[0]`` on are anything (the caller masks them).
-    ``jax.nn.dot_product_attention`` with ``implementation`` (``"cudnn"``: its flash kernel,
-    bf16 / fp16 only; ``"xla"``: any backend); values narrower than the keys are zero-padded to
-    the keys' width (both implementations take one head size), their extra output columns
+    ``h`` reads key head ``h // (Hq / Hkv)``), token ``i`` sees keys ``j <= i``.
+
+    The sequence may end before ``T`` (a bucket's pad tokens after it): causality alone keeps
+    every real token's output exact, since a pad key comes after every real query. So no length
+    is passed, and the pad tokens' rows (anything; the caller masks them) cost their share of
+    the work: at most 15 tokens under the default buckets from 256 tokens on, where cuDNN's
+    padding mask cost more than that (10% of an 8k MLA prefill's attention; BENCHMARKS.md).
+    The keys and values must be finite where a real query's tile reads them (a masked key's 0
+    weight times a NaN is NaN).
+
+    ``implementation``: ``"cudnn"``, cuDNN's flash kernel through JAX's own cuDNN entry point
+    (bf16 / fp16), which takes values narrower than the keys (MLA's split form; cuDNN >= 9.10
+    on Hopper, else it raises ``NotImplementedError`` while tracing and the callers take the
+    paged path); ``"xla"`` (any backend): ``jax.nn.dot_product_attention``, which takes one head
+    size, so narrower values are zero-padded to the keys' width and the extra output columns
     dropped."""
     D, Dv = k.shape[-1], v.shape[-1]
+    if implementation == "cudnn":
+        # jax.nn.dot_product_attention asks values as wide as the keys; its cuDNN entry point
+        # does not (padded, an 8k MLA prefill's attention did 1.2x the work; BENCHMARKS.md)
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+        o = cudnn_fa.dot_product_attention(q[None], k[None], v[None], scale=softmax_scale,
+                                           mask_type=cudnn_fa.MaskType.CAUSAL)[0]
+        return o.astype(jnp.float32)
     if Dv < D:
         v = jnp.pad(v, ((0, 0), (0, 0), (0, D - Dv)))
-    n = length.reshape(1).astype(jnp.int32)
     o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=softmax_scale, is_causal=True,
-                                     query_seq_lengths=n, key_value_seq_lengths=n,
                                      implementation=implementation)[0]
     return o[..., :Dv].astype(jnp.float32)
 

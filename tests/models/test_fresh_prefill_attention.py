@@ -25,13 +25,15 @@ SPEC = KVGroupSpec.for_model_len(BS, MAX_LEN)
 @pytest.mark.parametrize("hq,hkv,dv", [(2, 2, 8), (4, 2, 8), (2, 2, 4), (6, 2, 5)])
 def test_dense_causal_attention_against_numpy(hq, hkv, dv):
     """Causal, scaled, query head ``h`` on key head ``h // (hq / hkv)``, values narrower than
-    the keys padded and their columns dropped; rows past the length are the caller's."""
+    the keys padded and their columns dropped. The sequence ends at ``n < T``: the pad tokens'
+    keys and values (large, finite) reach no real token; their rows are the caller's."""
     rng = np.random.default_rng(2)
     T, n, Dk = 7, 5, 8
     q, k = rng.standard_normal((T, hq, Dk)), rng.standard_normal((T, hkv, Dk))
     val = rng.standard_normal((T, hkv, dv))
-    got = np.asarray(dense_causal_attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, val)),
-                                            jnp.asarray([n], jnp.int32), 0.5, implementation="xla"))
+    k[n:], val[n:] = 40.0 * rng.standard_normal((T - n, hkv, Dk)), 1e4
+    got = np.asarray(dense_causal_attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, val)), 0.5,
+                                            implementation="xla"))
     assert got.shape == (T, hq, dv) and got.dtype == np.float32
     g = hq // hkv
     for i in range(n):
@@ -143,12 +145,13 @@ def test_the_dense_branch_is_the_one_that_runs(monkeypatch, rows, new, context):
     output (through ``wo``, linear) for a fresh prefill only, and its pad tokens are zero
     whatever the dense kernel leaves in their rows (NaN here)."""
     real_fn = attention.dense_causal_attention
-
-    def doubled_nan_tail(q, k, v, length, scale, *, implementation):
-        o = 2.0 * real_fn(q, k, v, length, scale, implementation=implementation)
-        return jnp.where(jnp.arange(o.shape[0])[:, None, None] < length, o, jnp.nan)
-
     args = step(rows, new, context)
+    n = sum(new)  # one fresh row: its tokens are the step's first
+
+    def doubled_nan_tail(q, k, v, scale, *, implementation):
+        o = 2.0 * real_fn(q, k, v, scale, implementation=implementation)
+        return jnp.where(jnp.arange(o.shape[0])[:, None, None] < n, o, jnp.nan)
+
     want = mix(monkeypatch, "paged", args)[0]
     monkeypatch.setattr(attention, "dense_causal_attention", doubled_nan_tail)
     ctx, h, caches, real = args

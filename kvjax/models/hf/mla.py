@@ -278,9 +278,9 @@ def split_latent_attention(
         # nested ones (each conditional costs a mixed step; BENCHMARKS.md).
 
         def dense():
-            n = jnp.sum(query_len).reshape(1)
-            o = dense_causal_attention(q, k.astype(dt), v.astype(dt), n, softmax_scale,
-                                       implementation=self_attention)
+            # pad tokens' keys and values zeroed: a masked key's 0 weight times a NaN is NaN
+            kz, vz = (jnp.where(real[:, None, None], a.astype(dt), jnp.zeros((), dt)) for a in (k, v))
+            o = dense_causal_attention(q, kz, vz, softmax_scale, implementation=self_attention)
             return jnp.where(real[:, None, None], o, 0.0)
 
         which = jnp.where(one_fresh_prefill(query_len, seq_lens), 0, jnp.where(has_context, 1, 2))

@@ -16,9 +16,9 @@ from kvjax.models.hf.mla import split_latent_attention
 H, r, pe, nope, v, BS = 3, 16, 8, 8, 6, 4
 
 
-def case(rng, *, rows, T, new, context):
+def case(rng, *, rows, T, new, context, pad=0.0):
     """``rows`` rows with ``new[b]`` tokens this step over ``context[b]`` cached ones, in a
-    ``T``-token bucket; the pool's unused rows and the pad tokens' latent rows NaN."""
+    ``T``-token bucket; the pool's unused rows NaN, the pad tokens' latent rows ``pad``."""
     new, context = list(new), list(context)
     W = 8
     cache = np.full((1 + rows * W, BS, r + pe), np.nan, np.float32)
@@ -28,7 +28,7 @@ def case(rng, *, rows, T, new, context):
         for j in range(context[b]):
             cache[table[b, j // BS], j % BS] = rng.standard_normal(r + pe)
     n = sum(new)
-    latent = np.zeros((T, r + pe), np.float32)
+    latent = np.full((T, r + pe), pad, np.float32)
     latent[:n] = rng.standard_normal((n, r + pe))
     token_row = np.full((T,), rows, np.int32)
     positions = np.zeros((T,), np.int32)
@@ -96,13 +96,13 @@ def test_shapes_the_dense_kernel_refuses_take_the_paged_path(monkeypatch):
 
 
 def test_pad_tokens_are_zero_whatever_the_dense_kernel_leaves_in_their_rows(monkeypatch):
-    """``dense_causal_attention``'s rows past the length are anything (cuDNN leaves them
-    unspecified): poisoned here with NaN, the pad tokens still come out 0."""
+    """``dense_causal_attention``'s rows past the sequence are anything (the pad tokens'
+    own attention): poisoned here with NaN, the pad tokens still come out 0."""
     real_fn = mla.dense_causal_attention
 
-    def poisoned(q, k, v, length, scale, *, implementation):
-        o = real_fn(q, k, v, length, scale, implementation=implementation)
-        return jnp.where(jnp.arange(o.shape[0])[:, None, None] < length[0], o, jnp.nan)
+    def poisoned(q, k, v, scale, *, implementation):
+        o = real_fn(q, k, v, scale, implementation=implementation)
+        return jnp.where(jnp.arange(o.shape[0])[:, None, None] < 7, o, jnp.nan)
 
     monkeypatch.setattr(mla, "dense_causal_attention", poisoned)
     args, real = case(np.random.default_rng(4), rows=1, T=12, new=[7], context=[0])
@@ -120,3 +120,14 @@ def test_the_dense_branch_is_the_one_that_runs(monkeypatch, rows, new, context):
     np.testing.assert_allclose(run(fresh, "xla")[real], 2.0 * run(fresh, "paged")[real], atol=4e-6, rtol=0)
     cached, _ = case(np.random.default_rng(8), rows=2, T=10, new=[4, 3], context=[0, 0])
     np.testing.assert_array_equal(run(cached, "xla"), run(cached, "paged"))
+
+
+def test_pad_tokens_latent_reaches_no_real_token_on_the_dense_path():
+    """The pad tokens' latent rows NaN (their keys and values with them): the dense path zeroes
+    them before the attention (a real query's tile reads keys past it with weight 0, and 0 times
+    NaN is NaN), as the paged path never reads them."""
+    args, real = case(np.random.default_rng(9), rows=1, T=12, new=[7], context=[0], pad=np.nan)
+    clean, _ = case(np.random.default_rng(9), rows=1, T=12, new=[7], context=[0])
+    dense = run(args, "xla")
+    assert np.isfinite(dense).all() and (dense[~real] == 0).all()
+    np.testing.assert_allclose(dense, run(clean, "paged"), atol=2e-6, rtol=0)
