@@ -123,9 +123,9 @@ def test_the_dense_branch_is_the_one_that_runs(monkeypatch, rows, new, context):
 
 
 def test_pad_tokens_latent_reaches_no_real_token_on_the_dense_path():
-    """The pad tokens' latent rows NaN (their keys and values with them): the dense path zeroes
-    them before the attention (a real query's tile reads keys past it with weight 0, and 0 times
-    NaN is NaN), as the paged path never reads them."""
+    """The pad tokens' latent rows NaN (their keys and values with them): zeroed before the
+    attention (the dense path's real query reads keys past it with weight 0, and 0 times NaN is
+    NaN), as the paged path never reads them."""
     args, real = case(np.random.default_rng(9), rows=1, T=12, new=[7], context=[0], pad=np.nan)
     clean, _ = case(np.random.default_rng(9), rows=1, T=12, new=[7], context=[0])
     dense = run(args, "xla")
