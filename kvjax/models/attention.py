@@ -356,31 +356,43 @@ def dense_causal_attention(q, k, v, softmax_scale: float, *, implementation: str
     The sequence may end before ``T`` (a bucket's pad tokens after it): causality alone keeps
     every real token's output exact, since a pad key comes after every real query. So no length
     is passed, and the pad tokens' rows (anything; the caller masks them) cost their share of
-    the work: at most 15 tokens under the default buckets from 256 tokens on, where cuDNN's
-    padding mask cost more than that (10% of an 8k MLA prefill's attention; BENCHMARKS.md).
-    The keys and values must be finite where a real query's tile reads them (a masked key's 0
-    weight times a NaN is NaN).
+    the work. That share is the bucket's padding: under the default buckets at most 15 tokens
+    from 256 on (19 with 4 speculative tokens), where cuDNN's padding mask cost 10% of an 8k
+    MLA prefill's attention (BENCHMARKS.md); a bucket much longer than its prompt pays for its
+    whole length. The keys and values must be finite where a real query's tile reads them (a
+    masked key's 0 weight times a NaN is NaN).
 
     ``implementation``: ``"cudnn"``, cuDNN's flash kernel through JAX's own cuDNN entry point
     (bf16 / fp16), which takes values narrower than the keys (MLA's split form; cuDNN >= 9.10
-    on Hopper, else it raises ``NotImplementedError`` while tracing and the callers take the
-    paged path); ``"xla"`` (any backend): ``jax.nn.dot_product_attention``, which takes one head
-    size, so narrower values are zero-padded to the keys' width and the extra output columns
-    dropped."""
+    on Hopper). Where that entry point is missing or refuses the shapes, it raises
+    ``NotImplementedError`` while tracing and the callers take the paged path. ``"xla"`` (any
+    backend): ``jax.nn.dot_product_attention``, which takes one head size, so narrower values
+    are zero-padded to the keys' width and the extra output columns dropped."""
     D, Dv = k.shape[-1], v.shape[-1]
     if implementation == "cudnn":
-        # jax.nn.dot_product_attention asks values as wide as the keys; its cuDNN entry point
-        # does not (padded, an 8k MLA prefill's attention did 1.2x the work; BENCHMARKS.md)
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
-
-        o = cudnn_fa.dot_product_attention(q[None], k[None], v[None], scale=softmax_scale,
-                                           mask_type=cudnn_fa.MaskType.CAUSAL)[0]
-        return o.astype(jnp.float32)
+        return _cudnn_causal(q, k, v, softmax_scale).astype(jnp.float32)
     if Dv < D:
         v = jnp.pad(v, ((0, 0), (0, 0), (0, D - Dv)))
     o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=softmax_scale, is_causal=True,
                                      implementation=implementation)[0]
     return o[..., :Dv].astype(jnp.float32)
+
+
+def _cudnn_causal(q, k, v, softmax_scale: float) -> jax.Array:
+    """:func:`dense_causal_attention`'s cuDNN call. ``jax.nn.dot_product_attention`` asks values
+    as wide as the keys; the cuDNN entry point it calls does not (padded, an 8k MLA prefill's
+    attention did 1.2x the work; BENCHMARKS.md). That entry point is JAX's private API: a JAX
+    without it, or with another signature, raises ``NotImplementedError`` (the paged path then
+    runs), not an error of its own."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+        call, causal = cudnn_fa.dot_product_attention, cudnn_fa.MaskType.CAUSAL
+    except (ImportError, AttributeError) as e:
+        raise NotImplementedError(f"JAX {jax.__version__} has no cuDNN attention entry point: {e}") from e
+    try:
+        return call(q[None], k[None], v[None], scale=softmax_scale, mask_type=causal)[0]
+    except TypeError as e:
+        raise NotImplementedError(f"JAX {jax.__version__}'s cuDNN attention entry point: {e}") from e
 
 
 def _dense_init(key, shape, dtype=jnp.float32):

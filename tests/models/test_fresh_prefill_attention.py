@@ -226,3 +226,23 @@ def test_bf16_weights_and_cache_dense_within_rounding_a_wider_cache_paged(monkey
                     mix(monkeypatch, "paged", args, weights=jnp.bfloat16)):
         np.testing.assert_array_equal(a, b)
     assert not traced
+
+
+@pytest.mark.parametrize("broken", ["missing", "signature"])
+def test_a_jax_without_the_cudnn_entry_point_is_a_refusal(monkeypatch, broken):
+    """The cuDNN call goes through JAX's private entry point: where a JAX lacks it or changed its
+    signature, the call is refused as a shape cuDNN refuses (NotImplementedError while tracing,
+    so the step takes the paged path), not an ImportError or TypeError that stops the step."""
+    import sys
+    import types
+
+    fake = types.ModuleType("fused_attention_stablehlo")
+    if broken == "signature":
+        fake.MaskType = types.SimpleNamespace(CAUSAL=2)
+        fake.dot_product_attention = lambda q, k, v, *, scale: q  # no mask_type
+    monkeypatch.setitem(sys.modules, "jax._src.cudnn.fused_attention_stablehlo", fake)
+    import jax._src.cudnn as cudnn_pkg
+    monkeypatch.setattr(cudnn_pkg, "fused_attention_stablehlo", fake, raising=False)
+    x = jnp.zeros((4, 2, 8), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="cuDNN attention entry point"):
+        dense_causal_attention(x, x, x[..., :4], 0.5, implementation="cudnn")

@@ -234,6 +234,8 @@ def split_latent_attention(
     # the dense branch's causal mask leaves a pad key in a real query's last tile with weight 0,
     # and 0 times a NaN is NaN. Done here on [T, r + pe], not on the [T, H, *] keys and values
     # (an unfused pass over each, 1.8 ms of an 8k prefill); the paged path never reads them.
+    # (DeepSeek-V3's layer already hands over zeros there, its PAD slots' rows; this function's
+    # other callers need not.)
     new_latent = jnp.where(real[:, None], new_latent, jnp.zeros((), new_latent.dtype))
     c, k_pe = new_latent[:, :r], new_latent[:, r:]
     k_nope = jnp.einsum("tr,hrn->thn", *dot_operands(c, w_uk), preferred_element_type=f32)
