@@ -6,7 +6,9 @@ with each request checked against the dense reference (one request, no cache,
 no padding, full recompute): the reference's tokens (a greedy one may differ from its argmax
 only by a near tie within twice that position's logits error) and logits within
 ``LOGITS_ATOL`` at every generated position (with an fp8 KV cache: of the reference or of one
-that rounds K/V near an fp8 rounding boundary the other way, :mod:`kvjax.testing.fp8_rounding`).
+that rounds K/V near an fp8 rounding boundary the other way, :mod:`kvjax.testing.fp8_rounding`;
+with a bf16 MoE model: or of one whose router chooses otherwise at a near-tie,
+:mod:`kvjax.testing.routing_variants`).
 
 With ``--mesh data=D,model=M`` each data rank has its own scheduler and block
 pool; requests are placed on arrival on the least loaded rank, ranks with
@@ -28,6 +30,7 @@ import numpy as np
 
 from kvjax.testing.asserts import greedy_match
 from kvjax.testing.fp8_rounding import RoundingVariants
+from kvjax.testing.routing_variants import RoutingVariants
 from kvjax.testing.progress import Progress
 from kvjax.models import TinyHybridConfig
 from kvjax.runner import Runner, RunnerConfig
@@ -65,6 +68,13 @@ def logits_tolerance(kv_cache_dtype: str, dtype: str = "float32") -> float:
     if dtype == "bfloat16":
         return LOGITS_ATOL_BF16
     return LOGITS_ATOL
+
+
+def uses_routing_variants(dtype: str) -> bool:
+    """Whether the parity check also tries the routing near-tie variants of the reference
+    (:mod:`kvjax.testing.routing_variants`): a bfloat16 model, whose router scores the two sides
+    round apart by ~1e-3 (a float32 model's by ~1e-6: no variants)."""
+    return dtype == "bfloat16"
 
 
 def uses_rounding_variants(kv_cache_dtype: str, dtype: str = "float32") -> bool:
@@ -247,17 +257,18 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
     and the reference's token: for a greedy position its argmax, or a near tie within twice that
     position's logits error (``near_tie_rows`` counts them). With an fp8 cache (float32 model) a
     position may instead match one of the reference's fp8 rounding variants
-    (:class:`kvjax.testing.fp8_rounding.RoundingVariants`), tried only for requests whose rows do
-    not all match the reference itself.
-    ``max_logit_error``: the largest difference from the reference; ``fp8_rounding_rows``: the
-    positions matched by a rounding variant instead, ``max_logit_error_vs_match`` the largest
-    difference from whichever reference each position matched (as ``max_logit_error`` when
-    none)."""
+    (:class:`kvjax.testing.fp8_rounding.RoundingVariants`); with a bf16 model, one of its routing
+    near-tie variants (:class:`kvjax.testing.routing_variants.RoutingVariants`: one expert's
+    choice bias nudged; none for a model without such a router). Variants are tried only for
+    requests whose rows do not all match the reference itself.
+    ``max_logit_error``: the largest difference from the reference; ``fp8_rounding_rows`` /
+    ``routing_tie_rows``: the positions matched by a rounding / routing variant instead,
+    ``max_logit_error_vs_match`` the largest difference from whichever reference each position
+    matched (as ``max_logit_error`` when none)."""
     dense = runner.dense_reference
     results, nan_count = {}, 0
     dtype = model_dtype(config.model)
     atol = logits_tolerance(config.kv_cache_dtype, dtype)
-    variants = None
     for r in sorted(finished, key=lambda r: r.req_id):
         seq = r.prompt + r.output
         # Padded to a power of two, not to max_model_len (the oracle is quadratic in its length);
@@ -269,7 +280,7 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
         got = np.stack(r.logits) if r.logits else np.zeros((0, ref.shape[1]), np.float32)
         nan_count += int(np.isnan(got).sum())
         out = np.array(r.output)
-        rounding_rows, ties, err, matched_err, ok = 0, 0, float("inf"), float("inf"), False
+        rounding_rows, routing_rows, ties, err, matched_err, ok = 0, 0, 0, float("inf"), float("inf"), False
         if got.shape == ref.shape:
             row_err = _row_errors(ref, got)
             tok_ok, near = _tokens_match(r, ref, out, row_err)
@@ -277,18 +288,11 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
             ties = int((row_ok & near).sum())
             err = float(row_err.max()) if row_err.size else 0.0
             if not row_ok.all() and uses_rounding_variants(config.kv_cache_dtype, dtype):
-                if variants is None:
-                    variants = _rounding_variants(runner, config)
-                before = row_ok.copy()
-                for logits in variants(toks):
-                    cand = logits[rows]
-                    cand_err = _row_errors(cand, got)
-                    cand_ok = (cand_err <= atol) & _tokens_match(r, cand, out, cand_err)[0]
-                    row_err = np.where(cand_ok & ~before, np.minimum(row_err, cand_err), row_err)
-                    row_ok |= cand_ok
-                    if row_ok.all():
-                        break
-                rounding_rows = int((row_ok & ~before).sum())
+                rounding_rows = _match_variants(_variants(runner, config, "fp8")(toks), rows, r, out, got,
+                                                atol, row_ok, row_err)
+            if not row_ok.all() and uses_routing_variants(dtype):
+                routing_rows = _match_variants(_variants(runner, config, "routing")(toks), rows, r, out, got,
+                                               atol, row_ok, row_err)
             ok = bool(row_ok.all())
             matched_err = float(row_err.max()) if row_err.size else 0.0
         results[r.req_id] = {
@@ -297,6 +301,7 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
             "max_logit_error": err,
             "max_logit_error_vs_match": matched_err,
             "fp8_rounding_rows": rounding_rows,
+            "routing_tie_rows": routing_rows,
             "near_tie_rows": ties,
             "preemptions": r.num_preemptions,
         }
@@ -304,16 +309,34 @@ def check_against_reference(runner: Runner, config: RunnerConfig, finished: list
 
 
 _VARIANTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_VARIANT_KINDS = {"fp8": RoundingVariants, "routing": RoutingVariants}
 
 
-def _rounding_variants(runner, config: RunnerConfig) -> RoundingVariants:
-    """The runner's :class:`RoundingVariants` (made once per runner: one compile per length)."""
-    variants = _VARIANTS.get(runner)
-    if variants is None:
-        variants = RoundingVariants(runner.model, runner.dense_params, config.kv_cache_dtype,
-                                    config.matmul_precision)
-        _VARIANTS[runner] = variants
-    return variants
+def _variants(runner, config: RunnerConfig, kind: str):
+    """The runner's variants of its dense reference, ``"fp8"`` (:class:`RoundingVariants`) or
+    ``"routing"`` (:class:`RoutingVariants`), made once per runner: one compile per length."""
+    made = _VARIANTS.setdefault(runner, {})
+    if kind not in made:
+        made[kind] = _VARIANT_KINDS[kind](runner.model, runner.dense_params, config.kv_cache_dtype,
+                                          config.matmul_precision)
+    return made[kind]
+
+
+def _match_variants(variants, rows: slice, req: Request, out: np.ndarray, got: np.ndarray, atol: float,
+                    row_ok: np.ndarray, row_err: np.ndarray) -> int:
+    """Marks the rows of ``req`` (``row_ok``, in place) that a logits array of ``variants``
+    matches: within ``atol`` and with the same token. A newly matched row's ``row_err`` becomes
+    its error from that variant. Stops once every row matches; returns how many it matched."""
+    before = row_ok.copy()
+    for logits in variants:
+        cand = logits[rows]
+        cand_err = _row_errors(cand, got)
+        cand_ok = (cand_err <= atol) & _tokens_match(req, cand, out, cand_err)[0]
+        row_err[:] = np.where(cand_ok & ~before, np.minimum(row_err, cand_err), row_err)
+        row_ok |= cand_ok
+        if row_ok.all():
+            break
+    return int((row_ok & ~before).sum())
 
 
 def _row_errors(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
@@ -369,11 +392,16 @@ def print_summary(report: ServeReport, config: RunnerConfig, out=None) -> None:
 
 
 def _rounding_note(report: ServeReport, config: RunnerConfig) -> str:
-    """The summary's word on fp8 rounding variants, when the check could use them."""
-    if not uses_rounding_variants(config.kv_cache_dtype, model_dtype(config.model)):
-        return ""
-    n = sum(r.get("fp8_rounding_rows", 0) for r in report.requests.values())
-    return f", or of an fp8 rounding variant: {n} positions"
+    """The summary's word on fp8 rounding variants, when the check could use them, and on
+    routing near-tie variants, when one matched."""
+    note = ""
+    if uses_rounding_variants(config.kv_cache_dtype, model_dtype(config.model)):
+        n = sum(r.get("fp8_rounding_rows", 0) for r in report.requests.values())
+        note += f", or of an fp8 rounding variant: {n} positions"
+    n = sum(r.get("routing_tie_rows", 0) for r in report.requests.values())
+    if n:
+        note += f", or of a routing near-tie variant: {n} positions"
+    return note
 
 
 def start_devices(args, mesh_shape: tuple[int, int]) -> bool:
