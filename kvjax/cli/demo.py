@@ -5,10 +5,10 @@ and the runner step by step with no compile (strict mode), and the run ends
 with each request checked against the dense reference (one request, no cache,
 no padding, full recompute): the reference's tokens (a greedy one may differ from its argmax
 only by a near tie within twice that position's logits error) and logits within
-``LOGITS_ATOL`` at every generated position (with an fp8 KV cache: of the reference or of one
-that rounds K/V near an fp8 rounding boundary the other way, :mod:`kvjax.testing.fp8_rounding`;
-with a bf16 MoE model: or of one whose router chooses otherwise at a near-tie,
-:mod:`kvjax.testing.routing_variants`).
+``LOGITS_ATOL`` (a bf16 model: ``LOGITS_ATOL_BF16``) at every generated position (with an fp8
+KV cache: of the reference or of one that rounds K/V near an fp8 rounding boundary the other
+way, :mod:`kvjax.testing.fp8_rounding`; with a bf16 model whose router has a choice bias: or of
+one whose router chooses otherwise at a near-tie, :mod:`kvjax.testing.routing_variants`).
 
 With ``--mesh data=D,model=M`` each data rank has its own scheduler and block
 pool; requests are placed on arrival on the least loaded rank, ranks with

@@ -19,6 +19,11 @@ changes no gate weight and no other computation. A row matches when it is within
 tolerance of such a variant, with the same token. A wrong expert chosen away from a tie, or wrong
 gate weights, match none of them. Routers without a choice bias (softmax routing, Granite) have
 no variants here.
+
+What this can hide: a served-side router error that shows only at near-ties, up to about
+``NUDGE`` by design, and in one request sometimes a few times more (on the test's tiny
+DeepSeek-V3, a bias off by 0.05 at one expert passed 5 of the 47 requests it changed, by 0.01
+8 of 10; off by 0.3 none): a run of several requests catches such a bug, one request may not.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 #: How far one expert's choice score is moved in a variant: about 4x the near-tie of H200 note 60
-#: (0.0012), 1/2 of the next-closest margin of any generated row of that run (0.0065).
+#: (0.0012), below the margin of every other generated row of that run (0.0065 and up).
 NUDGE = 5e-3
 
-#: The most variants one request tries (two per expert per router), so a real-size model that
-#: misses its reference does not run thousands of dense forwards.
+#: The most variants one request tries (two per expert, router by router from the first), so a
+#: real-size model that misses its reference does not run thousands of dense forwards. A flip in
+#: a router past the cap is not reached: the row stays a miss (never a false match).
 MAX_VARIANTS = 256
 
 
@@ -49,7 +55,7 @@ def router_biases(params) -> list[tuple]:
             router = node.get("router")
             for name in ("e_bias", "bias"):
                 b = node.get(name)
-                if (router is not None and b is not None and np.ndim(b) == 1
+                if (router is not None and b is not None and np.ndim(router) >= 1 and np.ndim(b) == 1
                         and np.shape(b)[0] == np.shape(router)[-1]):
                     found.append(path + (name,))
             for k, v in node.items():
@@ -97,7 +103,7 @@ class RoutingVariants:
         if params is None:
             raise ValueError("the dense reference needs unsharded params: this runner was given params "
                              "already placed on its mesh (load them with mesh=None to check parity)")
-        self.params, self.precision = params, matmul_precision
+        self.params, self.precision = jax.device_put(params), matmul_precision  # once, not per variant
         self.paths = router_biases(params)
         self._sizes = [int(np.shape(_get(params, p))[0]) for p in self.paths]
         paths = self.paths
