@@ -23,7 +23,8 @@ no variants here.
 What this can hide: a served-side router error that shows only at near-ties, up to about
 ``NUDGE`` by design, and in one request sometimes a few times more (on the test's tiny
 DeepSeek-V3, a bias off by 0.05 at one expert passed 5 of the 47 requests it changed, by 0.01
-8 of 10; off by 0.3 none): a run of several requests catches such a bug, one request may not.
+8 of 10; off by 0.3, neither of the test's two requests): a run of several requests catches such
+a bug, one request may not.
 """
 
 from __future__ import annotations
