@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                 return out
             return fn
 
-        def cudnn_mla(seqlens):  # JAX's cuDNN entry point itself: values narrower than keys
+        def cudnn_direct(seqlens):  # JAX's cuDNN entry point itself: values narrower than keys
             from jax._src.cudnn import fused_attention_stablehlo as fa
 
             def fn(qs, ks, vs):
@@ -120,8 +120,8 @@ def main(argv=None) -> int:
                 variants.append((impl, dense(impl, True), (qs, ks, vs), True))
         pad = Dk != Dv
         variants.append(("cudnn+seqlens", dense("cudnn", pad, seqlens=True), (qs, ks, vs), pad))
-        variants.append(("cudnn-direct", cudnn_mla(False), (qs, ks, vs), False))
-        variants.append(("cudnn-direct+seqlens", cudnn_mla(True), (qs, ks, vs), False))
+        variants.append(("cudnn-direct", cudnn_direct(False), (qs, ks, vs), False))
+        variants.append(("cudnn-direct+seqlens", cudnn_direct(True), (qs, ks, vs), False))
 
         try:
             from jax.experimental.pallas.ops.gpu import attention_mgpu as mg

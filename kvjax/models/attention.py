@@ -17,6 +17,7 @@ attends over its own tokens instead, with a dense causal attention
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import flax.linen as nn
 import jax
@@ -368,9 +369,9 @@ def dense_causal_attention(q, k, v, softmax_scale: float, *, implementation: str
     ``NotImplementedError`` while tracing and the callers take the paged path. ``"xla"`` (any
     backend): ``jax.nn.dot_product_attention``, which takes one head size, so narrower values
     are zero-padded to the keys' width and the extra output columns dropped."""
-    D, Dv = k.shape[-1], v.shape[-1]
     if implementation == "cudnn":
         return _cudnn_causal(q, k, v, softmax_scale).astype(jnp.float32)
+    D, Dv = k.shape[-1], v.shape[-1]
     if Dv < D:
         v = jnp.pad(v, ((0, 0), (0, 0), (0, D - Dv)))
     o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=softmax_scale, is_causal=True,
@@ -382,17 +383,19 @@ def _cudnn_causal(q, k, v, softmax_scale: float) -> jax.Array:
     """:func:`dense_causal_attention`'s cuDNN call. ``jax.nn.dot_product_attention`` asks values
     as wide as the keys; the cuDNN entry point it calls does not (padded, an 8k MLA prefill's
     attention did 1.2x the work; BENCHMARKS.md). That entry point is JAX's private API: a JAX
-    without it, or with another signature, raises ``NotImplementedError`` (the paged path then
-    runs), not an error of its own."""
+    without it, or whose entry point takes no ``scale`` and ``mask_type``, raises
+    ``NotImplementedError`` (the paged path then runs), not an error of its own. The check is on
+    the signature, so an error the call itself raises is not mistaken for a missing API."""
     try:
         from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
         call, causal = cudnn_fa.dot_product_attention, cudnn_fa.MaskType.CAUSAL
+        params = inspect.signature(call).parameters
     except (ImportError, AttributeError) as e:
         raise NotImplementedError(f"JAX {jax.__version__} has no cuDNN attention entry point: {e}") from e
-    try:
-        return call(q[None], k[None], v[None], scale=softmax_scale, mask_type=causal)[0]
-    except TypeError as e:
-        raise NotImplementedError(f"JAX {jax.__version__}'s cuDNN attention entry point: {e}") from e
+    if not {"scale", "mask_type"} <= params.keys():
+        raise NotImplementedError(f"JAX {jax.__version__}'s cuDNN attention entry point takes no scale "
+                                  f"and mask_type: {list(params)}")
+    return call(q[None], k[None], v[None], scale=softmax_scale, mask_type=causal)[0]
 
 
 def _dense_init(key, shape, dtype=jnp.float32):

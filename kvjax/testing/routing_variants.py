@@ -104,9 +104,10 @@ class RoutingVariants:
         if params is None:
             raise ValueError("the dense reference needs unsharded params: this runner was given params "
                              "already placed on its mesh (load them with mesh=None to check parity)")
-        self.params, self.precision = jax.device_put(params), matmul_precision  # once, not per variant
         self.paths = router_biases(params)
         self._sizes = [int(np.shape(_get(params, p))[0]) for p in self.paths]
+        # on the device once, not per variant; not at all for a model without variants
+        self.params, self.precision = (jax.device_put(params) if self.paths else params), matmul_precision
         paths = self.paths
 
         def forward(p, deltas, toks):
@@ -121,16 +122,9 @@ class RoutingVariants:
 
     def __call__(self, tokens) -> Iterator[np.ndarray]:
         tokens = jnp.asarray(tokens, jnp.int32)
-        zeros = [np.zeros((n,), np.float32) for n in self._sizes]
-        count = 0
-        for i, n in enumerate(self._sizes):
-            for e in range(n):
-                for sign in (1.0, -1.0):
-                    if count == MAX_VARIANTS:
-                        return
-                    count += 1
-                    deltas = list(zeros)
-                    deltas[i] = zeros[i].copy()
-                    deltas[i][e] = sign * NUDGE
-                    with jax.default_matmul_precision(self.precision):
-                        yield np.asarray(self._fn(self.params, tuple(jnp.asarray(d) for d in deltas), tokens))
+        zeros = [jnp.zeros((n,), jnp.float32) for n in self._sizes]
+        nudges = [(i, e, sign * NUDGE) for i, n in enumerate(self._sizes) for e in range(n) for sign in (1, -1)]
+        for i, e, delta in nudges[:MAX_VARIANTS]:
+            deltas = tuple(z.at[e].set(delta) if j == i else z for j, z in enumerate(zeros))
+            with jax.default_matmul_precision(self.precision):
+                yield np.asarray(self._fn(self.params, deltas, tokens))
