@@ -2,12 +2,12 @@
 
     PYTHONPATH=. python benchmarks/gpu_check_moe_route.py [--timings]
 
-At DeepSeek-V2-Lite's router (2048 x 64, top-6; float32 hidden states, a bf16 router, as in
-the model), DeepSeek-V3's (7168 x 256, 8 groups, top-4 groups, top-8), Nemotron-H's and a
+At DeepSeek-V2-Lite's router (2048 x 64, top-6; float32 hidden states and, as DeepSeek-V3's
+block hands them, bf16 ones; a bf16 router, as in the model), DeepSeek-V3's (7168 x 256, 8 groups, top-4 groups, top-8), Nemotron-H's and a
 softmax router, for 1 to 256 tokens through the kernel (``gpu_max_tokens`` 256 here) and
 several splits, and 8,192 tokens (the GPU flavour's fallback to the reference): the chosen
 experts equal the reference's, or (a tie to float32 rounding) have the same choice values
-within ``TIE``; the weights of the tokens that chose alike within 2e-6 of the reference's
+(from float64 sums of the exact products) within ``TIE``; the weights of the tokens that chose alike within 2e-6 of the reference's
 (times the scale); nothing non-finite. ``--timings``: then each path's device time at 1 to 256
 tokens (informational, ~2 minutes of profiler traces; ``run_gpu.sh`` leaves them out: its
 checks share the GPU).
@@ -39,18 +39,18 @@ ROUTERS = {
 }
 
 
-def inputs(name, T, seed=0):
+def inputs(name, T, seed=0, x_dtype=jnp.float32):
     r = ROUTERS[name]
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((T, r["d"])), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((T, r["d"])), x_dtype)
     w = jnp.asarray(rng.standard_normal((r["d"], r["E"])) / np.sqrt(r["d"]), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal(r["E"]) * 0.05, jnp.float32) if r["bias"] else None
     return x, w, b
 
 
-def compare(name, T, split=None):
+def compare(name, T, split=None, x_dtype=jnp.float32):
     r = ROUTERS[name]
-    x, w, b = inputs(name, T)
+    x, w, b = inputs(name, T, x_dtype=x_dtype)
     ref = jax.jit(lambda x, w, b: moe_route(x, w, b, backend="reference", **r["rule"]))
     gpu = jax.jit(lambda x, w, b: moe_route(x, w, b, backend="pallas_gpu",
                                             config=MoERouteConfig(gpu_split=split, gpu_max_tokens=256),
@@ -62,8 +62,8 @@ def compare(name, T, split=None):
         problems.append("non-finite weight")
     # a token may choose otherwise only where the two choices are equally good to float32
     # rounding: the chosen experts' choice values (the scores plus the bias, or the logits)
-    logits = np.asarray(jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32),
-                                   precision=jax.lax.Precision.HIGHEST))
+    logits = (np.asarray(x.astype(jnp.float32), np.float64)
+              @ np.asarray(w.astype(jnp.float32), np.float64))  # exact products, float64 sums
     value = logits
     if r["rule"]["scoring"] == "sigmoid":
         value = 1 / (1 + np.exp(-logits)) + (0 if b is None else np.asarray(b))[None, :]
@@ -79,7 +79,7 @@ def compare(name, T, split=None):
     err = float(np.abs(w0[same] - w1[same]).max()) if same.any() else 0.0
     if err > 2e-6 * max(1.0, float(r["rule"].get("scale", 1.0))):
         problems.append(f"weights off by {err:.2e}")
-    print(f"  {name} T={T} split={split}: {int(differ.sum())} tokens chose otherwise (ties: "
+    print(f"  {name} T={T} split={split} x {jnp.dtype(x_dtype).name}: {int(differ.sum())} tokens chose otherwise (ties: "
           f"{int((differ & tie).sum())}), max weight error {err:.2e}", flush=True)
     return "; ".join(problems)
 
@@ -90,6 +90,10 @@ for _name in ROUTERS:
 for _T, _split in ((1, 1), (1, 4), (2, 16), (16, 1), (256, None), (8192, None)):
     case(f"v2-lite T={_T} split={_split}")(lambda T=_T, s=_split: compare("v2-lite", T, s))
 case("v3 T=1 split=1")(lambda: compare("v3", 1, 1))
+# a bf16 model's router reads the MLP input rounded to bf16 (DeepSeek-V3's block): the kernel,
+# and past gpu_max_tokens the reference's tensor-core product of two bf16 operands
+for _name, _T in (("v2-lite", 1), ("v2-lite", 256), ("v2-lite", 8192), ("v3", 8192)):
+    case(f"{_name} T={_T} x bfloat16")(lambda n=_name, T=_T: compare(n, T, x_dtype=jnp.bfloat16))
 
 
 def timings():

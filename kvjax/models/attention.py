@@ -152,10 +152,24 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, out_dtype=jnp
         y = x @ w
     else:
         x, w = dot_operands(x, w)
-        pref = out_dtype if (b is None and w.dtype == jnp.dtype(out_dtype)) else f32
+        pref = _product_type(w, out_dtype) if b is None else f32
         y = row_padded(lambda a: jnp.matmul(a, w, preferred_element_type=pref), x)
     y = y if b is None else y + b.astype(f32)
     return y.astype(out_dtype)
+
+
+def _product_type(w: jax.Array, out_dtype) -> jnp.dtype:
+    """The element type a product over :func:`dot_operands`' ``w`` asks for: ``out_dtype`` where it
+    is ``w``'s own (the GEMM accumulates in float32 and writes it: half the bytes of a float32
+    result, one rounding either way), else float32."""
+    return jnp.dtype(out_dtype) if w.dtype == jnp.dtype(out_dtype) else jnp.dtype(jnp.float32)
+
+
+def einsum_product(spec: str, x: jax.Array, w: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+    """``einsum(spec, x, w)`` as :func:`linear` runs a product (operands from
+    :func:`dot_operands`, float32 accumulation), its float32 sum rounded once to ``out_dtype``."""
+    x, w = dot_operands(x, w)
+    return jnp.einsum(spec, x, w, preferred_element_type=_product_type(w, out_dtype)).astype(out_dtype)
 
 
 def dot_operands(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -295,10 +309,16 @@ def attention_mixer(
                 # pad tokens' keys and values zeroed: a masked key's 0 weight times a NaN is NaN
                 kz, vz = (jnp.where(real, a, jnp.zeros((), a.dtype)) for a in (k, v))
                 o = dense_causal_attention(q, kz, vz, scale, implementation=impl)
-                return jnp.where(real, o, 0.0)
+                return jnp.where(real, o, jnp.zeros((), o.dtype))
+
+            # Both branches end in the query's dtype, which is wo's (attention_query): the
+            # product below rounds its operand to it anyway, and the dense branch's output stays
+            # as cuDNN writes it (a float32 select and convert of [T, Hq, D] cost a pass each)
+            def paged_rounded():
+                return paged().astype(q.dtype)
 
             try:
-                o = jax.lax.cond(one_fresh_prefill(ctx.query_len, ctx.seq_lens), dense, paged)
+                o = jax.lax.cond(one_fresh_prefill(ctx.query_len, ctx.seq_lens), dense, paged_rounded)
             except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
                 pass
         if o is None:
@@ -350,7 +370,8 @@ def one_fresh_prefill(query_len: jax.Array, seq_lens: jax.Array) -> jax.Array:
 
 
 def dense_causal_attention(q, k, v, softmax_scale: float, *, implementation: str) -> jax.Array:
-    """One sequence's causal self-attention -> float32 ``[T, Hq, Dv]``: ``q [T, Hq, D]``,
+    """One sequence's causal self-attention -> ``[T, Hq, Dv]`` in the inputs' dtype (as the kernel
+    writes it; the products accumulate in float32): ``q [T, Hq, D]``,
     ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` (one dtype; ``Hq`` a multiple of ``Hkv``: query head
     ``h`` reads key head ``h // (Hq / Hkv)``), token ``i`` sees keys ``j <= i``.
 
@@ -370,13 +391,13 @@ def dense_causal_attention(q, k, v, softmax_scale: float, *, implementation: str
     backend): ``jax.nn.dot_product_attention``, which takes one head size, so narrower values
     are zero-padded to the keys' width and the extra output columns dropped."""
     if implementation == "cudnn":
-        return _cudnn_causal(q, k, v, softmax_scale).astype(jnp.float32)
+        return _cudnn_causal(q, k, v, softmax_scale)
     D, Dv = k.shape[-1], v.shape[-1]
     if Dv < D:
         v = jnp.pad(v, ((0, 0), (0, 0), (0, D - Dv)))
     o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=softmax_scale, is_causal=True,
                                      implementation=implementation)[0]
-    return o[..., :Dv].astype(jnp.float32)
+    return o[..., :Dv]
 
 
 def _cudnn_causal(q, k, v, softmax_scale: float) -> jax.Array:

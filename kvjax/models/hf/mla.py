@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.attention import (MASK_VALUE, attention_query, dense_causal_attention, dot_operands,
-                                    one_fresh_prefill)
+                                    einsum_product, one_fresh_prefill)
 from pallas_kernels.attention_math import merge_attention
 from pallas_kernels.paged_attention import paged_attention as paged_attention_op
 from pallas_kernels.paged_attention import reads_live_keys_only
@@ -202,9 +202,10 @@ def split_latent_attention(
     backend: str = "reference",
     self_attention: str = "paged",
 ) -> jax.Array:
-    """The split form (module docstring) -> float32 ``[T, H, v]``, the same attention as
-    :func:`paged_latent_attention`: token ``t`` of row ``b`` sees the row's keys up to its own
-    position.
+    """The split form (module docstring) -> ``[T, H, v]`` in the dtype attention reads
+    (:func:`~kvjax.models.attention.attention_query`: ``w_uk``'s; the output projection rounds
+    its operand to it anyway), the same attention as :func:`paged_latent_attention`: token ``t``
+    of row ``b`` sees the row's keys up to its own position.
 
     * Over this step's tokens: row ``b``'s tokens are ``query_start_loc[b] ..`` (``query_len[b]``
       of them, contiguous); ``new_latent`` up-projected to per-head ``[k_nope | k_pe]`` and
@@ -238,10 +239,16 @@ def split_latent_attention(
     # other callers need not.)
     new_latent = jnp.where(real[:, None], new_latent, jnp.zeros((), new_latent.dtype))
     c, k_pe = new_latent[:, :r], new_latent[:, r:]
-    k_nope = jnp.einsum("tr,hrn->thn", *dot_operands(c, w_uk), preferred_element_type=f32)
-    v = jnp.einsum("tr,hvr->thv", *dot_operands(c, w_uv), preferred_element_type=f32)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None, :], (T, H, k_pe.shape[-1]))], axis=-1)
-    dt = attention_query(k, w_uk.dtype).dtype  # bf16 model: bf16 products, as the absorbed kernel
+    # Queries, keys and values in the dtype attention reads (attention_query: a bf16 model's are
+    # bf16, as the absorbed kernel's), each written once in it: the up-projections write it
+    # themselves, and every branch below reads these three (the context's q_nope and q_pe are
+    # q's columns: the same roundings), so the conditional's operands are the narrow arrays.
+    dt = jnp.dtype(w_uk.dtype)
+    nope = q_nope.shape[-1]
+    k_nope = einsum_product("tr,hrn->thn", c, w_uk, dt)
+    v = einsum_product("tr,hvr->thv", c, w_uv, dt)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe.astype(dt)[:, None, :], (T, H, k_pe.shape[-1]))],
+                        axis=-1)
     q = attention_query(jnp.concatenate([q_nope, q_pe], axis=-1), w_uk.dtype)
     starts = query_start_loc[:R]
     table = jnp.minimum(starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], T - 1)
@@ -252,12 +259,12 @@ def split_latent_attention(
 
     def paged_self():  # this step's tokens through the paged kernel, with their log-sum-exps
         return paged_attention_op(
-            q, k.astype(dt)[:, None], v.astype(dt)[:, None], table, query_len, local, token_row,
+            q, k[:, None], v[:, None], table, query_len, local, token_row,
             sm_scale=softmax_scale, return_lse=True, backend=backend)
 
     def context():  # the cached context, absorbed, with its log-sum-exps
-        q_lat = jnp.einsum("thn,hrn->thr", *dot_operands(q_nope, w_uk), preferred_element_type=f32)
-        qf = attention_query(jnp.concatenate([q_lat, q_pe], axis=-1), w_uk.dtype)
+        q_lat = einsum_product("thn,hrn->thr", q[..., :nope], w_uk)
+        qf = attention_query(jnp.concatenate([q_lat, q[..., nope:]], axis=-1), w_uk.dtype)
         scale = None if fp8_scale is None else jnp.float32(fp8_scale)
         o_lat, lse = paged_attention_op(
             qf, cache[:, :, None, :], None, block_table, context_lens, positions, token_row,
@@ -269,10 +276,10 @@ def split_latent_attention(
         return jnp.zeros((T, H, w_uv.shape[1]), f32), jnp.full((T, H), -jnp.inf, f32)
 
     def with_context():
-        return merge_attention(*paged_self(), *context())[0]
+        return merge_attention(*paged_self(), *context())[0].astype(dt)
 
     def without_context():  # a step of fresh prefills: no [T, H, kv_lora_rank] float32 zero
-        return merge_attention(*paged_self(), *no_context())[0]  # written and up-projected
+        return merge_attention(*paged_self(), *no_context())[0].astype(dt)  # written and up-projected
 
     if self_attention not in ("paged", "cudnn", "xla"):
         raise ValueError(f"self_attention must be 'paged', 'cudnn' or 'xla', got {self_attention!r}")
@@ -284,9 +291,8 @@ def split_latent_attention(
         # nested ones (each conditional costs a mixed step; BENCHMARKS.md).
 
         def dense():
-            o = dense_causal_attention(q, k.astype(dt), v.astype(dt), softmax_scale,
-                                       implementation=self_attention)
-            return jnp.where(real[:, None, None], o, 0.0)
+            o = dense_causal_attention(q, k, v, softmax_scale, implementation=self_attention)
+            return jnp.where(real[:, None, None], o, jnp.zeros((), dt))
 
         which = jnp.where(one_fresh_prefill(query_len, seq_lens), 0, jnp.where(has_context, 1, 2))
         try:
@@ -294,4 +300,4 @@ def split_latent_attention(
         except NotImplementedError:  # shapes this cuDNN refuses (raised while tracing): paged
             pass
     # the context part is skipped (a conditional) when no row has one (as without_context)
-    return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0]
+    return merge_attention(*paged_self(), *jax.lax.cond(has_context, context, no_context))[0].astype(dt)

@@ -621,3 +621,26 @@ def test_mesh_data2_model2_serves_token_for_token(checkpoints):
         for i, p in enumerate(prompts):
             assert r["out"][f"r{i}"] == _hf_greedy(ck, p, n_new), i
     assert "caught" in planted, planted  # the sanitizer stops the run with the planted bug
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_router_reads_the_mlp_input_in_the_matrices_dtype(checkpoints, monkeypatch, dtype):
+    """A MoE layer's router reads the block's input as its products do, rounded once to the
+    matrices' dtype (transformers' norm hands the MLP its model-dtype output and the router widens
+    that): a bf16 model's router gets the float32 norm output rounded to bf16, a float32 model's
+    gets it as it is; the routed and shared experts read the same array."""
+    c = checkpoints["lora"].config
+    model = ds.DeepseekV3(c, dtype=dtype)
+    params = model.init_params(0)
+    i = c.first_k_dense_replace  # the first MoE layer
+    h = jnp.asarray(np.random.default_rng(3).standard_normal((5, c.hidden_size)) * (1 + 2.0 ** -12),
+                    jnp.float32)
+    seen = []
+    real = ds.moe_route
+    monkeypatch.setattr(ds, "moe_route", lambda x, *a, **k: seen.append(x) or real(x, *a, **k))
+    ds._mlp(params["layers"][i], c, i, h, None, None)
+    want = h.astype(jnp.dtype(dtype))
+    assert len(seen) == 1 and seen[0].dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(seen[0], np.float32), np.asarray(want, np.float32))
+    if dtype == "bfloat16":  # the test can tell: h is not bf16-representable
+        assert not np.array_equal(np.asarray(want, np.float32), np.asarray(h))
