@@ -149,24 +149,52 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, row
         if NT != P:
             raise ValueError(f"rows_apart needs at most num_groups={G} rows (one tile each), got {P}")
         return jnp.where(valid, jnp.arange(P, dtype=jnp.int32) * TM, NT * TM).astype(jnp.int32), key
-    # The rows in group order, row order within a group: a stable sort, not a running count
-    # down a [P, G] one-hot (XLA:GPU fuses that into a reduction of G outputs, each thread
-    # walking all P rows: 121 us at P 384, G 64 on an H200; BENCHMARKS.md's H200 notes).
-    sorted_key, order = jax.lax.sort((key, jnp.arange(P, dtype=jnp.int32)), num_keys=1, is_stable=True)
-    groups = jnp.arange(G, dtype=jnp.int32)
+    # Each row's rank among its group's rows: counted, not sorted (a stable sort of the rows by
+    # group was XLA:GPU's CUB radix sort, six kernels with a memset and a gap before each, ~80 us
+    # of each MoE layer of an 8k prefill; BENCHMARKS.md), and not a running count down a [P, G]
+    # one-hot either (XLA:GPU fuses that into a reduction of G outputs, each walking all P rows:
+    # 121 us at P 384, G 64 on an H200): see _group_ranks.
     i32 = jnp.int32  # sums stay int32 under x64 (the slots are scattered into int32)
-    counts = jnp.sum(g[None, :] == groups[:, None], axis=1, dtype=i32)  # [G]
+    rank, counts = _group_ranks(key, G)
     tiles = (counts + TM - 1) // TM
     ends = jnp.cumsum(tiles, dtype=i32)  # [G] exclusive end tile of each group
     starts = ends - tiles
-    first = jnp.cumsum(counts, dtype=i32) - counts  # [G] sorted position of each group's first row
-    k = jnp.minimum(sorted_key, G - 1)
-    position = jnp.arange(P, dtype=jnp.int32)  # in the sorted order
-    ranked = jnp.where(sorted_key < G, starts[k] * TM + position - first[k], NT * TM)
-    slot = jnp.zeros((P,), jnp.int32).at[order].set(ranked, unique_indices=True)
+    slot = jnp.where(valid, starts[jnp.minimum(key, G - 1)] * TM + rank, NT * TM).astype(i32)
     tile = jnp.arange(NT, dtype=jnp.int32)
     tile_group = jnp.sum(ends[None, :] <= tile[:, None], axis=1, dtype=i32)  # G: unused
     return slot, tile_group
+
+
+#: Rows per chunk of :func:`_group_ranks`: each row's rank is a count over the earlier rows of its
+#: chunk (a row reduction this long) plus a count over the earlier chunks (one this long per
+#: ``P / RANK_CHUNK`` chunks).
+RANK_CHUNK = 256
+
+
+def _group_ranks(key: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
+    """``(rank int32 [P], counts int32 [G])`` of ``key [P]`` (int32, ``G`` for a row of no group):
+    ``rank[p]`` the rows ``q < p`` with ``key[q] == key[p]``, ``counts[g]`` the rows of group
+    ``g``. Only bounded reductions: the rows in chunks of :data:`RANK_CHUNK`, a row's rank the
+    earlier rows of its chunk in its group plus its group's rows in the earlier chunks; the
+    per-chunk counts are materialised once (a barrier), not recomputed by every chunk that
+    sums them."""
+    i32 = jnp.int32
+    P = int(key.shape[0])
+    if P == 0:
+        return jnp.zeros((0,), i32), jnp.zeros((G,), i32)
+    C = min(RANK_CHUNK, P)
+    n = -(-P // C)
+    kc = jnp.pad(key, (0, n * C - P), constant_values=G).reshape(n, C)  # pad rows: no group
+    per_chunk = jnp.sum(kc[:, :, None] == jnp.arange(G, dtype=i32)[None, None, :], axis=1, dtype=i32)
+    per_chunk = jax.lax.optimization_barrier(per_chunk)  # [n, G]
+    chunk = jnp.arange(n, dtype=i32)
+    before = jnp.sum(jnp.where((chunk[None, :] < chunk[:, None])[:, :, None], per_chunk[None], 0),
+                     axis=1, dtype=i32)  # [n, G]: the group's rows in the chunks before
+    pos = jnp.arange(C, dtype=i32)
+    within = jnp.sum((kc[:, None, :] == kc[:, :, None]) & (pos[None, None, :] < pos[None, :, None]),
+                     axis=2, dtype=i32)  # [n, C]: the group's rows before it in its chunk
+    rank = jnp.take_along_axis(before, jnp.minimum(kc, G - 1), axis=1) + within
+    return rank.reshape(n * C)[:P], before[-1] + per_chunk[-1]
 
 
 # --------------------------------------------------------------------------

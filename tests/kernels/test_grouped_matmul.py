@@ -14,8 +14,10 @@ Planted bugs each test was seen to fail on (then restored):
 * ``group_tiles`` starting each group at ``starts * TM + rank`` with ``starts`` off by one
   tile: the layout test fails;
 * ``num_tiles`` one tile short: the layout test's bound fails (and the slots overflow);
-* the layout counted by a running sum down a ``[P, G]`` one-hot (the former way):
-  ``test_group_tiles_sorts_instead_of_counting_down_the_rows`` fails;
+* the layout counted by a running sum down a ``[P, G]`` one-hot (an earlier way), or its
+  ranks counted in one chunk of all ``P`` rows:
+  ``test_group_tiles_counts_in_bounded_reductions`` fails;
+* the ranks without the earlier chunks' counts: the layout test fails at 513 and 600 rows;
 * ``group_tiles``' per-group sums left in the default integer type (int64 under x64):
   ``test_group_tiles_under_x64`` fails (the int32 scatter warns);
 * the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails;
@@ -49,7 +51,8 @@ def _layout(groups, G, TM):
     return np.asarray(slot), np.asarray(tg)
 
 
-@pytest.mark.parametrize("P,G,TM", [(6, 64, 16), (1, 4, 16), (40, 5, 4), (33, 3, 8), (7, 7, 1)])
+@pytest.mark.parametrize("P,G,TM", [(6, 64, 16), (1, 4, 16), (40, 5, 4), (33, 3, 8), (7, 7, 1), (600, 7, 16),
+                                    (513, 64, 8)])
 def test_group_tiles_layout(P, G, TM):
     """Every valid row gets its own slot; a group's rows are consecutive, in row order, from a
     tile boundary, in tiles naming that group; unused tiles name ``G``; rows of no group are
@@ -81,12 +84,17 @@ def test_group_tiles_layout(P, G, TM):
         assert unused == list(range(len(used), NT)), "used tiles come first"
 
 
-def test_group_tiles_sorts_instead_of_counting_down_the_rows():
-    """The layout's work is one stable sort of the rows; any running sum is over the groups.
-    A running count down the rows of a ``[P, G]`` one-hot gives the same layout, but XLA:GPU
-    fuses it into a reduction of G outputs, each walking all P rows (121 us a MoE layer at
-    DeepSeek's batch 64 on an H200, BENCHMARKS.md)."""
-    P, G = 384, 64
+@pytest.mark.parametrize("P", [384, 49152])
+def test_group_tiles_counts_in_bounded_reductions(P):
+    """The layout neither sorts the rows (XLA:GPU's CUB radix sort: six kernels with a memset and
+    a gap before each, ~80 us a MoE layer of DeepSeek's 8k prefill on an H200) nor runs a count
+    down all of them: every running sum is over the groups and every reduction sums at most
+    ``max(G, RANK_CHUNK)`` values. A running count down the rows of a ``[P, G]`` one-hot gives
+    the same layout, but XLA:GPU fuses it into a reduction of G outputs, each walking all P rows
+    (121 us a MoE layer at DeepSeek's batch 64, BENCHMARKS.md)."""
+    from pallas_kernels.grouped_matmul import RANK_CHUNK
+
+    G = 64
     def walk(jaxpr):  # every equation, those of nested jits included
         for e in jaxpr.eqns:
             yield e
@@ -94,9 +102,12 @@ def test_group_tiles_sorts_instead_of_counting_down_the_rows():
                 yield from walk(sub)
 
     eqns = list(walk(jax.make_jaxpr(lambda g: group_tiles(g, G, 16))(jnp.zeros((P,), jnp.int32)).jaxpr))
+    assert not [e for e in eqns if e.primitive.name == "sort"]
     sums = [e for e in eqns if e.primitive.name in ("cumsum", "reduce_window_sum")]
-    assert sum(e.primitive.name == "sort" for e in eqns) == 1
     assert all(max(v.aval.shape) <= G for e in sums for v in e.invars), sums
+    reduced = [e.invars[0].aval.shape[a] for e in eqns if e.primitive.name.startswith("reduce_")
+               and "axes" in e.params for a in e.params["axes"]]
+    assert reduced and max(reduced) <= max(G, RANK_CHUNK), reduced
 
 
 def test_group_tiles_under_x64():
