@@ -38,9 +38,10 @@ per call of the 8-call runs, which also holds a share of the first call's launch
 ``host_us`` (prepare + launch + fetch of one synchronous step, minus ``device_us``), the byte
 floor (weights read once — MoE: the experts a uniform router touches at that batch — plus live
 KV and recurrent states read and written once, over the device-to-device copy bandwidth
-measured in the same process on 1 GiB), the bf16 matmul floor (2 x active params x tokens over
-989 TFLOP/s, the H100 SXM dense bf16 datasheet figure; the measured 8192^3 bf16 matmul rate is
-in ``meta``), ``floor_ratio`` = device / max(floors), tokens/s, peak device memory, compile time.
+measured in the same process on 1 GiB), the bf16 matmul floor (2 x active params x tokens, plus
+attention's products over each query's visible keys, over 989 TFLOP/s, the H100 SXM dense bf16
+datasheet figure; the measured 8192^3 bf16 matmul rate is in ``meta``; the weights' products
+alone are ``matmul_floor_params_us``), ``floor_ratio`` = device / max(floors), tokens/s, peak device memory, compile time.
 The ``transformers`` rows run transformers' own forward (torch, CUDA, bf16) for the same shapes
 in the same run: prefill is the whole sequence (``use_cache=False``), decode is one token over a
 past of ``context`` tokens (the past made by a batch-1 prefill and repeated over the batch).
@@ -354,9 +355,28 @@ def state_bytes_per_row(model) -> int:
     return c.count("mamba") * (ssm + conv)
 
 
+def attention_pair_flops(model) -> int:
+    """FLOPs of one (query, visible key) pair over every attention layer: the score and the value
+    products, ``2 x heads x (key width + value width)`` a layer. MLA counts its naive form
+    (``qk_nope + qk_rope`` and ``v_head_dim``, what the split form's prefill computes); the
+    absorbed decode's wider products are a choice, not a floor. Mamba layers count nothing."""
+    from kvjax.models.hf.deepseek_v3 import DeepseekV3
+
+    c = model.config
+    if isinstance(model, DeepseekV3):
+        return 2 * c.num_hidden_layers * c.num_attention_heads * (
+            c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    if c.attn is None:
+        return 0
+    return 2 * c.count("attn") * c.attn.num_heads * 2 * c.attn.head_dim
+
+
 def floors(p: dict, model, *, phase: str, batch: int, context: int, tokens: int, bw: float,
            tflops: float) -> dict:
-    """Byte and matmul floors (us) of one step."""
+    """Byte and matmul floors (us) of one step. The matmul floor counts the weights' products
+    (``2 x active params`` a token, the head's for each logits row) and attention's (each query's
+    visible keys: a fresh prefill's ``T (T + 1) / 2`` causal pairs, a decode token's ``context + 1``
+    keys; :func:`attention_pair_flops`); ``matmul_floor_params_us`` is the weights' alone."""
     wbytes = 2  # bf16 matrices
     E, k = p["experts"], p["top_k"]
     if E:
@@ -376,10 +396,14 @@ def floors(p: dict, model, *, phase: str, batch: int, context: int, tokens: int,
         states = state_bytes_per_row(model)  # written once (fresh)
         logits_rows = 1
     total = weights + kv + states
-    flops = 2 * (p["active_per_token"] * tokens + p["head"] * logits_rows)
+    param_flops = 2 * (p["active_per_token"] * tokens + p["head"] * logits_rows)
+    pairs = batch * (context + 1) if phase == "decode" else tokens * (tokens + 1) // 2
+    attn_flops = attention_pair_flops(model) * pairs
+    flops = param_flops + attn_flops
     return {"byte_floor_us": total / bw * 1e6, "matmul_floor_us": flops / (tflops * 1e12) * 1e6,
-            "floor_bytes": total, "floor_flops": flops, "weight_bytes_read": weights, "kv_bytes": kv,
-            "state_bytes": states}
+            "matmul_floor_params_us": param_flops / (tflops * 1e12) * 1e6,
+            "floor_bytes": total, "floor_flops": flops, "attention_flops": attn_flops,
+            "weight_bytes_read": weights, "kv_bytes": kv, "state_bytes": states}
 
 
 # ------------------------------------------------------------------------------ kvjax side
@@ -932,7 +956,9 @@ METHOD_SHORT = (
     "minus the device time. *byte floor*: weights read once (MoE: the experts a uniform router touches at "
     "that many tokens) + live KV read (and the new token's written) + recurrent states read and written, over "
     "the copy bandwidth measured in the same process. *matmul floor*: 2 x active params x tokens (+ the head "
-    "for the logits rows) over 989 TFLOP/s. *floor ratio*: device / max(floors). *memory*: the process's "
+    "for the logits rows) + attention's products (2 x heads x (key + value width) for each query's visible "
+    "key: a fresh prefill's T (T + 1) / 2 causal pairs; MLA in its naive form; Mamba's scan not counted) "
+    "over 989 TFLOP/s (the weights' products alone: `matmul_floor_params_us`). *floor ratio*: device / max(floors). *memory*: the process's "
     "peak device memory so far (`memory_stats`). *transformers*: its own forward (torch eager, CUDA, bf16, "
     "reference PyTorch Mamba kernels since `mamba_ssm` / `causal_conv1d` are not installed), host clock "
     "after `synchronize`, median of 5 (prefill 3); decode is one token over a past of `context` tokens "

@@ -17,6 +17,10 @@ those presets (a later run of a whole preset, its peers in the same run). ``--re
 PART.json`` (repeatable): each of that part's rows replaces the other parts' row of the same
 preset, impl, phase, batch, context and ``max_model_len``; rows it did not measure are kept (a
 later run of some rows, e.g. the kvjax rows without their peers).
+
+``--refloor``: every measured kvjax row's floors recomputed by ``bench_model.floors`` (the
+preset's shapes, the row's own copy bandwidth and TFLOP/s), so that rows measured under an older
+floor read as the newer ones; a row so changed is marked ``floors_recomputed``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,31 @@ def _key(r: dict) -> tuple:
     return tuple(r.get(k) for k in ("preset", "impl", "phase", "batch", "context", "max_model_len"))
 
 
+def refloor(rows: list) -> int:
+    """Recompute the floors of every measured kvjax row in place (see the module docstring);
+    returns how many changed."""
+    import bench_model as bm
+
+    models, changed = {}, 0
+    for r in rows:
+        if not (str(r.get("impl", "")).startswith("kvjax") and r.get("device_us") and r.get("byte_floor_us")):
+            continue
+        if r["preset"] not in models:
+            m = bm.build_model(r["preset"])
+            models[r["preset"]] = (m, bm.count_params(m))
+        m, info = models[r["preset"]]
+        tokens = r["batch"] if r["phase"] == "decode" else r["context"]
+        fl = bm.floors(info, m, phase=r["phase"], batch=r["batch"], context=r["context"], tokens=tokens,
+                       bw=r["copy_bw_TBps"] * 1e12, tflops=r["matmul_tflops_floor"])
+        new = dict(fl, floor_ratio=r["device_us"] / max(fl["byte_floor_us"], fl["matmul_floor_us"]),
+                   byte_ratio=r["device_us"] / fl["byte_floor_us"],
+                   matmul_fraction=fl["matmul_floor_us"] / r["device_us"])
+        if any(r.get(k) is None or abs(r[k] - v) > 1e-6 * max(1.0, abs(v)) for k, v in new.items()):
+            r.update(new, floors_recomputed=True)
+            changed += 1
+    return changed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -50,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-from")
     ap.add_argument("--replace-presets", action="append", default=[])
     ap.add_argument("--replace-rows", action="append", default=[])
+    ap.add_argument("--refloor", action="store_true")
     a = ap.parse_args(argv)
     rows, parts, meta = [], [], None
     # (path, mode): "part", "baseline", "prefill" (--prefill-from) or "replace" (--replace-presets)
@@ -104,6 +134,8 @@ def main(argv=None) -> int:
                                                 prefill=mx["prefill"])
     meta["total_wall_s"] = sum(p["total_wall_s"] or 0 for p in parts)
     meta["commit"] = ", ".join(sorted({str(p["commit"]) for p in parts}))
+    if a.refloor:
+        print(f"floors recomputed in {refloor(rows)} rows")
     with open(a.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(f"{a.out}: {len(rows)} rows from {len(parts)} parts")

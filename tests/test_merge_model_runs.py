@@ -62,3 +62,27 @@ def test_prefill_from_part_adds_no_decode_batches_to_the_matrix(tmp_path):
     assert kv_decode == [1, 16]
     assert doc["meta"]["matrix"]["p"]["decode"] == [[1024, [1, 16]]]
     assert doc["meta"]["matrix"]["p"]["prefill"] == [4096]
+
+
+def test_refloor_counts_attention_and_keeps_the_weights_alone(tmp_path):
+    """``--refloor`` recomputes an older row's floors with bench_model's: a fresh 8k prefill of
+    DeepSeek-V2-Lite's shapes adds its causal attention's products (27 layers x 16 heads x
+    (192 + 128) x 2 FLOPs for each of 8192 x 8193 / 2 pairs) to the weights' products, which stay
+    as ``matmul_floor_params_us``; a row already on the new floor is not marked."""
+    import bench_model as bm
+
+    m = bm.build_model("deepseek-v2-lite")
+    info = bm.count_params(m)
+    new = bm.floors(info, m, phase="prefill", batch=1, context=8192, tokens=8192, bw=4e12, tflops=989.0)
+    attn = 27 * 16 * (192 + 128) * 2 * 8192 * 8193 // 2
+    assert new["attention_flops"] == attn
+    assert abs(new["matmul_floor_us"] - new["matmul_floor_params_us"] - attn / 989e12 * 1e6) < 1e-6
+    base = dict(preset="deepseek-v2-lite", impl="kvjax", phase="prefill", batch=1, context=8192,
+                max_model_len=32768, device_us=100_000.0, copy_bw_TBps=4.0, matmul_tflops_floor=989.0)
+    old = dict(base, byte_floor_us=new["byte_floor_us"], matmul_floor_us=new["matmul_floor_params_us"])
+    current = dict(base, **new, floor_ratio=100_000.0 / new["matmul_floor_us"],
+                   byte_ratio=100_000.0 / new["byte_floor_us"], matmul_fraction=new["matmul_floor_us"] / 1e5)
+    rows = [old, current]
+    assert merge_model_runs.refloor(rows) == 1
+    assert old["floors_recomputed"] and "floors_recomputed" not in current
+    assert old["matmul_floor_us"] == new["matmul_floor_us"] and old["matmul_fraction"] == new["matmul_floor_us"] / 1e5
