@@ -947,12 +947,12 @@ def model_targets(doc):
                   f"{min(r['floor_ratio'] for r in big):.2f}-{worst['floor_ratio']:.2f}x")
     for r in [r for r in kv if r["phase"] == "prefill" and r["context"] >= 8192]:
         frac = r["matmul_floor_us"] / r["device_us"]
-        params = r.get("matmul_floor_params_us")
-        alone = ("" if params is None else
-                 f" ({100 * params / r['device_us']:.0f}% counting the weights' products alone)")
+        params = r.get("matmul_floor_params_us")  # absent: a run whose floor counted the weights alone
+        counted, alone = ("", "") if params is None else (
+            "; the weights' and attention's products",
+            f" ({100 * params / r['device_us']:.0f}% counting the weights' products alone)")
         judge(frac >= 0.4, f"{r['preset']}: prefill of {r['context']} tokens >= 40% of the bf16 matmul peak "
-              f"({r['matmul_tflops_floor']:.0f} TFLOP/s; the weights' and attention's products): "
-              f"{100 * frac:.0f}%{alone}")
+              f"({r['matmul_tflops_floor']:.0f} TFLOP/s{counted}): {100 * frac:.0f}%{alone}")
     wins = losses = 0
     lost, unrun = [], []
     for r in kv:

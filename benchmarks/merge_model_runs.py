@@ -20,7 +20,8 @@ later run of some rows, e.g. the kvjax rows without their peers).
 
 ``--refloor``: every measured kvjax row's floors recomputed by ``bench_model.floors`` (the
 preset's shapes, the row's own copy bandwidth and TFLOP/s), so that rows measured under an older
-floor read as the newer ones; a row so changed is marked ``floors_recomputed``.
+floor read as the newer ones; a row so changed is marked ``floors_recomputed``, and the merged
+``meta`` takes bench_model's current method text (it defines the floors).
 """
 
 from __future__ import annotations
@@ -135,7 +136,10 @@ def main(argv=None) -> int:
     meta["total_wall_s"] = sum(p["total_wall_s"] or 0 for p in parts)
     meta["commit"] = ", ".join(sorted({str(p["commit"]) for p in parts}))
     if a.refloor:
+        import bench_model as bm
+
         print(f"floors recomputed in {refloor(rows)} rows")
+        meta["method_short"], meta["method"] = bm.METHOD_SHORT, bm.METHOD  # they describe the floors
     with open(a.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(f"{a.out}: {len(rows)} rows from {len(parts)} parts")
