@@ -154,7 +154,7 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, row
     # of each MoE layer of an 8k prefill; BENCHMARKS.md), and not a running count down a [P, G]
     # one-hot either (XLA:GPU fuses that into a reduction of G outputs, each walking all P rows:
     # 121 us at P 384, G 64 on an H200): see _group_ranks.
-    i32 = jnp.int32  # sums stay int32 under x64 (the slots are scattered into int32)
+    i32 = jnp.int32  # sums stay int32 under x64
     rank, counts = _group_ranks(key, G)
     tiles = (counts + TM - 1) // TM
     ends = jnp.cumsum(tiles, dtype=i32)  # [G] exclusive end tile of each group
@@ -165,19 +165,20 @@ def group_tiles(group_of_row: jax.Array, num_groups: int, tile_rows: int, *, row
     return slot, tile_group
 
 
-#: Rows per chunk of :func:`_group_ranks`: each row's rank is a count over the earlier rows of its
-#: chunk (a row reduction this long) plus a count over the earlier chunks (one this long per
-#: ``P / RANK_CHUNK`` chunks).
+#: Rows per chunk of :func:`_group_ranks`, and chunks per block of :func:`_exclusive_prefix`: the
+#: longest reduction either runs.
 RANK_CHUNK = 256
 
 
 def _group_ranks(key: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
     """``(rank int32 [P], counts int32 [G])`` of ``key [P]`` (int32, ``G`` for a row of no group):
     ``rank[p]`` the rows ``q < p`` with ``key[q] == key[p]``, ``counts[g]`` the rows of group
-    ``g``. Only bounded reductions: the rows in chunks of :data:`RANK_CHUNK`, a row's rank the
-    earlier rows of its chunk in its group plus its group's rows in the earlier chunks; the
-    per-chunk counts are materialised once (a barrier), not recomputed by every chunk that
-    sums them."""
+    ``g``. Only reductions of at most ``max(G, RANK_CHUNK)`` values: the rows in chunks of
+    :data:`RANK_CHUNK`, a row's rank the earlier rows of its chunk in its group (a compare and a
+    sum over the chunk, which XLA:GPU fuses; XLA:CPU materialises the ``[P, RANK_CHUNK]``
+    compare, ~50 MB at 49,152 rows) plus its group's rows in the earlier chunks
+    (:func:`_exclusive_prefix` of the per-chunk counts, materialised once behind a barrier, not
+    recomputed by every chunk that sums them)."""
     i32 = jnp.int32
     P = int(key.shape[0])
     if P == 0:
@@ -187,14 +188,31 @@ def _group_ranks(key: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
     kc = jnp.pad(key, (0, n * C - P), constant_values=G).reshape(n, C)  # pad rows: no group
     per_chunk = jnp.sum(kc[:, :, None] == jnp.arange(G, dtype=i32)[None, None, :], axis=1, dtype=i32)
     per_chunk = jax.lax.optimization_barrier(per_chunk)  # [n, G]
-    chunk = jnp.arange(n, dtype=i32)
-    before = jnp.sum(jnp.where((chunk[None, :] < chunk[:, None])[:, :, None], per_chunk[None], 0),
-                     axis=1, dtype=i32)  # [n, G]: the group's rows in the chunks before
+    before = _exclusive_prefix(per_chunk)  # [n, G]: the group's rows in the chunks before
     pos = jnp.arange(C, dtype=i32)
     within = jnp.sum((kc[:, None, :] == kc[:, :, None]) & (pos[None, None, :] < pos[None, :, None]),
                      axis=2, dtype=i32)  # [n, C]: the group's rows before it in its chunk
     rank = jnp.take_along_axis(before, jnp.minimum(kc, G - 1), axis=1) + within
     return rank.reshape(n * C)[:P], before[-1] + per_chunk[-1]
+
+
+def _exclusive_prefix(x: jax.Array) -> jax.Array:
+    """``out[i] = sum(x[:i])`` of int32 ``x [n, G]`` along its first axis, by reductions of at
+    most :data:`RANK_CHUNK` values: up to that many rows, a masked sum over the earlier rows;
+    beyond, blocks of that many rows, each row's earlier rows of its block plus the earlier
+    blocks' totals (this function again, on ``n / RANK_CHUNK`` rows)."""
+    i32 = jnp.int32
+    n = int(x.shape[0])
+    if n <= RANK_CHUNK:
+        i = jnp.arange(n, dtype=i32)
+        return jnp.sum(jnp.where((i[None, :] < i[:, None])[:, :, None], x[None], 0), axis=1, dtype=i32)
+    m = -(-n // RANK_CHUNK)
+    blocks = jnp.pad(x, ((0, m * RANK_CHUNK - n), (0, 0))).reshape(m, RANK_CHUNK, -1)
+    i = jnp.arange(RANK_CHUNK, dtype=i32)
+    inside = jnp.sum(jnp.where((i[None, :] < i[:, None])[None, :, :, None], blocks[:, None], 0), axis=2,
+                     dtype=i32)  # [m, RANK_CHUNK, G]
+    totals = jax.lax.optimization_barrier(jnp.sum(blocks, axis=1, dtype=i32))  # [m, G]
+    return (inside + _exclusive_prefix(totals)[:, None]).reshape(m * RANK_CHUNK, -1)[:n]
 
 
 # --------------------------------------------------------------------------

@@ -311,9 +311,10 @@ def attention_mixer(
                 o = dense_causal_attention(q, kz, vz, scale, implementation=impl)
                 return jnp.where(real, o, jnp.zeros((), o.dtype))
 
-            # Both branches end in the query's dtype, which is wo's (attention_query): the
-            # product below rounds its operand to it anyway, and the dense branch's output stays
-            # as cuDNN writes it (a float32 select and convert of [T, Hq, D] cost a pass each)
+            # Both branches end in the query's dtype (attention_query: wq's; every loader gives
+            # wq and wo one dtype, so the product below rounds its operand to it anyway), and the
+            # dense branch's output stays as cuDNN writes it (a float32 select and convert of
+            # [T, Hq, D] cost a pass each)
             def paged_rounded():
                 return paged().astype(q.dtype)
 

@@ -14,12 +14,13 @@ Planted bugs each test was seen to fail on (then restored):
 * ``group_tiles`` starting each group at ``starts * TM + rank`` with ``starts`` off by one
   tile: the layout test fails;
 * ``num_tiles`` one tile short: the layout test's bound fails (and the slots overflow);
-* the layout counted by a running sum down a ``[P, G]`` one-hot (an earlier way), or its
-  ranks counted in one chunk of all ``P`` rows:
+* the layout counted by a running sum down a ``[P, G]`` one-hot (an earlier way), its ranks
+  counted in one chunk of all ``P`` rows, or the earlier chunks' counts summed in one masked
+  sum over all the chunks (``P / 256`` of them, 1,024 at 262,144 rows):
   ``test_group_tiles_counts_in_bounded_reductions`` fails;
 * the ranks without the earlier chunks' counts: the layout test fails at 513 and 600 rows;
-* ``group_tiles``' per-group sums left in the default integer type (int64 under x64):
-  ``test_group_tiles_under_x64`` fails (the int32 scatter warns);
+* ``_exclusive_prefix``'s blocks without the earlier blocks' totals:
+  ``test_group_tiles_layout_past_one_prefix_block`` fails;
 * the gated kernel multiplying ``act(x @ w) * (x @ gate)`` (roles swapped): the gated test fails;
 * the shared-memory rule's budget fixed at Hopper's: ``test_tiles_fit_shared_memory`` fails;
 * the ragged ``K`` mask 8 columns too wide, or the gated prefill product given 256 columns:
@@ -84,8 +85,8 @@ def test_group_tiles_layout(P, G, TM):
         assert unused == list(range(len(used), NT)), "used tiles come first"
 
 
-@pytest.mark.parametrize("P", [384, 49152])
-def test_group_tiles_counts_in_bounded_reductions(P):
+@pytest.mark.parametrize("P,G", [(384, 64), (49152, 64), (262144, 256)])
+def test_group_tiles_counts_in_bounded_reductions(P, G):
     """The layout neither sorts the rows (XLA:GPU's CUB radix sort: six kernels with a memset and
     a gap before each, ~80 us a MoE layer of DeepSeek's 8k prefill on an H200) nor runs a count
     down all of them: every running sum is over the groups and every reduction sums at most
@@ -94,7 +95,6 @@ def test_group_tiles_counts_in_bounded_reductions(P):
     (121 us a MoE layer at DeepSeek's batch 64, BENCHMARKS.md)."""
     from pallas_kernels.grouped_matmul import RANK_CHUNK
 
-    G = 64
     def walk(jaxpr):  # every equation, those of nested jits included
         for e in jaxpr.eqns:
             yield e
@@ -108,6 +108,24 @@ def test_group_tiles_counts_in_bounded_reductions(P):
     reduced = [e.invars[0].aval.shape[a] for e in eqns if e.primitive.name.startswith("reduce_")
                and "axes" in e.params for a in e.params["axes"]]
     assert reduced and max(reduced) <= max(G, RANK_CHUNK), reduced
+
+
+def test_group_tiles_layout_past_one_prefix_block():
+    """Past 256 chunks of 256 rows the per-chunk counts are summed in blocks (65,792 rows here,
+    257 chunks, three groups and rows of none): each group's rows are still consecutive, in row
+    order, from a tile boundary, exactly as a stable sort puts them."""
+    P, G, TM = 256 * 257, 3, 128
+    groups = np.random.default_rng(5).integers(-1, G + 1, size=P)
+    slot, tg = _layout(groups, G, TM)
+    valid = (groups >= 0) & (groups < G)
+    order = np.argsort(np.where(valid, groups, G), kind="stable")
+    counts = np.bincount(groups[valid], minlength=G)
+    starts = np.concatenate([[0], np.cumsum(-(-counts // TM))[:-1]]) * TM
+    want = np.full(P, num_tiles(P, G, TM) * TM)
+    pos = np.arange(P) - np.concatenate([[0], np.cumsum(counts)])[np.minimum(groups[order], G)]
+    sel = valid[order]
+    want[order[sel]] = starts[groups[order][sel]] + pos[sel]
+    assert np.array_equal(slot, want)
 
 
 def test_group_tiles_under_x64():

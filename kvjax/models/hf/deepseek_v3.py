@@ -592,8 +592,9 @@ def _mlp(lp, c, i, h, expert_axis, model_axis, backend="reference", token_mask=N
     (:func:`~kvjax.models.moe.routed_ffn`)."""
     mp = lp["mlp"]
     # The block's input as its products read it, rounded once here (the norm then writes it): a
-    # bf16 model's experts, shared experts and router read bf16, as transformers' norm hands its
-    # model-dtype output to the MLP and its router widens that
+    # bf16 model's experts, shared experts and router read bf16. transformers' router too widens
+    # a bf16 input (its norm's output, rounded twice there: the normalised row, then its product
+    # with the bf16 weight; here the float32 product is rounded once)
     h = h.astype(mp["up" if "up" in mp else "w_up"].dtype)
     if c.is_moe_layer(i):
         return _moe(mp, c, h, expert_axis, model_axis, backend, token_mask, num_tokens)

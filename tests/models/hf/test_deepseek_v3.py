@@ -626,9 +626,9 @@ def test_mesh_data2_model2_serves_token_for_token(checkpoints):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_router_reads_the_mlp_input_in_the_matrices_dtype(checkpoints, monkeypatch, dtype):
     """A MoE layer's router reads the block's input as its products do, rounded once to the
-    matrices' dtype (transformers' norm hands the MLP its model-dtype output and the router widens
-    that): a bf16 model's router gets the float32 norm output rounded to bf16, a float32 model's
-    gets it as it is; the routed and shared experts read the same array."""
+    matrices' dtype (transformers' router too widens a model-dtype input): a bf16 model's router
+    gets the float32 norm output rounded to bf16, a float32 model's gets it as it is; the routed
+    and shared experts read the same array."""
     c = checkpoints["lora"].config
     model = ds.DeepseekV3(c, dtype=dtype)
     params = model.init_params(0)
