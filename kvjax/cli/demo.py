@@ -314,10 +314,12 @@ _VARIANT_KINDS = {"fp8": RoundingVariants, "routing": RoutingVariants}
 
 def _variants(runner, config: RunnerConfig, kind: str):
     """The runner's variants of its dense reference, ``"fp8"`` (:class:`RoundingVariants`) or
-    ``"routing"`` (:class:`RoutingVariants`), made once per runner: one compile per length."""
+    ``"routing"`` (:class:`RoutingVariants`), made once per runner: one compile per length. They
+    read the reference's own device copy of the params (``Runner.dense_device_params``): no
+    second copy of the model on the device, and no host-to-device transfer of it per call."""
     made = _VARIANTS.setdefault(runner, {})
     if kind not in made:
-        made[kind] = _VARIANT_KINDS[kind](runner.model, runner.dense_params, config.kv_cache_dtype,
+        made[kind] = _VARIANT_KINDS[kind](runner.model, runner.dense_device_params, config.kv_cache_dtype,
                                           config.matmul_precision)
     return made[kind]
 

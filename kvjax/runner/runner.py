@@ -953,19 +953,25 @@ class Runner:
         return self.step(None, bucket or self.buckets.buckets[0])
 
     @functools.cached_property
+    def dense_device_params(self):
+        """The unsharded params (:attr:`dense_params`) on the default device, placed once: the dense
+        reference and the parity check's variants (``kvjax.testing``) all read this one copy. None
+        where the runner was given params already placed on its mesh."""
+        return None if self.dense_params is None else jax.device_put(self.dense_params)
+
+    @functools.cached_property
     def dense_reference(self):
         """Jitted ``tokens int32[n] -> logits [n, vocab]``: the model's dense oracle on the unsharded
         params (same fp8 rule). Compiles once per length ``n``: callers pad with
         :func:`kvjax.runner.memory.dense_reference_length`."""
         c = self.config
-        params = self.dense_params
+        params = self.dense_device_params
         if params is None:
             raise ValueError("the dense reference needs unsharded params: this runner was given params "
                              "already placed on its mesh (load them with mesh=None to check parity)")
         # params are an argument, not closed over: closed-over host arrays would be embedded in
         # every compiled length's program as constants (the whole model, at real size)
         fn = jax.jit(lambda p, toks: self.model.dense_logits(p, toks, kv_cache_dtype=c.kv_cache_dtype))
-        params = jax.device_put(params)
 
         def reference(tokens):
             with jax.default_matmul_precision(c.matmul_precision):

@@ -49,7 +49,8 @@ class RoundingVariants:
     weight scaled by ``1 + e`` for each ``e`` in :data:`NUDGES`, one array at a time (lazily: stop
     iterating once every row is explained).
 
-    ``model``, ``params``: the model and its unsharded params (``Runner.dense_params``);
+    ``model``, ``params``: the model and its unsharded params (``Runner.dense_device_params``: the
+    reference's device copy, read as it is);
     ``kv_cache_dtype``: the fp8 cache dtype; ``matmul_precision``: as the runner's reference.
     One compile per token length; the factor is an argument.
     """

@@ -94,7 +94,8 @@ class RoutingVariants:
     bias nudged at one expert (``+NUDGE`` then ``-NUDGE``, expert by expert, router by router;
     lazily, at most :data:`MAX_VARIANTS`: stop iterating once every row is explained).
 
-    ``model``, ``params``: the model and its unsharded params (``Runner.dense_params``);
+    ``model``, ``params``: the model and its unsharded params (``Runner.dense_device_params``: the
+    reference's device copy, which ``jax.device_put`` leaves as it is);
     ``kv_cache_dtype``, ``matmul_precision``: as the runner's reference. One compile per token
     length; the nudges are an argument. ``len(variants)``: how many a call yields (0: the model
     has no router with a choice bias).

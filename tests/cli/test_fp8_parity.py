@@ -27,6 +27,7 @@ from kvjax.host.scheduler import Request
 from kvjax.models import TinyHybridConfig, TinyHybridModel
 from kvjax.models import dense as dense_mod
 from kvjax.runner import RunnerConfig
+from tests.fake_runner import FakeRunner
 
 L = 64  # every forward runs on L tokens (causal: the zero tail changes nothing before it)
 PROMPT_LEN, NEW = 24, 14
@@ -64,25 +65,6 @@ def decode(fwd, prompt, n, req_id):
         req.logits.append(row)
         toks[len(prompt) + i] = req.output[-1]
     return req
-
-
-@dataclasses.dataclass(eq=False)
-class FakeRunner:
-    """What the parity check reads from a Runner: its model, unsharded params and dense reference."""
-
-    model: TinyHybridModel
-    dense_params: dict
-    config: RunnerConfig
-
-    def __post_init__(self):
-        fn = jax.jit(lambda toks: self.model.dense_logits(self.dense_params, toks,
-                                                          kv_cache_dtype=self.config.kv_cache_dtype))
-
-        def reference(tokens):
-            with jax.default_matmul_precision(self.config.matmul_precision):
-                return fn(tokens)
-
-        self.dense_reference = reference
 
 
 def _margin(v: float) -> float:

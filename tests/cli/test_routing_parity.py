@@ -15,8 +15,6 @@ scaled by 1.5.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +25,7 @@ from kvjax.host.scheduler import Request
 from kvjax.models.hf import deepseek_v3 as ds
 from kvjax.runner import RunnerConfig
 from kvjax.testing import routing_variants as rv
+from tests.fake_runner import FakeRunner
 
 L, NEW = 32, 16
 TINY = ds.DeepseekV3Config(
@@ -39,24 +38,6 @@ TINY = ds.DeepseekV3Config(
 PROMPT_A = [22, 104, 83, 116, 64, 77, 124, 93]  # bias[0] - 2.5e-3: row 12 flips, same tokens
 PROMPT_B = [11, 110, 2, 69, 10, 38, 61, 54]  # bias[1] + 2.5e-3: row 0 flips, the tokens after differ
 BIAS = ("layers", 1, "mlp", "bias")
-
-
-@dataclasses.dataclass(eq=False)
-class FakeRunner:
-    """What the parity check reads from a Runner: its model, unsharded params and dense reference."""
-
-    model: ds.DeepseekV3
-    dense_params: dict
-    config: RunnerConfig
-
-    def __post_init__(self):
-        fn = jax.jit(lambda toks: self.model.dense_logits(self.dense_params, toks))
-
-        def reference(tokens):
-            with jax.default_matmul_precision(self.config.matmul_precision):
-                return fn(tokens)
-
-        self.dense_reference = reference
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +133,13 @@ def test_router_biases_are_found_by_their_router_only():
     new = rv._replaced(tree, ("blocks", 0, "e_bias"), b + 1)
     assert isinstance(new["blocks"], tuple) and (new["blocks"][0]["e_bias"] == 1).all()
     assert (tree["blocks"][0]["e_bias"] == 0).all() and new["layers"] is tree["layers"]
+
+
+@pytest.mark.parametrize("kind", ["routing", "fp8"])
+def test_variants_read_the_references_device_params(setup, kind):
+    """The parity check's variants read the runner's one device copy of the params (no second
+    copy of the model beside the reference's; no host-to-device transfer of it per call)."""
+    runner, config = setup[0], setup[1]
+    variants = demo._variants(runner, config, kind)
+    got, want = jax.tree.leaves(variants.params), jax.tree.leaves(runner.dense_device_params)
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))

@@ -143,3 +143,18 @@ def test_available_memory_asks_this_process_device(monkeypatch):
     monkeypatch.setattr(memory.jax, "devices", lambda: [_Device(None)])
     monkeypatch.setattr(memory.jax, "local_devices", lambda: [_Device({"bytes_limit": 10, "bytes_in_use": 4})])
     assert memory.available_memory() == (6, "NVIDIA H200 memory")
+
+
+def test_the_dense_reference_places_the_params_once(monkeypatch):
+    """``Runner.dense_device_params`` is the one device copy of the unsharded params: placed once,
+    on first use, and the dense reference reads it (the parity check's variants read it too:
+    tests/cli/test_routing_parity.py)."""
+    runner = Runner(RunnerConfig(max_model_len=64, num_blocks=20, token_sizes=(8,)))
+    puts = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(1) or real(*a, **k))
+    placed = runner.dense_device_params
+    assert placed is runner.dense_device_params and len(puts) == 1
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(placed))
+    runner.dense_reference(jnp.zeros((dense_reference_length(8, 64),), jnp.int32))
+    assert len(puts) == 1
