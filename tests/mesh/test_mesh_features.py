@@ -1,7 +1,8 @@
 """Serving over a mesh, continued from test_mesh.py (split off so that the two xdist workers of
 ``--dist loadfile`` share the mesh cases, each file's worker process one of two subprocesses):
 --overlap, fp8, speculative decoding and the rpa layout on meshes, the compiled-in planted bug
-(vLLM PR 39444) caught by the sanitizer, and two processes given different workloads stopping."""
+(vLLM PR 39444) caught by the sanitizer, two processes given different workloads stopping, and
+the two-process run repeated when its coordinator's port was taken."""
 
 import pytest
 
@@ -36,3 +37,44 @@ def test_two_processes_given_different_workloads_stop(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 2, out + err[-3000:]
         assert "different workloads or settings" in err, err[-3000:]
+
+
+def test_two_processes_retry_when_the_coordinators_port_is_taken(tmp_path, monkeypatch):
+    """The free port found for the coordinator can be taken before it binds it (it then dies, and
+    process 1 would wait for it until its own timeout): the run is repeated on another port. Here
+    the first port handed out is one this test holds."""
+    import socket
+
+    import test_mesh
+
+    real = socket.socket
+    held = real()
+    held.bind(("localhost", 0))
+    held.listen(1)
+    probes = []
+
+    class FirstPortTaken:  # the probe socket _two_processes binds to find a free port
+        def __init__(self, *a, **k):
+            self._s = real(*a, **k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._s.close()
+
+        def bind(self, addr):
+            self._s.bind(addr)
+
+        def getsockname(self):
+            probes.append(1)
+            return held.getsockname() if len(probes) == 1 else self._s.getsockname()
+
+    monkeypatch.setattr(test_mesh.socket, "socket", FirstPortTaken)
+    try:
+        procs, outs = _two_processes(tmp_path, (("--requests", "2"),) * 2)
+    finally:
+        held.close()
+    assert len(probes) == 2
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err[-3000:]
