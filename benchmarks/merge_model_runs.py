@@ -60,6 +60,10 @@ def refloor(rows: list) -> int:
             m = bm.build_model(r["preset"])
             models[r["preset"]] = (m, bm.count_params(m))
         m, info = models[r["preset"]]
+        missing = [k for k in ("copy_bw_TBps", "matmul_tflops_floor") if not r.get(k)]
+        if missing:
+            raise ValueError(f"--refloor: row {r['preset']} {r['phase']} b={r['batch']} ctx={r['context']} of "
+                             f"{r.get('source')} has no {', '.join(missing)} (the floors' bandwidth and TFLOP/s)")
         tokens = r["batch"] if r["phase"] == "decode" else r["context"]
         fl = bm.floors(info, m, phase=r["phase"], batch=r["batch"], context=r["context"], tokens=tokens,
                        bw=r["copy_bw_TBps"] * 1e12, tflops=r["matmul_tflops_floor"])

@@ -86,3 +86,13 @@ def test_refloor_counts_attention_and_keeps_the_weights_alone(tmp_path):
     assert merge_model_runs.refloor(rows) == 1
     assert old["floors_recomputed"] and "floors_recomputed" not in current
     assert old["matmul_floor_us"] == new["matmul_floor_us"] and old["matmul_fraction"] == new["matmul_floor_us"] / 1e5
+
+
+def test_refloor_refuses_a_row_without_its_bandwidth():
+    """A measured row without the bandwidth its byte floor was taken at is refused by name."""
+    import pytest
+
+    row = dict(preset="deepseek-v2-lite", impl="kvjax", phase="prefill", batch=1, context=2048,
+               device_us=1.0, byte_floor_us=1.0, matmul_tflops_floor=989.0, source="old.json")
+    with pytest.raises(ValueError, match="old.json has no copy_bw_TBps"):
+        merge_model_runs.refloor([row])
