@@ -409,6 +409,13 @@ def floors(p: dict, model, *, phase: str, batch: int, context: int, tokens: int,
 # ------------------------------------------------------------------------------ kvjax side
 
 
+def floor_ratios(device_us: float, fl: dict) -> dict:
+    """A row's ratios to its :func:`floors`: ``floor_ratio`` (device / the larger floor),
+    ``byte_ratio`` and ``matmul_fraction`` (the matmul floor over the device time)."""
+    return {"floor_ratio": device_us / max(fl["byte_floor_us"], fl["matmul_floor_us"]),
+            "byte_ratio": device_us / fl["byte_floor_us"], "matmul_fraction": fl["matmul_floor_us"] / device_us}
+
+
 def measure_ceilings(jax, jnp):
     """Device-to-device copy bandwidth on 1 GiB (bytes read + written) and a bf16 matmul rate."""
     n = (1 << 30) // 4
@@ -746,10 +753,7 @@ def run_kvjax(preset: str, matrix: dict, emit, *, profile: bool) -> None:
                     bw=ceil["copy_bw_Bps"], tflops=tflops)
         row.update(common)
         row.update({"phase": phase, "batch": batch, "context": context, "device_us": t["device_us"],
-                    "host_us": t["host_us"], **fl,
-                    "floor_ratio": t["device_us"] / max(fl["byte_floor_us"], fl["matmul_floor_us"]),
-                    "byte_ratio": t["device_us"] / fl["byte_floor_us"],
-                    "matmul_fraction": fl["matmul_floor_us"] / t["device_us"],
+                    "host_us": t["host_us"], **fl, **floor_ratios(t["device_us"], fl),
                     "tokens_per_s": tokens / t["device_us"] * 1e6, "memory_gb": bench.memory_gb(),
                     "compile_s": bench.compile_s.get(bucket), "bucket_tokens": bucket.num_tokens,
                     "bucket_decode_only": bucket.decode_only,

@@ -67,9 +67,7 @@ def refloor(rows: list) -> int:
         tokens = r["batch"] if r["phase"] == "decode" else r["context"]
         fl = bm.floors(info, m, phase=r["phase"], batch=r["batch"], context=r["context"], tokens=tokens,
                        bw=r["copy_bw_TBps"] * 1e12, tflops=r["matmul_tflops_floor"])
-        new = dict(fl, floor_ratio=r["device_us"] / max(fl["byte_floor_us"], fl["matmul_floor_us"]),
-                   byte_ratio=r["device_us"] / fl["byte_floor_us"],
-                   matmul_fraction=fl["matmul_floor_us"] / r["device_us"])
+        new = dict(fl, **bm.floor_ratios(r["device_us"], fl))
         if any(r.get(k) is None or abs(r[k] - v) > 1e-6 * max(1.0, abs(v)) for k, v in new.items()):
             r.update(new, floors_recomputed=True)
             changed += 1

@@ -199,8 +199,8 @@ def _group_ranks(key: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
 def _exclusive_prefix(x: jax.Array) -> jax.Array:
     """``out[i] = sum(x[:i])`` of int32 ``x [n, G]`` along its first axis, by reductions of at
     most :data:`RANK_CHUNK` values: up to that many rows, a masked sum over the earlier rows;
-    beyond, blocks of that many rows, each row's earlier rows of its block plus the earlier
-    blocks' totals (this function again, on ``n / RANK_CHUNK`` rows)."""
+    beyond, blocks of that many rows, each row's earlier rows of its block (this function on
+    each block) plus the earlier blocks' totals (this function on the ``n / RANK_CHUNK`` totals)."""
     i32 = jnp.int32
     n = int(x.shape[0])
     if n <= RANK_CHUNK:
@@ -208,9 +208,7 @@ def _exclusive_prefix(x: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where((i[None, :] < i[:, None])[:, :, None], x[None], 0), axis=1, dtype=i32)
     m = -(-n // RANK_CHUNK)
     blocks = jnp.pad(x, ((0, m * RANK_CHUNK - n), (0, 0))).reshape(m, RANK_CHUNK, -1)
-    i = jnp.arange(RANK_CHUNK, dtype=i32)
-    inside = jnp.sum(jnp.where((i[None, :] < i[:, None])[None, :, :, None], blocks[:, None], 0), axis=2,
-                     dtype=i32)  # [m, RANK_CHUNK, G]
+    inside = jax.vmap(_exclusive_prefix)(blocks)  # [m, RANK_CHUNK, G]
     totals = jax.lax.optimization_barrier(jnp.sum(blocks, axis=1, dtype=i32))  # [m, G]
     return (inside + _exclusive_prefix(totals)[:, None]).reshape(m * RANK_CHUNK, -1)[:n]
 

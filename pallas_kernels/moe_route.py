@@ -177,13 +177,12 @@ def select_experts(logits: jax.Array, bias: jax.Array | None = None, *, top_k: i
 
 def _logits(x, router):
     """``x @ router`` in float32 with every product exact. Two operands of one half-precision
-    dtype multiply as they are (their products fit float32) into float32 sums: on a GPU the
-    tensor cores' product, a few us where IEEE float32 over an 8k-token prefill's ``[T, d]``
-    took ~70 us a layer. Otherwise, and on the CPU, both widened to IEEE float32."""
-    half = (x.dtype == router.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
-            and jax.default_backend() != "cpu")
-    if half:
-        return jnp.matmul(x, router, preferred_element_type=jnp.float32)
+    dtype multiply as the kernel's :func:`_product_terms` has them (on a GPU the tensor cores'
+    product into float32 sums: a few us where IEEE float32 over an 8k-token prefill's ``[T, d]``
+    took ~70 us a layer; on the CPU widened to IEEE float32). Otherwise both widened to IEEE
+    float32."""
+    if x.dtype == router.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
+        return _product_terms(x, router, interpret=jax.default_backend() == "cpu")
     return jnp.matmul(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
